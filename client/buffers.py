@@ -1,0 +1,116 @@
+"""Client-side mappings of daemon-owned segments.
+
+`SegmentRegistry` remembers where each segment is mapped so that
+`all_reduce` can tell, from an array's address alone, whether it already
+lives in shared memory (no copy) or must be staged through a scratch segment.
+Entries hold only weak references: when the last array over a segment is
+collected, the segment is queued for freeing in the daemon.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+from gradsync.protocol.shm import map_segment
+
+_MIN_SCRATCH = 64 * 1024
+
+
+def _base_address(mapping: mmap.mmap) -> int:
+    view = np.frombuffer(mapping, dtype=np.uint8, count=1)
+    address = int(view.ctypes.data)
+    del view
+    return address
+
+
+@dataclasses.dataclass
+class MappedSegment:
+    segment_id: int
+    nbytes: int
+    address: int
+    mapping: weakref.ReferenceType[mmap.mmap]
+
+
+class SegmentRegistry:
+    """Segments mapped by this client, found by address."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._segments: dict[int, MappedSegment] = {}
+        self.collected: collections.deque[int] = collections.deque()
+
+    def map(self, segment_id: int, name: str, nbytes: int, track: bool) -> mmap.mmap:
+        """Map a segment; with `track`, queue it for freeing once unreachable."""
+        mapping = map_segment(name, nbytes)
+        entry = MappedSegment(segment_id, nbytes, _base_address(mapping), weakref.ref(mapping))
+        with self._lock:
+            self._segments[segment_id] = entry
+        if track:
+            weakref.finalize(mapping, self._forget, segment_id, True)
+        return mapping
+
+    def _forget(self, segment_id: int, free_in_daemon: bool) -> None:
+        with self._lock:
+            self._segments.pop(segment_id, None)
+        if free_in_daemon:
+            self.collected.append(segment_id)
+
+    def locate(self, array: np.ndarray) -> tuple[int, int] | None:
+        """(segment id, byte offset) of an array inside a mapped segment, else None."""
+        start = int(array.__array_interface__["data"][0])
+        end = start + array.nbytes
+        with self._lock:
+            for entry in self._segments.values():
+                if entry.address <= start and end <= entry.address + entry.nbytes:
+                    return entry.segment_id, start - entry.address
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._segments.clear()
+
+
+@dataclasses.dataclass
+class ScratchSlot:
+    segment_id: int
+    capacity: int
+    mapping: mmap.mmap
+
+    def view(self, dtype: np.dtype, count: int) -> np.ndarray:
+        return np.frombuffer(self.mapping, dtype=dtype, count=count)
+
+
+class ScratchPool:
+    """Reusable segments for staging ordinary arrays, by power-of-two capacity."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[ScratchSlot] = []
+
+    @staticmethod
+    def capacity_for(nbytes: int) -> int:
+        return max(_MIN_SCRATCH, 1 << max(0, nbytes - 1).bit_length())
+
+    def take(self, nbytes: int) -> ScratchSlot | None:
+        """The smallest free slot that fits, or None (the caller allocates one)."""
+        with self._lock:
+            fitting = [slot for slot in self._free if slot.capacity >= nbytes]
+            if not fitting:
+                return None
+            best = min(fitting, key=lambda slot: slot.capacity)
+            self._free.remove(best)
+            return best
+
+    def give_back(self, slot: ScratchSlot) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()

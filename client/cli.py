@@ -1,0 +1,47 @@
+"""`gradsync`: the command line (launch, ping)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from gradsync.client.launch import add_launch_arguments, run_launch
+from gradsync.client.ping import ping
+from gradsync.protocol.endpoint import default_endpoint
+from gradsync.protocol.version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    launch = commands.add_parser(
+        "launch",
+        help="start N ranks of a script on this node (and a private daemon if none runs)",
+        description="Start --nproc-per-node copies of SCRIPT with RANK, WORLD_SIZE, "
+        "LOCAL_RANK, LOCAL_WORLD_SIZE, GRADSYNC_DAEMON and GRADSYNC_JOB set.",
+    )
+    add_launch_arguments(launch)
+
+    ping_parser = commands.add_parser("ping", help="check that a daemon answers")
+    ping_parser.add_argument(
+        "--daemon", default=None, metavar="ENDPOINT",
+        help=f"daemon endpoint (default: $GRADSYNC_DAEMON or {default_endpoint()})",
+    )
+    ping_parser.add_argument("--timeout-s", type=float, default=5.0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        return run_launch(args)
+    if args.command == "ping":
+        return ping(args.daemon, args.timeout_s)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""gradsync.daemon: the node daemon `gradsyncd`."""

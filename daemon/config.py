@@ -1,0 +1,134 @@
+"""Daemon configuration: one frozen dataclass, filled from four sources.
+
+Precedence, highest first: command-line flags, `GRADSYNC_*` environment
+variables, a TOML file (`--config`), defaults.  An unknown TOML key or a bad
+value from any source stops the start with a message naming the key and the
+source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gradsync.protocol.endpoint import default_endpoint, parse_ipc_endpoint
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names key and source."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonConfig:
+    """Everything a daemon needs to know at start; see `systemd/gradsyncd.toml`."""
+
+    socket: str = dataclasses.field(default_factory=default_endpoint)
+    threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    collective_timeout_s: float = 300.0
+    max_shm_bytes: int = 8 * 1024**3
+    inline_reduce_bytes: int = 256 * 1024
+    log_level: str = "info"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `1048576`, `64MiB`, `8G` (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use e.g. 1073741824, 512MiB, 8GiB)")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "")[:1].lower()])
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    number = parse_size(value) if isinstance(value, str) else int(value)
+    if number != value and not isinstance(value, str):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if number <= 0:
+        raise ValueError(f"must be positive, got {number}")
+    return number
+
+
+def _positive_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number")
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"must be a positive finite number, got {value!r}")
+    return number
+
+
+def _log_level(value: Any) -> str:
+    level = str(value).lower()
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(_LOG_LEVELS)}, got {value!r}")
+    return level
+
+
+def _endpoint(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("expected an endpoint string like ipc:///run/gradsync/gradsyncd.sock")
+    parse_ipc_endpoint(value)
+    return value
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "socket": _endpoint,
+    "threads": _positive_int,
+    "collective_timeout_s": _positive_float,
+    "max_shm_bytes": _positive_int,
+    "inline_reduce_bytes": _positive_int,
+    "log_level": _log_level,
+}
+
+
+def env_name(key: str) -> str:
+    """The environment variable for a config key: `GRADSYNC_<KEY>`."""
+    return "GRADSYNC_" + key.upper()
+
+
+def _apply(values: dict[str, Any], source: Mapping[str, Any], origin: str) -> None:
+    for key, raw in source.items():
+        parser = _PARSERS.get(key)
+        if parser is None:
+            known = ", ".join(_PARSERS)
+            raise ConfigError(f"unknown setting {key!r} in {origin}; known settings: {known}")
+        try:
+            values[key] = parser(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"bad value for {key!r} in {origin}: {exc}") from None
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    toml_path: str | None = None,
+) -> DaemonConfig:
+    """Merge the sources (flags > environment > TOML > defaults) and validate."""
+    values: dict[str, Any] = {}
+    if toml_path is not None:
+        try:
+            with open(toml_path, "rb") as handle:
+                table = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {toml_path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
+        _apply(values, table, f"config file {toml_path}")
+    environ = os.environ if environ is None else environ
+    for key in _PARSERS:
+        name = env_name(key)
+        if name in environ:
+            _apply(values, {key: environ[name]}, f"environment variable {name}")
+    if flags:
+        _apply(values, {k: v for k, v in flags.items() if v is not None}, "command-line flags")
+    return DaemonConfig(**values)

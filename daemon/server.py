@@ -1,0 +1,117 @@
+"""Daemon lifecycle: claim the socket, serve, shut down cleanly on a signal.
+
+Start: sweep segments of dead daemons, take an exclusive `flock` beside the
+socket (a live daemon holds it: refuse; a dead one left it: take over), bind
+the socket owner-only, serve.  SIGTERM/SIGINT: stop accepting, fail in-flight
+collectives with "daemon shutting down", unlink every segment, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import stat
+from collections.abc import Iterator
+
+from gradsync.daemon.config import DaemonConfig
+from gradsync.daemon.service import GradsyncService
+from gradsync.daemon.session import ClientSession
+from gradsync.daemon.shm_pool import sweep_dead_segments
+from gradsync.protocol.endpoint import parse_ipc_endpoint
+from gradsync.protocol.version import __version__
+
+log = logging.getLogger("gradsync.daemon")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+@contextlib.contextmanager
+def claim_socket(path: str) -> Iterator[None]:
+    """Hold `PATH.lock` for the daemon's lifetime; remove a stale socket file."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+    elif os.stat(folder).st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (
+        os.stat(folder).st_mode & stat.S_ISVTX
+    ):
+        raise StartupError(f"socket folder {folder} is writable by others; use a private folder")
+    lock_path = path + ".lock"
+    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            owner = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise StartupError(
+                f"another gradsyncd (pid {owner}) is already serving ipc://{path}; "
+                "stop it first or pass a different --socket"
+            ) from None
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        if os.path.exists(path):
+            log.info("removing stale socket %s left by a daemon that is gone", path)
+            os.unlink(path)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+    finally:
+        os.close(lock_fd)
+
+
+def _bind_unix(path: str) -> socket.socket:
+    """Bind the client socket with mode 0600 (umask applies at bind time)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    path = parse_ipc_endpoint(config.socket)
+    removed = sweep_dead_segments()
+    if removed:
+        log.info("removed %d segments left by dead daemons", len(removed))
+    with claim_socket(path):
+        service = GradsyncService(config, loop)
+        server = await loop.create_unix_server(
+            lambda: ClientSession(service), sock=_bind_unix(path)
+        )
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        log.info(
+            "gradsyncd %s (pid %d) ready on ipc://%s: %d reduce threads, "
+            "collective timeout %gs, shm limit %d bytes",
+            __version__, os.getpid(), path, config.threads,
+            config.collective_timeout_s, config.max_shm_bytes,
+        )
+        await stop.wait()
+        log.info("shutting down: failing in-flight collectives, unlinking segments")
+        server.close()
+        service.shut_down()
+        await server.wait_closed()
+        # Let the transports flush the error replies before the process exits.
+        await asyncio.sleep(0)
+    log.info("gradsyncd stopped")

@@ -1,0 +1,309 @@
+"""The daemon's request handling: sessions, jobs, buffers and reductions.
+
+`GradsyncService` owns the state; `session.py` feeds it decoded requests and
+`server.py` runs its lifecycle.  Everything here runs on the event loop except
+large reductions, which go to a thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradsync.daemon.config import DaemonConfig
+from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Submission
+from gradsync.daemon.reduce import reduce_range, split_ranges
+from gradsync.daemon.shm_pool import ShmPool
+from gradsync.protocol import messages
+from gradsync.protocol.codec import Message
+from gradsync.protocol.dtypes import DTYPES, check_op_for_dtype, parse_reduce_op
+from gradsync.protocol.errors import (
+    DaemonShuttingDownError,
+    GradsyncError,
+    InvalidArgumentError,
+    JobError,
+    ProtocolError,
+)
+from gradsync.protocol.version import PROTOCOL_VERSION, __version__
+
+if TYPE_CHECKING:
+    from gradsync.daemon.session import ClientSession
+
+log = logging.getLogger("gradsync.daemon")
+
+
+class GradsyncService:
+    """State and request handlers of one daemon."""
+
+    def __init__(self, config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.pool = ShmPool(config.max_shm_bytes)
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.threads, thread_name_prefix="gradsync-reduce"
+        )
+        self.jobs: dict[str, Job] = {}
+        self.sessions: dict[int, ClientSession] = {}
+        self.running: set[asyncio.Task[None]] = set()
+        self.in_flight: dict[int, PendingCollective] = {}
+        self.shutting_down = False
+        self.counters: dict[str, int] = {"malformed": 0, "collectives": 0, "failed": 0}
+
+    # -- sessions -----------------------------------------------------------
+
+    def session_opened(self, session: ClientSession) -> None:
+        self.sessions[session.session_id] = session
+
+    def session_closed(self, session: ClientSession) -> None:
+        """A client went away: free its segments, break its job for the others."""
+        self.sessions.pop(session.session_id, None)
+        for segment_id in session.segments:
+            self.pool.release(segment_id)
+        session.segments.clear()
+        job = self.jobs.get(session.job_name) if session.job_name else None
+        if job is None or session.rank is None:
+            return
+        reason = "disconnected" if session.closed_cleanly else "died (connection lost)"
+        for pending in job.remove_member(session.rank, reason):
+            self._fail(pending, job.broken or JobError(f"{job.describe()} broke"))
+        if not job.members:
+            del self.jobs[job.name]
+            log.info("%s ended (no members left)", job.describe())
+        else:
+            log.warning("%s", job.broken.message if job.broken else "member left")
+
+    # -- dispatch -----------------------------------------------------------
+
+    def handle(self, session: ClientSession, message: Message) -> None:
+        """Serve one validated request; every error becomes an error reply."""
+        request_id = message["id"]
+        try:
+            if self.shutting_down:
+                raise DaemonShuttingDownError("daemon shutting down")
+            kind = message["kind"]
+            if kind == "ping":
+                session.reply(messages.ok_reply(request_id, **self._identity()))
+            elif kind == "bye":
+                session.closed_cleanly = True
+                session.outstanding.discard(request_id)
+            elif kind == "hello":
+                self._hello(session, message)
+            elif session.job_name is None:
+                raise ProtocolError(f"{kind!r} before 'hello': introduce the client first")
+            elif kind == "alloc":
+                self._alloc(session, message)
+            elif kind == "free":
+                self._free(session, message)
+            elif kind == "allreduce":
+                self._allreduce(session, message)
+        except GradsyncError as exc:
+            session.reply_error(request_id, exc)
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "collective_timeout_s": self.config.collective_timeout_s,
+        }
+
+    def _hello(self, session: ClientSession, message: Message) -> None:
+        if session.job_name is not None:
+            raise ProtocolError("second 'hello' on one connection")
+        job_name, rank = message["job"], message["rank"]
+        world, local_world = message["world_size"], message["local_world_size"]
+        local_rank = message["local_rank"]
+        if not job_name or len(job_name) > 128:
+            raise InvalidArgumentError("job name must have 1 to 128 characters")
+        if not (0 < local_world <= world):
+            raise InvalidArgumentError(
+                f"need 0 < local_world_size <= world_size, got {local_world} and {world}"
+            )
+        if not (0 <= rank < world) or not (0 <= local_rank < local_world):
+            raise InvalidArgumentError(
+                f"rank {rank} / local_rank {local_rank} out of range for "
+                f"world_size {world} / local_world_size {local_world}"
+            )
+        if world != local_world:
+            raise JobError(
+                f"world_size {world} > local_world_size {local_world} needs peer daemons; "
+                "this daemon serves single-node jobs only (no --peers configured)"
+            )
+        job = self.jobs.get(job_name)
+        if job is None:
+            job = Job(job_name, world, local_world)
+        job.check_compatible(world, local_world)
+        job.add_member(Member(rank, local_rank, message["pid"], session.session_id))
+        self.jobs[job_name] = job
+        session.job_name, session.rank, session.pid = job_name, rank, message["pid"]
+        session.reply(messages.ok_reply(message["id"], **self._identity()))
+        log.debug("rank %d (pid %d) joined %s", rank, message["pid"], job.describe())
+
+    def _alloc(self, session: ClientSession, message: Message) -> None:
+        nbytes = message["nbytes"]
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"alloc needs a positive size, got {nbytes}")
+        segment = self.pool.allocate(nbytes, f"rank {session.rank} of job {session.job_name!r}")
+        session.segments.add(segment.segment_id)
+        session.reply(
+            messages.ok_reply(
+                message["id"], segment=segment.segment_id, name=segment.name,
+                nbytes=segment.nbytes,
+            )
+        )
+
+    def _free(self, session: ClientSession, message: Message) -> None:
+        segment_id = message["segment"]
+        if segment_id not in session.segments:
+            raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
+        session.segments.discard(segment_id)
+        self.pool.release(segment_id)
+        session.reply(messages.ok_reply(message["id"]))
+
+    # -- allreduce ----------------------------------------------------------
+
+    def _allreduce(self, session: ClientSession, message: Message) -> None:
+        job = self.jobs[session.job_name or ""]
+        dtype_name, count = message["dtype"], message["count"]
+        dtype = DTYPES.get(dtype_name)
+        if dtype is None:
+            raise InvalidArgumentError(
+                f"unsupported dtype {dtype_name!r}; supported: {', '.join(DTYPES)}"
+            )
+        try:
+            op = parse_reduce_op(message["op"])
+            check_op_for_dtype(op, dtype_name)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        view = self._view(session, message, dtype, count)
+        timeout_s = message.get("timeout_s") or self.config.collective_timeout_s
+        if timeout_s <= 0:
+            raise InvalidArgumentError(f"timeout_s must be positive, got {timeout_s}")
+        request_id = message["id"]
+        submission = Submission(
+            rank=session.rank or 0,
+            fingerprint=Fingerprint("allreduce", dtype_name, count, op.value),
+            view=view,
+            respond=lambda error: session.complete(request_id, error),
+            timeout_s=float(timeout_s),
+        )
+        pending_before = message["key"] in job.pending
+        ready = job.submit(message["key"], submission)
+        if ready is None:
+            if not pending_before:
+                pending = job.pending[message["key"]]
+                pending.timer = self.loop.call_later(
+                    submission.timeout_s, self._expire, job.name, message["key"]
+                )
+            return
+        if ready.timer is not None:
+            ready.timer.cancel()
+        mismatch = job.mismatch(ready)
+        if mismatch is not None:
+            log.warning("%s", mismatch.message)
+            self._fail(ready, mismatch)
+            return
+        self._start(job, ready, op)
+
+    def _view(
+        self, session: ClientSession, message: Message, dtype: np.dtype, count: int
+    ) -> np.ndarray | None:
+        """The submitter's slot as a typed array, after checking its bounds."""
+        segment_id, offset = message["segment"], message["offset"]
+        if count < 0 or offset < 0:
+            raise InvalidArgumentError(f"negative count {count} or offset {offset}")
+        if count == 0:
+            return None
+        if segment_id is None or segment_id not in session.segments:
+            raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
+        segment = self.pool.get(segment_id)
+        if segment is None:
+            raise InvalidArgumentError(f"segment {segment_id} was freed")
+        end = offset + count * dtype.itemsize
+        if end > segment.nbytes or offset % dtype.itemsize:
+            raise InvalidArgumentError(
+                f"{count} x {dtype} at offset {offset} does not fit segment "
+                f"{segment_id} of {segment.nbytes} bytes (or is misaligned)"
+            )
+        return segment.view(offset, count, dtype)
+
+    def _start(self, job: Job, ready: PendingCollective, op: Any) -> None:
+        self.in_flight[id(ready)] = ready
+        task = self.loop.create_task(self._run(job, ready, op))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def _run(self, job: Job, ready: PendingCollective, op: Any) -> None:
+        """Reduce the slots (inline when small, else on the pool) and answer."""
+        try:
+            await self._reduce(job, ready, op)
+        finally:
+            self.in_flight.pop(id(ready), None)
+
+    async def _reduce(self, job: Job, ready: PendingCollective, op: Any) -> None:
+        order = sorted(ready.submissions)
+        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
+        try:
+            if slots:
+                nbytes = slots[0].nbytes * len(slots)
+                if nbytes <= self.config.inline_reduce_bytes:
+                    reduce_range(slots, op, 0, slots[0].size)
+                else:
+                    parts = split_ranges(slots[0].size, slots[0].itemsize, self.config.threads)
+                    await asyncio.gather(
+                        *(
+                            self.loop.run_in_executor(
+                                self.executor, reduce_range, slots, op, begin, end
+                            )
+                            for begin, end in parts
+                        )
+                    )
+        except Exception as exc:  # a kernel failing is a bug; fail loudly, keep serving
+            log.exception("reduction of key %r of %s failed", ready.key, job.describe())
+            self._fail(ready, GradsyncError(f"reduction failed in the daemon: {exc}"))
+            return
+        if self.shutting_down:
+            self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
+            return
+        job.completed += 1
+        self.counters["collectives"] += 1
+        for submission in ready.submissions.values():
+            submission.respond(None)
+
+    def _expire(self, job_name: str, key: Any) -> None:
+        job = self.jobs.get(job_name)
+        expired = job.expire(key) if job else None
+        if expired is not None:
+            pending, error = expired
+            log.warning("%s", error.message)
+            self._fail(pending, error)
+
+    def _fail(self, pending: PendingCollective, error: GradsyncError) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+        self.counters["failed"] += 1
+        for submission in pending.submissions.values():
+            submission.respond(error)
+
+    # -- shutdown -----------------------------------------------------------
+
+    def shut_down(self) -> None:
+        """Fail everything in flight, unlink every segment."""
+        self.shutting_down = True
+        error = DaemonShuttingDownError("daemon shutting down")
+        for job in list(self.jobs.values()):
+            pendings = list(job.pending.values())
+            job.pending.clear()
+            for pending in pendings:
+                self._fail(pending, error)
+        for pending in list(self.in_flight.values()):
+            self._fail(pending, error)
+        for session in list(self.sessions.values()):
+            session.close()
+        self.pool.release_all()
+        self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,148 @@
+"""The daemon's shared-memory segments: create, account, unlink, sweep.
+
+Only the daemon creates segments (`O_CREAT | O_EXCL`, mode 0600).  Space is
+reserved with `posix_fallocate`, so a full /dev/shm is an error at allocation
+time instead of a SIGBUS when a page is first touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from gradsync.protocol.errors import ShmExhaustedError
+from gradsync.protocol.shm import SEGMENT_PREFIX, SHM_DIR, owner_pid, segment_name, segment_path
+
+log = logging.getLogger("gradsync.daemon.shm")
+
+_PAGE = mmap.PAGESIZE
+
+
+@dataclasses.dataclass
+class Segment:
+    """One mapped segment, as the daemon sees it."""
+
+    segment_id: int
+    name: str
+    nbytes: int
+    mapping: mmap.mmap
+    owner: str  # who asked for it, for error messages and stats
+
+    def view(self, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """A typed view of `count` elements at `offset` (bounds checked by caller)."""
+        return np.frombuffer(self.mapping, dtype=dtype, count=count, offset=offset)
+
+
+class ShmPool:
+    """All segments of one daemon, with a byte budget."""
+
+    def __init__(self, max_bytes: int, shm_dir: str = SHM_DIR) -> None:
+        self.max_bytes = max_bytes
+        self.shm_dir = shm_dir
+        self.in_use = 0
+        self._ids = itertools.count(1)
+        self._segments: dict[int, Segment] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def get(self, segment_id: int) -> Segment | None:
+        return self._segments.get(segment_id)
+
+    def allocate(self, nbytes: int, owner: str) -> Segment:
+        """Create, reserve and map a new segment of at least `nbytes` bytes."""
+        if nbytes <= 0:
+            raise ValueError(f"segment size must be positive, got {nbytes}")
+        size = -(-nbytes // _PAGE) * _PAGE
+        if self.in_use + size > self.max_bytes:
+            raise ShmExhaustedError(
+                f"allocating {size} bytes for {owner} would exceed max_shm_bytes="
+                f"{self.max_bytes} ({self.in_use} in use); raise --max-shm-bytes",
+                {"requested": size, "in_use": self.in_use, "limit": self.max_bytes},
+            )
+        free = self._free_bytes()
+        if size > free:
+            raise ShmExhaustedError(
+                f"allocating {size} bytes for {owner}: only {free} bytes free in "
+                f"{self.shm_dir}; free space there or enlarge it",
+                {"requested": size, "free": free},
+            )
+        segment_id = next(self._ids)
+        name = segment_name(self._pid, str(segment_id))
+        path = os.path.join(self.shm_dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.unlink(path)
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise ShmExhaustedError(
+                        f"allocating {size} bytes for {owner}: {self.shm_dir} is full",
+                        {"requested": size},
+                    ) from None
+                raise
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        segment = Segment(segment_id, name, size, mapping, owner)
+        self._segments[segment_id] = segment
+        self.in_use += size
+        return segment
+
+    def release(self, segment_id: int) -> None:
+        """Unlink a segment; memory returns once every mapping is gone."""
+        segment = self._segments.pop(segment_id, None)
+        if segment is None:
+            return
+        self.in_use -= segment.nbytes
+        try:
+            os.unlink(os.path.join(self.shm_dir, segment.name))
+        except FileNotFoundError:
+            log.warning("segment %s was already removed from %s", segment.name, self.shm_dir)
+
+    def release_all(self) -> None:
+        for segment_id in list(self._segments):
+            self.release(segment_id)
+
+    def _free_bytes(self) -> int:
+        stats = os.statvfs(self.shm_dir)
+        return stats.f_bavail * stats.f_frsize
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove `gradsync-<pid>-*` segments whose daemon pid no longer runs."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SEGMENT_PREFIX):
+            continue
+        pid = owner_pid(name)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(segment_path(name) if shm_dir == SHM_DIR else os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError as exc:
+            log.warning("cannot remove stale segment %s: %s", name, exc.strerror)
+    return removed

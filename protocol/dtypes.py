@@ -1,0 +1,62 @@
+"""Element types and reduce operations every collective understands."""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+#: Wire name → numpy dtype.  Names are numpy's, plus ml_dtypes' bfloat16.
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+}
+
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+class ReduceOp(str, enum.Enum):
+    """Reduction applied elementwise across ranks (torch.distributed's names)."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+    PROD = "prod"
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Wire name of a numpy dtype, or `ValueError` naming the supported ones."""
+    for name, known in DTYPES.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
+
+
+def parse_reduce_op(op: str | ReduceOp) -> ReduceOp:
+    """Accept a `ReduceOp` or its string name (case-insensitive)."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp(op.lower())
+        except ValueError:
+            pass
+    names = ", ".join(member.value for member in ReduceOp)
+    raise ValueError(f"unknown reduce op {op!r}; expected one of: {names}")
+
+
+def check_op_for_dtype(op: ReduceOp, dtype: str) -> None:
+    """Refuse combinations with no sensible meaning (avg of integers)."""
+    if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"reduce op 'avg' is not defined for integer dtype {dtype}: "
+            "use 'sum' and divide yourself, or a float dtype"
+        )

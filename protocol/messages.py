@@ -1,0 +1,153 @@
+"""Message kinds, their schema, and validation of decoded headers.
+
+Every message is a map with `v` (protocol version), `id` (request number,
+echoed by the reply) and `kind`, plus the fields its kind declares.  Unknown
+kinds, missing or extra fields and wrong types are refused with a
+`ProtocolError` that names the field, so one bad client cannot confuse the
+daemon.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsync.protocol.codec import Message, decode_body
+from gradsync.protocol.errors import ProtocolError, VersionMismatchError
+from gradsync.protocol.version import PROTOCOL_VERSION
+
+_NONE = type(None)
+_KEY_TYPES: tuple[type, ...] = (int, str)
+
+#: kind → field → (accepted types, required).  `bool` is never an int here.
+REQUESTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "hello": {
+        "job": ((str,), True),
+        "rank": ((int,), True),
+        "world_size": ((int,), True),
+        "local_rank": ((int,), True),
+        "local_world_size": ((int,), True),
+        "pid": ((int,), True),
+    },
+    "ping": {},
+    "bye": {},
+    "alloc": {"nbytes": ((int,), True)},
+    "free": {"segment": ((int,), True)},
+    "allreduce": {
+        "key": (_KEY_TYPES, True),
+        "segment": ((int, _NONE), True),
+        "offset": ((int,), True),
+        "count": ((int,), True),
+        "dtype": ((str,), True),
+        "op": ((str,), True),
+        "timeout_s": ((float, int, _NONE), False),
+    },
+}
+
+REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "ok": {},
+    "error": {
+        "code": ((str,), True),
+        "message": ((str,), True),
+        "details": ((dict,), False),
+    },
+}
+
+MAX_KEY_CHARS = 256
+
+
+def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def _check_fields(
+    message: dict[str, Any],
+    schema: dict[str, tuple[tuple[type, ...], bool]],
+    extra_allowed: bool,
+) -> None:
+    kind = message["kind"]
+    for field, (types, required) in schema.items():
+        if field not in message:
+            if required:
+                raise ProtocolError(f"{kind!r} message lacks field {field!r}")
+            continue
+        if not _type_ok(message[field], types):
+            names = "/".join("nil" if t is _NONE else t.__name__ for t in types)
+            raise ProtocolError(
+                f"{kind!r} field {field!r} must be {names}, "
+                f"got {type(message[field]).__name__}"
+            )
+    if not extra_allowed:
+        extra = set(message) - set(schema) - {"v", "id", "kind"}
+        if extra:
+            raise ProtocolError(f"{kind!r} message has unknown fields {sorted(extra)}")
+
+
+def check_header(message: Any) -> Message:
+    """Check the envelope every message shares; return it typed as a map."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message must be a map, got {type(message).__name__}")
+    version = message.get("v")
+    if not _type_ok(version, (int,)):
+        raise ProtocolError("message lacks an integer protocol version 'v'")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"protocol version mismatch: peer speaks v{version}, "
+            f"this side speaks v{PROTOCOL_VERSION}",
+            {"peer_version": version, "our_version": PROTOCOL_VERSION},
+        )
+    if not _type_ok(message.get("id"), (int,)):
+        raise ProtocolError("message lacks an integer 'id'")
+    if not isinstance(message.get("kind"), str):
+        raise ProtocolError("message lacks a string 'kind'")
+    return message
+
+
+def decode_request(body: bytes) -> Message:
+    """Decode and validate a client request; raise `ProtocolError` if bad."""
+    message = check_header(decode_body(body))
+    schema = REQUESTS.get(message["kind"])
+    if schema is None:
+        raise ProtocolError(
+            f"unknown message kind {message['kind']!r}; known: {', '.join(REQUESTS)}"
+        )
+    _check_fields(message, schema, extra_allowed=False)
+    key = message.get("key")
+    if isinstance(key, str) and len(key) > MAX_KEY_CHARS:
+        raise ProtocolError(f"collective key longer than {MAX_KEY_CHARS} characters")
+    return message
+
+
+def decode_reply(body: bytes) -> Message:
+    """Decode and validate a daemon reply; extra fields are allowed (results)."""
+    message = check_header(decode_body(body))
+    schema = REPLIES.get(message["kind"])
+    if schema is None:
+        raise ProtocolError(f"unknown reply kind {message['kind']!r}")
+    _check_fields(message, schema, extra_allowed=True)
+    return message
+
+
+def request(kind: str, request_id: int, **fields: Any) -> Message:
+    """Build a request header."""
+    return {"v": PROTOCOL_VERSION, "id": request_id, "kind": kind, **fields}
+
+
+def ok_reply(request_id: int, **fields: Any) -> Message:
+    """Build a success reply to request `request_id`."""
+    return {"v": PROTOCOL_VERSION, "id": request_id, "kind": "ok", **fields}
+
+
+def error_reply(
+    request_id: int, code: str, message: str, details: dict[str, Any] | None = None
+) -> Message:
+    """Build an error reply; `request_id` is -1 when the request had no usable id."""
+    return {
+        "v": PROTOCOL_VERSION,
+        "id": request_id,
+        "kind": "error",
+        "code": code,
+        "message": message,
+        "details": details or {},
+    }
