@@ -1,0 +1,224 @@
+"""Fixtures: real daemons in subprocesses, real rank processes.
+
+Daemons listen on short ipc:// paths in a private temp folder, are awaited by
+pinging (never fixed sleeps), and are stopped with SIGTERM; teardown asserts a
+clean exit and that none of their segments is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from gradsync.client.ping import query
+from gradsync.protocol.errors import GradsyncError
+from gradsync.protocol.shm import SHM_DIR
+
+PROGRAMS = Path(__file__).parent / "programs"
+READY_TIMEOUT_S = 20.0
+
+
+def segments_of(pid: int) -> list[str]:
+    """Names of /dev/shm segments created by the daemon with this pid."""
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"gradsync-{pid}-"))
+
+
+@dataclasses.dataclass
+class DaemonProcess:
+    """A gradsyncd subprocess started by a test."""
+
+    endpoint: str
+    folder: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def socket_path(self) -> str:
+        return self.endpoint[len("ipc://") :]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"gradsyncd ignored SIGTERM for {timeout_s}s:\n{self.log()}")
+
+    def assert_alive(self) -> None:
+        assert self.process.poll() is None, f"gradsyncd died:\n{self.log()}"
+
+
+def wait_until_ready(endpoint: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(
+                f"gradsyncd exited with {process.returncode}:\n{log_path.read_text()}"
+            )
+        try:
+            query(endpoint, 1.0)
+            return
+        except GradsyncError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise AssertionError(f"gradsyncd not ready:\n{log_path.read_text()}") from None
+            time.sleep(0.01)
+
+
+def launch_daemon(
+    folder: str, *args: str, env: dict[str, str] | None = None, name: str = "d"
+) -> DaemonProcess:
+    endpoint = f"ipc://{folder}/{name}.sock"
+    log_path = Path(folder) / f"{name}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gradsync.daemon", "--socket", endpoint, *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+    wait_until_ready(endpoint, process, log_path)
+    return DaemonProcess(endpoint, folder, process, log_path)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[str]:
+    """A short private folder (Unix socket paths are limited to 107 bytes)."""
+    folder = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    os.chmod(folder, 0o700)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(short_tmp: str) -> Iterator[object]:
+    """Factory: start daemons; each must exit 0 on SIGTERM and leave no segment."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        daemon = launch_daemon(short_tmp, *args, env=env, name=f"d{len(started)}")
+        started.append(daemon)
+        return daemon
+
+    yield start
+    problems = []
+    for daemon in started:
+        was_running = daemon.process.poll() is None
+        code = daemon.stop()
+        if was_running and code != 0:
+            problems.append(f"gradsyncd exited {code} on SIGTERM:\n{daemon.log()}")
+        leaked = segments_of(daemon.pid)
+        if leaked and was_running:
+            problems.append(f"segments left behind: {leaked}")
+        if not was_running:  # killed on purpose by the test: sweep its leftovers
+            for name in leaked:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def daemon(start_daemon: object) -> DaemonProcess:
+    """One daemon with default settings."""
+    return start_daemon()  # type: ignore[operator, no-any-return]
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def records(self) -> list[dict[str, object]]:
+        """JSON lines the rank program printed."""
+        return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
+
+
+def spawn_ranks(
+    endpoint: str,
+    program: str,
+    nranks: int,
+    args: Sequence[str] = (),
+    job: str = "test",
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen[str]]:
+    """Start `nranks` processes of tests/programs/PROGRAM with torchrun-style env."""
+    processes = []
+    for rank in range(nranks):
+        rank_env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nranks),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nranks),
+            "GRADSYNC_DAEMON": endpoint,
+            "GRADSYNC_JOB": job,
+            **(env or {}),
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(PROGRAMS / program), *args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return processes
+
+
+def collect(processes: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[RankResult]:
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for rank, process in enumerate(processes):
+        try:
+            out, err = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            out, err = process.communicate()
+            raise AssertionError(f"rank {rank} hung past {timeout_s}s:\n{err}") from None
+        results.append(RankResult(rank, process.returncode, out, err))
+    return results
+
+
+def run_ranks(
+    endpoint: str,
+    program: str,
+    nranks: int,
+    args: Sequence[str] = (),
+    timeout_s: float = 90.0,
+    **kwargs: object,
+) -> list[RankResult]:
+    """Run rank programs to completion; every rank must exit 0."""
+    results = collect(spawn_ranks(endpoint, program, nranks, args, **kwargs), timeout_s)  # type: ignore[arg-type]
+    for result in results:
+        assert result.returncode == 0, (
+            f"rank {result.rank} exited {result.returncode}\n"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return results
