@@ -196,7 +196,7 @@ class Client:
         work = Work(
             self._connection,
             request_id,
-            f"all_reduce #{key} ({wire_dtype}[{count}] {reduce_op.value}) of job "
+            lambda: f"all_reduce #{key} ({wire_dtype}[{count}] {reduce_op.value}) of job "
             f"{self.job!r} rank {self.rank}",
             time.monotonic() + timeout + _GUARD_MARGIN_S,
             on_success,

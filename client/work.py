@@ -18,14 +18,14 @@ class Work:
         self,
         connection: Connection,
         request_id: int,
-        description: str,
+        describe: Callable[[], str],
         guard_deadline: float,
         on_success: Callable[[], None] | None = None,
         on_finish: Callable[[], None] | None = None,
     ) -> None:
         self._connection = connection
         self._request_id = request_id
-        self._description = description
+        self._describe = describe
         self._guard_deadline = guard_deadline
         self._on_success = on_success
         self._on_finish = on_finish
@@ -35,7 +35,7 @@ class Work:
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "completed" if self._done else "in flight"
-        return f"<Work {self._description}: {state}>"
+        return f"<Work {self._describe()}: {state}>"
 
     def is_completed(self) -> bool:
         """True once the collective finished (successfully or not); never blocks long."""
@@ -71,10 +71,10 @@ class Work:
             if reply is None:
                 if user_deadline is not None and user_deadline <= self._guard_deadline:
                     raise CollectiveTimeoutError(
-                        f"{self._description} not complete after {timeout}s; still in flight"
+                        f"{self._describe()} not complete after {timeout}s; still in flight"
                     )
                 error = CollectiveTimeoutError(
-                    f"{self._description}: the daemon at {self._connection.endpoint} "
+                    f"{self._describe()}: the daemon at {self._connection.endpoint} "
                     "did not answer before the collective deadline"
                 )
                 self._finish_error(error)

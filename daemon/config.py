@@ -34,7 +34,7 @@ class DaemonConfig:
     threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     collective_timeout_s: float = 300.0
     max_shm_bytes: int = 8 * 1024**3
-    inline_reduce_bytes: int = 256 * 1024
+    inline_reduce_bytes: int = 4 * 1024**2
     log_level: str = "info"
 
 

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--inline-reduce-bytes", metavar="SIZE",
-        help="reduce collectives up to this size on the event loop (default 256KiB)",
+        help="reduce collectives whose slots total up to this size on the event loop "
+        "instead of the thread pool (default 4MiB)",
     )
     parser.add_argument(
         "--log-level", metavar="LEVEL", help="debug, info (default), warning, error"

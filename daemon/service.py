@@ -21,7 +21,7 @@ from gradsync.daemon.reduce import reduce_range, split_ranges
 from gradsync.daemon.shm_pool import ShmPool
 from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
-from gradsync.protocol.dtypes import DTYPES, check_op_for_dtype, parse_reduce_op
+from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
     GradsyncError,
@@ -232,48 +232,55 @@ class GradsyncService:
             )
         return segment.view(offset, count, dtype)
 
-    def _start(self, job: Job, ready: PendingCollective, op: Any) -> None:
+    def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
+        """Run a matched collective: inline when small, else on the thread pool."""
+        order = sorted(ready.submissions)
+        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
+        if not slots or slots[0].nbytes * len(slots) <= self.config.inline_reduce_bytes:
+            # A thread hand-off costs more than reducing a few hundred KiB here.
+            try:
+                if slots:
+                    reduce_range(slots, op, 0, slots[0].size)
+            except Exception as exc:  # a kernel failing is a bug; fail loudly, keep serving
+                self._kernel_failed(job, ready, exc)
+                return
+            self._succeed(job, ready)
+            return
         self.in_flight[id(ready)] = ready
-        task = self.loop.create_task(self._run(job, ready, op))
+        task = self.loop.create_task(self._reduce_on_pool(job, ready, op, slots))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
-    async def _run(self, job: Job, ready: PendingCollective, op: Any) -> None:
-        """Reduce the slots (inline when small, else on the pool) and answer."""
+    async def _reduce_on_pool(
+        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray]
+    ) -> None:
         try:
-            await self._reduce(job, ready, op)
+            parts = split_ranges(slots[0].size, slots[0].itemsize, self.config.threads)
+            await asyncio.gather(
+                *(
+                    self.loop.run_in_executor(self.executor, reduce_range, slots, op, begin, end)
+                    for begin, end in parts
+                )
+            )
+        except Exception as exc:
+            self._kernel_failed(job, ready, exc)
+            return
         finally:
             self.in_flight.pop(id(ready), None)
-
-    async def _reduce(self, job: Job, ready: PendingCollective, op: Any) -> None:
-        order = sorted(ready.submissions)
-        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
-        try:
-            if slots:
-                nbytes = slots[0].nbytes * len(slots)
-                if nbytes <= self.config.inline_reduce_bytes:
-                    reduce_range(slots, op, 0, slots[0].size)
-                else:
-                    parts = split_ranges(slots[0].size, slots[0].itemsize, self.config.threads)
-                    await asyncio.gather(
-                        *(
-                            self.loop.run_in_executor(
-                                self.executor, reduce_range, slots, op, begin, end
-                            )
-                            for begin, end in parts
-                        )
-                    )
-        except Exception as exc:  # a kernel failing is a bug; fail loudly, keep serving
-            log.exception("reduction of key %r of %s failed", ready.key, job.describe())
-            self._fail(ready, GradsyncError(f"reduction failed in the daemon: {exc}"))
-            return
         if self.shutting_down:
             self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
             return
+        self._succeed(job, ready)
+
+    def _succeed(self, job: Job, ready: PendingCollective) -> None:
         job.completed += 1
         self.counters["collectives"] += 1
         for submission in ready.submissions.values():
             submission.respond(None)
+
+    def _kernel_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
+        log.error("reduction of key %r of %s failed", ready.key, job.describe(), exc_info=exc)
+        self._fail(ready, GradsyncError(f"reduction failed in the daemon: {exc}"))
 
     def _expire(self, job_name: str, key: Any) -> None:
         job = self.jobs.get(job_name)

@@ -32,11 +32,14 @@ class ReduceOp(str, enum.Enum):
     PROD = "prod"
 
 
+_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """Wire name of a numpy dtype, or `ValueError` naming the supported ones."""
-    for name, known in DTYPES.items():
-        if known == dtype:
-            return name
+    name = _NAMES.get(dtype)
+    if name is not None:
+        return name
     raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
 
 
