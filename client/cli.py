@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
-        return run_launch(args)
+        return int(run_launch(args))
     if args.command == "ping":
-        return ping(args.daemon, args.timeout_s)
+        return int(ping(args.daemon, args.timeout_s))
     return 2
 
 

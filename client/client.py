@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -88,10 +89,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(GradsyncError):
             self._connection.send("bye", expect_reply=False)
-        except GradsyncError:
-            pass
         self._connection.close()
         self._scratch.clear()
         self._segments.clear()
@@ -175,7 +174,7 @@ class Client:
             def on_finish() -> None:
                 self._scratch.give_back(slot)
 
-        fields = {
+        fields: dict[str, Any] = {
             "segment": segment_id,
             "offset": offset,
             "count": count,

@@ -8,6 +8,7 @@ small collective at one socket round trip with no thread hand-off.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
@@ -157,7 +158,8 @@ class Connection:
                 "(it stopped or was killed)"
             )
         try:
-            return self._reader.feed(data)
+            bodies: list[bytes] = self._reader.feed(data)
+            return bodies
         except ProtocolError as exc:
             raise self._fail(f"the daemon at {self.endpoint} sent garbage: {exc}") from None
 
@@ -190,10 +192,8 @@ class Connection:
     def close(self, reason: str = "the client was closed") -> None:
         with self._cond:
             self._mark_dead(DaemonUnavailableError(reason, {"endpoint": self.endpoint}))
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
 
 def _as_error(reply: Message) -> GradsyncError:

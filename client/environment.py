@@ -33,7 +33,9 @@ def _int_from_env(environ: Mapping[str, str], name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise InvalidArgumentError(f"environment variable {name}={raw!r} is not an integer") from None
+        raise InvalidArgumentError(
+            f"environment variable {name}={raw!r} is not an integer"
+        ) from None
 
 
 def resolve_identity(

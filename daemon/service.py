@@ -230,7 +230,8 @@ class GradsyncService:
                 f"{count} x {dtype} at offset {offset} does not fit segment "
                 f"{segment_id} of {segment.nbytes} bytes (or is misaligned)"
             )
-        return segment.view(offset, count, dtype)
+        view: np.ndarray = segment.view(offset, count, dtype)
+        return view
 
     def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
         """Run a matched collective: inline when small, else on the thread pool."""

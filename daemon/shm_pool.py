@@ -129,7 +129,7 @@ def _pid_alive(pid: int) -> bool:
 
 def sweep_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove `gradsync-<pid>-*` segments whose daemon pid no longer runs."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:

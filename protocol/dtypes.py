@@ -22,7 +22,7 @@ DTYPES: dict[str, np.dtype] = {
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
-class ReduceOp(str, enum.Enum):
+class ReduceOp(enum.StrEnum):
     """Reduction applied elementwise across ranks (torch.distributed's names)."""
 
     SUM = "sum"

@@ -64,7 +64,9 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-            raise AssertionError(f"gradsyncd ignored SIGTERM for {timeout_s}s:\n{self.log()}")
+            raise AssertionError(
+                f"gradsyncd ignored SIGTERM for {timeout_s}s:\n{self.log()}"
+            ) from None
 
     def assert_alive(self) -> None:
         assert self.process.poll() is None, f"gradsyncd died:\n{self.log()}"
