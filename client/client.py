@@ -22,6 +22,7 @@ from gradsync.protocol.errors import DaemonUnavailableError, GradsyncError, Inva
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
 _HELLO_TIMEOUT_S = 30.0
+ALGORITHMS = ("auto", "ring", "tree", "rhd", "star")
 
 
 class Client:
@@ -52,6 +53,7 @@ class Client:
         self.local_rank = identity.local_rank
         self.local_world_size = identity.local_world_size
         self.timeout_s = identity.timeout_s
+        self.algorithm: str | None = os.environ.get("GRADSYNC_ALGO") or None
         self._segments = SegmentRegistry()
         self._scratch = ScratchPool()
         self._submit_lock = threading.Lock()
@@ -146,14 +148,25 @@ class Client:
     # -- collectives --------------------------------------------------------
 
     def all_reduce(
-        self, array: np.ndarray, op: str | ReduceOp = "sum", async_op: bool = False
+        self,
+        array: np.ndarray,
+        op: str | ReduceOp = "sum",
+        async_op: bool = False,
+        algorithm: str | None = None,
     ) -> Work | None:
         """Reduce `array` across all ranks, in place.
 
         Arrays from `empty()` are reduced where they lie; other C-contiguous
         arrays are staged through a scratch segment and copied back on success.
+        `algorithm` (ring, tree, rhd, star or auto) overrides the daemons'
+        choice between nodes; it defaults to `GRADSYNC_ALGO`, else the daemon's.
         """
         self._check_open()
+        algorithm = algorithm or self.algorithm
+        if algorithm is not None and algorithm not in ALGORITHMS:
+            raise InvalidArgumentError(
+                f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
+            )
         wire_dtype, reduce_op = self._check_array(array, op)
         count = int(array.size)
         located = self._segments.locate(array) if count else None
@@ -181,6 +194,7 @@ class Client:
             "dtype": wire_dtype,
             "op": reduce_op.value,
             "timeout_s": self.timeout_s,
+            "algorithm": algorithm,
         }
         with self._submit_lock:
             key = self._sequence

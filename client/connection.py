@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import select
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from gradsync.protocol import messages
@@ -26,6 +29,22 @@ from gradsync.protocol.errors import (
 )
 
 _RECV_BYTES = 64 * 1024
+
+#: Connections of this process; a forked child closes its copies (see below).
+_OPEN_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker, say) must not keep the parent's socket.
+
+    Otherwise the daemon would not see end-of-file when the parent dies.  The
+    child only closes its own descriptor; the parent's connection is untouched.
+    """
+    for connection in list(_OPEN_CONNECTIONS):
+        connection.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class Connection:
@@ -49,6 +68,10 @@ class Connection:
                 f"`gradsyncd --socket {endpoint}` or run under `gradsync launch`",
                 {"endpoint": endpoint},
             ) from None
+        self._sock.settimeout(None)
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
+        _OPEN_CONNECTIONS.add(self)
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -143,9 +166,12 @@ class Connection:
     def _read(self, timeout: float | None) -> list[bytes]:
         """Read what the socket has (waiting up to `timeout`); return whole frames."""
         try:
-            self._sock.settimeout(timeout)
-            data = self._sock.recv(_RECV_BYTES)
-        except (TimeoutError, BlockingIOError):
+            # The socket stays blocking (senders on other threads rely on it); the
+            # wait for readability is a poll with its own timeout.
+            if not self._poller.poll(None if timeout is None else max(0, int(timeout * 1000))):
+                return []
+            data = self._sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
             return []
         except OSError as exc:
             raise self._fail(
@@ -188,6 +214,17 @@ class Connection:
         if self._dead is None:
             self._dead = error
         self._cond.notify_all()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the inherited socket without telling the daemon."""
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._dead = DaemonUnavailableError(
+            "this gradsync connection belongs to the parent process (it was forked)",
+            {"endpoint": self.endpoint},
+        )
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
     def close(self, reason: str = "the client was closed") -> None:
         with self._cond:

@@ -8,6 +8,7 @@ A process with none of them set is a job of one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 
@@ -76,8 +77,8 @@ def resolve_identity(
             raise InvalidArgumentError(
                 f"GRADSYNC_TIMEOUT_S={env['GRADSYNC_TIMEOUT_S']!r} is not a number"
             ) from None
-    if timeout_s is not None and not timeout_s > 0:
-        raise InvalidArgumentError(f"timeout_s must be positive, got {timeout_s}")
+    if timeout_s is not None and not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise InvalidArgumentError(f"timeout_s must be positive and finite, got {timeout_s}")
     if not 0 <= rank < world_size:
         raise InvalidArgumentError(f"rank {rank} is outside world_size {world_size}")
     if not 0 <= local_rank < local_world_size <= world_size:

@@ -18,8 +18,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 from gradsync.client.ping import query
+from gradsync.protocol.endpoint import default_endpoint
 from gradsync.protocol.errors import GradsyncError
 
 _DAEMON_START_TIMEOUT_S = 30.0
@@ -32,8 +34,22 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--daemon", default=None, metavar="ENDPOINT",
                         help="daemon endpoint; a private daemon is started there (or in a "
                         "temporary folder when not given) if none answers")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="nodes the job spans (default 1); ranks are numbered "
+                        "node_rank * nproc_per_node + local_rank, as torchrun does")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R",
+                        help="this node's index in [0, nnodes) (default 0)")
     parser.add_argument("--job", default=None,
-                        help="job name (default: unique per launch)")
+                        help="job name (default: unique per launch on one node; "
+                        "'launch' across nodes, where every node must use the same name)")
+    peers = parser.add_argument_group(
+        "private daemon", "settings for the daemon launch starts when none answers"
+    )
+    peers.add_argument("--listen", metavar="tcp://HOST:PORT", help="peer endpoint to bind")
+    peers.add_argument("--peers", metavar="LIST", help="comma-separated peer endpoints")
+    peers.add_argument("--curve-secret", metavar="FILE")
+    peers.add_argument("--curve-authorized", metavar="DIR")
+    peers.add_argument("--insecure", action="store_true", help="peer links without CURVE")
     parser.add_argument("script", help="Python script (or executable) to run")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -43,9 +59,12 @@ def log(message: str) -> None:
 
 
 @contextlib.contextmanager
-def daemon_for(endpoint: str | None) -> Iterator[str]:
+def daemon_for(endpoint: str | None, daemon_args: list[str] | None = None) -> Iterator[str]:
     """Yield an endpoint with a live daemon, starting a private one if needed."""
     candidate = endpoint or os.environ.get("GRADSYNC_DAEMON")
+    if candidate is None and _answers(default_endpoint()):
+        yield default_endpoint()
+        return
     if candidate and _answers(candidate):
         yield candidate
         return
@@ -53,9 +72,15 @@ def daemon_for(endpoint: str | None) -> Iterator[str]:
     if candidate is None:
         folder = tempfile.mkdtemp(prefix="gradsync-launch-")
         candidate = f"ipc://{folder}/gradsyncd.sock"
+    env = dict(os.environ)
+    env.setdefault("GRADSYNC_LOG_LEVEL", "warning")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gradsync.daemon", "--socket", candidate],
+        [sys.executable, "-m", "gradsync.daemon", "--socket", candidate, *(daemon_args or [])],
         stdin=subprocess.DEVNULL,
+        env=env,
+        # Its own session: a Ctrl-C for the ranks must not stop it under them; launch
+        # stops it once the ranks are done.
+        start_new_session=True,
     )
     try:
         _wait_ready(candidate, process)
@@ -110,36 +135,67 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_ranks(
-    command: list[str], nproc: int, endpoint: str, job: str
-) -> int:
-    """Start the ranks, watch them, and return the launch's exit status."""
-    ranks: list[subprocess.Popen[bytes]] = []
-    received: list[int] = []
+class LaunchInterrupted(BaseException):
+    """SIGINT/SIGTERM arrived before any rank was started."""
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        received.append(signum)
-        for rank in ranks:
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class SignalForwarder:
+    """Owns SIGINT/SIGTERM for the whole launch: forwards them to the ranks once they
+    run, and aborts the start-up (stopping a private daemon) before that."""
+
+    def __init__(self) -> None:
+        self.ranks: list[subprocess.Popen[bytes]] = []
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SignalForwarder:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+        if not self.ranks:
+            raise LaunchInterrupted(signum)
+        for rank in self.ranks:
             if rank.poll() is None:
                 rank.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+
+def run_ranks(
+    command: list[str], nproc: int, endpoint: str, job: str, nnodes: int = 1,
+    node_rank: int = 0, signals: SignalForwarder | None = None,
+) -> int:
+    """Start the ranks, watch them, and return the launch's exit status."""
+    signals = signals or SignalForwarder()
+    ranks = signals.ranks
+    received = signals.received
     try:
         for local_rank in range(nproc):
             env = dict(os.environ)
             env.update(
-                RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank),
-                LOCAL_WORLD_SIZE=str(nproc), GRADSYNC_DAEMON=endpoint, GRADSYNC_JOB=job,
+                RANK=str(node_rank * nproc + local_rank), WORLD_SIZE=str(nnodes * nproc),
+                LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK=str(node_rank), GRADSYNC_DAEMON=endpoint, GRADSYNC_JOB=job,
             )
             ranks.append(subprocess.Popen(command, env=env))
-        return _watch(ranks, received)
+        code = _watch(ranks, received)
+        # Like torchrun: a launch stopped by a signal is not a success, however the
+        # ranks exited.
+        return 128 + received[0] if received and code == 0 else code
     finally:
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()
                 rank.wait()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _watch(ranks: list[subprocess.Popen[bytes]], received: list[int]) -> int:
@@ -174,7 +230,34 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1:
         log("--nproc-per-node must be at least 1")
         return 2
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        log(f"need --nnodes >= 1 and 0 <= --node-rank < nnodes, got {args.nnodes}, "
+            f"{args.node_rank}")
+        return 2
     command = _rank_command(args.script, list(args.script_args))
-    job = args.job or f"launch-{os.getpid()}"
-    with daemon_for(args.daemon) as endpoint:
-        return run_ranks(command, args.nproc_per_node, endpoint, job)
+    job = args.job or (f"launch-{os.getpid()}" if args.nnodes == 1 else "launch")
+    daemon_args = _daemon_args(args)
+    if args.nnodes > 1 and "--peers" not in daemon_args:
+        log("a multi-node launch needs a daemon with peers: run gradsyncd with --listen "
+            "and --peers on every node (or pass them here for a private daemon)")
+    with SignalForwarder() as signals:
+        try:
+            with daemon_for(args.daemon, daemon_args) as endpoint:
+                return run_ranks(
+                    command, args.nproc_per_node, endpoint, job, args.nnodes, args.node_rank,
+                    signals,
+                )
+        except LaunchInterrupted as interrupted:
+            log(f"interrupted by signal {interrupted.signum} while starting")
+            return 128 + interrupted.signum
+
+
+def _daemon_args(args: argparse.Namespace) -> list[str]:
+    forwarded = []
+    for name in ("listen", "peers", "curve_secret", "curve_authorized"):
+        value = getattr(args, name, None)
+        if value:
+            forwarded += ["--" + name.replace("_", "-"), value]
+    if getattr(args, "insecure", False):
+        forwarded.append("--insecure")
+    return forwarded

@@ -19,6 +19,8 @@ from gradsync.protocol.endpoint import default_endpoint, parse_ipc_endpoint
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+ALGORITHM_CHOICES = ("auto", "ring", "tree", "rhd", "star")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
@@ -28,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
-    """Everything a daemon needs to know at start; see `systemd/gradsyncd.toml`."""
+    """Everything a daemon needs to know at start (README: "Settings")."""
 
     socket: str = dataclasses.field(default_factory=default_endpoint)
     threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
@@ -36,6 +38,23 @@ class DaemonConfig:
     max_shm_bytes: int = 8 * 1024**3
     inline_reduce_bytes: int = 4 * 1024**2
     log_level: str = "info"
+    # Peers (multi-node jobs).
+    listen: str | None = None
+    peers: tuple[str, ...] = ()
+    peers_file: str | None = None
+    curve_secret: str | None = None
+    curve_authorized: str | None = None
+    insecure: bool = False
+    peer_timeout_s: float = 30.0
+    pipeline_slice_bytes: int = 1024**2
+    algorithm: str = "auto"
+
+    def all_peers(self) -> tuple[str, ...]:
+        """`peers` plus the endpoints listed in `peers_file`, in order, without repeats."""
+        endpoints = list(self.peers)
+        if self.peers_file:
+            endpoints += read_peers_file(self.peers_file)
+        return tuple(dict.fromkeys(endpoints))
 
 
 def parse_size(text: str) -> int:
@@ -48,11 +67,23 @@ def parse_size(text: str) -> int:
 
 
 def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer, got {value!r}")
+    try:
+        number = int(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+    if number <= 0:
+        raise ValueError(f"must be positive, got {number}")
+    return number
+
+
+def _positive_size(value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError("expected an integer")
+        raise ValueError("expected a size")
     number = parse_size(value) if isinstance(value, str) else int(value)
     if number != value and not isinstance(value, str):
-        raise ValueError(f"expected an integer, got {value!r}")
+        raise ValueError(f"expected an integer number of bytes, got {value!r}")
     if number <= 0:
         raise ValueError(f"must be positive, got {number}")
     return number
@@ -81,14 +112,89 @@ def _endpoint(value: Any) -> str:
     return value
 
 
+def _tcp_endpoint(value: Any) -> str:
+    if not isinstance(value, str) or not _TCP.match(value):
+        raise ValueError(f"expected tcp://HOST:PORT, got {value!r}")
+    return value
+
+
+def _endpoint_list(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError("expected a list of tcp://HOST:PORT endpoints")
+    return tuple(_tcp_endpoint(item.strip() if isinstance(item, str) else item)
+                 for item in items if not (isinstance(item, str) and not item.strip()))
+
+
+def _optional_path(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a file or folder path")
+    return value
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _algorithm(value: Any) -> str:
+    name = str(value).lower()
+    if name not in ALGORITHM_CHOICES:
+        raise ValueError(f"must be one of {', '.join(ALGORITHM_CHOICES)}, got {value!r}")
+    return name
+
+
+def read_peers_file(path: str) -> list[str]:
+    """One endpoint per line (a hostfile); blank lines and `#` comments are skipped.
+
+    A bare `HOST:PORT` or `HOST PORT` line is read as tcp://HOST:PORT, so a
+    Slurm node list turned into lines with a port appended works as is.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read peers file {path}: {exc.strerror}") from None
+    endpoints = []
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not line.startswith("tcp://"):
+            line = "tcp://" + ":".join(line.split())
+        try:
+            endpoints.append(_tcp_endpoint(line))
+        except ValueError as exc:
+            raise ConfigError(f"peers file {path}, line {number}: {exc}") from None
+    return endpoints
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "socket": _endpoint,
     "threads": _positive_int,
     "collective_timeout_s": _positive_float,
-    "max_shm_bytes": _positive_int,
-    "inline_reduce_bytes": _positive_int,
+    "max_shm_bytes": _positive_size,
+    "inline_reduce_bytes": _positive_size,
     "log_level": _log_level,
+    "listen": _tcp_endpoint,
+    "peers": _endpoint_list,
+    "peers_file": _optional_path,
+    "curve_secret": _optional_path,
+    "curve_authorized": _optional_path,
+    "insecure": _boolean,
+    "peer_timeout_s": _positive_float,
+    "pipeline_slice_bytes": _positive_size,
+    "algorithm": _algorithm,
 }
+
+#: Short aliases read from the environment besides GRADSYNC_<KEY>.
+_ENV_ALIASES = {"algorithm": "GRADSYNC_ALGO", "socket": "GRADSYNC_DAEMON"}
 
 
 def env_name(key: str) -> str:
@@ -126,9 +232,9 @@ def load_config(
         _apply(values, table, f"config file {toml_path}")
     environ = os.environ if environ is None else environ
     for key in _PARSERS:
-        name = env_name(key)
-        if name in environ:
-            _apply(values, {key: environ[name]}, f"environment variable {name}")
+        for name in (_ENV_ALIASES.get(key), env_name(key)):
+            if name and name in environ:
+                _apply(values, {key: environ[name]}, f"environment variable {name}")
     if flags:
         _apply(values, {k: v for k, v in flags.items() if v is not None}, "command-line flags")
     return DaemonConfig(**values)

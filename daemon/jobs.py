@@ -9,6 +9,7 @@ sockets or the event loop, so its rules are easy to test and to read.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import OrderedDict
@@ -17,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from gradsync.daemon.executor import ScheduleRun
+from gradsync.daemon.membership import Announcement, Formation
 from gradsync.protocol.errors import (
-    CollectiveError,
     CollectiveTimeoutError,
     GradsyncError,
     InvalidArgumentError,
@@ -41,9 +43,11 @@ class Fingerprint:
     dtype: str
     count: int
     op: str
+    algorithm: str | None = None
 
     def describe(self) -> str:
-        return f"{self.collective} {self.dtype}[{self.count}] op={self.op}"
+        algorithm = f" algorithm={self.algorithm}" if self.algorithm else ""
+        return f"{self.collective} {self.dtype}[{self.count}] op={self.op}{algorithm}"
 
 
 @dataclasses.dataclass
@@ -81,7 +85,13 @@ class Member:
 class Job:
     """Membership and matching state of one job on this daemon."""
 
-    def __init__(self, name: str, world_size: int, local_world_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        world_size: int,
+        local_world_size: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.name = name
         self.world_size = world_size
         self.local_world_size = local_world_size
@@ -90,6 +100,19 @@ class Job:
         self.failed: OrderedDict[Key, GradsyncError] = OrderedDict()
         self.broken: GradsyncError | None = None
         self.completed = 0
+        # Multi-node state, used by `cluster.py` when world_size > local_world_size.
+        self.incarnation = 0
+        self.announcement: Announcement | None = None
+        self.withdrawn = False
+        self.formation: Formation | None = None
+        self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
+        self.runs: dict[Key, ScheduleRun] = {}
+        self.early_slices: list[tuple[str, dict[str, Any], Any]] = []
+        self.early_by_key: dict[Key, list[tuple[str, dict[str, Any], Any]]] = {}
+
+    @property
+    def multi_node(self) -> bool:
+        return self.world_size > self.local_world_size
 
     def describe(self) -> str:
         return f"job {self.name!r}"
@@ -195,20 +218,25 @@ class Job:
         pending = self.pending.pop(key, None)
         if pending is None:
             return None
-        expected = set(range(self.world_size))
-        missing = sorted(expected - set(pending.submissions))
-        never = [rank for rank in missing if rank not in self.members]
-        detail = f"; never connected: {never}" if never else ""
+        if self.multi_node:
+            missing = sorted(set(self.members) - set(pending.submissions))
+            absent = self.local_world_size - len(self.members)
+            detail = f"; {absent} local ranks never connected" if absent else ""
+        else:
+            missing = sorted(set(range(self.world_size)) - set(pending.submissions))
+            never = [rank for rank in missing if rank not in self.members]
+            detail = f"; never connected: {never[:32]}" if never else ""
+        shown = f"{missing[:32]} and {len(missing) - 32} more" if len(missing) > 32 else missing
         error = CollectiveTimeoutError(
             f"key {pending.key!r} of {self.describe()} timed out after "
-            f"{pending.deadline_s:g}s waiting for ranks {missing}{detail} "
+            f"{pending.deadline_s:g}s waiting for ranks {shown}{detail} "
             f"(submitted: {sorted(pending.submissions)})",
-            {"job": self.name, "key": pending.key, "missing": missing},
+            {"job": self.name, "key": pending.key, "missing": missing[:1024]},
         )
         self.remember_failure(key, error)
         return pending, error
 
-    def remember_failure(self, key: Key, error: CollectiveError) -> None:
+    def remember_failure(self, key: Key, error: GradsyncError) -> None:
         self.failed[key] = error
         while len(self.failed) > _FAILED_KEYS_KEPT:
             self.failed.popitem(last=False)

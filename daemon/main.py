@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -13,6 +14,9 @@ from gradsync.daemon.server import StartupError, serve
 from gradsync.protocol.version import __version__
 
 log = logging.getLogger("gradsync.daemon")
+
+#: Read when it exists and no --config is given (the systemd unit's location).
+DEFAULT_CONFIG_PATH = "/etc/gradsync/gradsyncd.toml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", metavar="LEVEL", help="debug, info (default), warning, error"
     )
+    peers = parser.add_argument_group("peers", "multi-node jobs: links to other daemons")
+    peers.add_argument("--listen", metavar="tcp://HOST:PORT", help="endpoint peers connect to")
+    peers.add_argument("--peers", metavar="LIST",
+                       help="comma-separated peer endpoints (may include this daemon)")
+    peers.add_argument("--peers-file", metavar="FILE", help="one peer endpoint per line")
+    peers.add_argument("--curve-secret", metavar="FILE",
+                       help="this daemon's CURVE secret key (from gradsync keygen)")
+    peers.add_argument("--curve-authorized", metavar="DIR",
+                       help="folder of the public keys of authorised peers")
+    peers.add_argument("--insecure", action="store_true", default=None,
+                       help="peer links without CURVE encryption and authentication")
+    peers.add_argument("--peer-timeout-s", metavar="S",
+                       help="a silent peer is declared lost after this long (default 30)")
+    peers.add_argument("--pipeline-slice-bytes", metavar="SIZE",
+                       help="inter-daemon transfers are cut into slices this big (1MiB)")
+    peers.add_argument("--algorithm", metavar="NAME",
+                       help="auto (default), ring, tree, rhd or star")
     return parser
 
 
@@ -57,8 +78,11 @@ def _run(config: DaemonConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k != "config"}
+    config_path = args.config
+    if config_path is None and os.path.exists(DEFAULT_CONFIG_PATH):
+        config_path = DEFAULT_CONFIG_PATH
     try:
-        config = load_config(flags=flags, toml_path=args.config)
+        config = load_config(flags=flags, toml_path=config_path)
     except ConfigError as exc:
         print(f"gradsyncd: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -79,3 +79,42 @@ def split_ranges(count: int, itemsize: int, parts: int) -> list[tuple[int, int]]
         if begin < end:
             ranges.append((begin, end))
     return ranges
+
+
+def combine_into(target: np.ndarray, source: np.ndarray, op: ReduceOp) -> None:
+    """target ← target op source, elementwise (avg combines as sum)."""
+    with np.errstate(all="ignore"):
+        _UFUNCS[op](target, source, out=target)
+
+
+def reduce_into_first(slots: Sequence[np.ndarray], start: int, stop: int, op: ReduceOp) -> None:
+    """Combine elements [start, stop) of every slot into the first one only.
+
+    The node-level half of a multi-node allreduce: the result in slot 0 then
+    goes to the peer daemons; `broadcast_from_first` writes the final value back.
+    """
+    ufunc = _UFUNCS[op]
+    step = chunk_elements(slots[0].itemsize)
+    first, rest = slots[0], slots[1:]
+    with np.errstate(all="ignore"):
+        for begin in range(start, stop, step):
+            end = min(begin + step, stop)
+            acc = first[begin:end]
+            for slot in rest:
+                ufunc(acc, slot[begin:end], out=acc)
+
+
+def broadcast_from_first(
+    slots: Sequence[np.ndarray], start: int, stop: int, divide_by: int = 1
+) -> None:
+    """Optionally divide slot 0's range (avg), then copy it into every other slot."""
+    step = chunk_elements(slots[0].itemsize)
+    first, rest = slots[0], slots[1:]
+    with np.errstate(all="ignore"):
+        for begin in range(start, stop, step):
+            end = min(begin + step, stop)
+            acc = first[begin:end]
+            if divide_by != 1:
+                np.divide(acc, divide_by, out=acc)
+            for slot in rest:
+                np.copyto(slot[begin:end], acc)

@@ -59,16 +59,17 @@ def claim_socket(path: str) -> Iterator[None]:
             ) from None
         os.ftruncate(lock_fd, 0)
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
-        if os.path.exists(path):
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
             log.info("removing stale socket %s left by a daemon that is gone", path)
             os.unlink(path)
         try:
             yield
         finally:
+            # The lock file stays: removing it would let two later daemons both "win".
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock_path)
     finally:
         os.close(lock_fd)
 

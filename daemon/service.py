@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradsync.daemon.config import DaemonConfig
+from gradsync.daemon.cluster import ClusterJobs
+from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
 from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Submission
 from gradsync.daemon.reduce import reduce_range, split_ranges
 from gradsync.daemon.shm_pool import ShmPool
@@ -23,11 +26,13 @@ from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
 from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
 from gradsync.protocol.errors import (
+    CollectiveError,
     DaemonShuttingDownError,
     GradsyncError,
     InvalidArgumentError,
     JobError,
     ProtocolError,
+    ShmExhaustedError,
 )
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
@@ -35,6 +40,9 @@ if TYPE_CHECKING:
     from gradsync.daemon.session import ClientSession
 
 log = logging.getLogger("gradsync.daemon")
+
+MAX_LOCAL_RANKS = 1024
+MAX_WORLD_SIZE = 1 << 20
 
 
 class GradsyncService:
@@ -52,7 +60,11 @@ class GradsyncService:
         self.running: set[asyncio.Task[None]] = set()
         self.in_flight: dict[int, PendingCollective] = {}
         self.shutting_down = False
-        self.counters: dict[str, int] = {"malformed": 0, "collectives": 0, "failed": 0}
+        self.counters: dict[str, int] = {
+            "malformed": 0, "collectives": 0, "failed": 0, "stale_generation": 0,
+            "dropped_unknown_job": 0, "rejected_keys": 0,
+        }
+        self.cluster: ClusterJobs | None = None
 
     # -- sessions -----------------------------------------------------------
 
@@ -71,11 +83,18 @@ class GradsyncService:
         reason = "disconnected" if session.closed_cleanly else "died (connection lost)"
         for pending in job.remove_member(session.rank, reason):
             self._fail(pending, job.broken or JobError(f"{job.describe()} broke"))
+        if job.multi_node and self.cluster is not None and job.broken is not None:
+            error = job.broken
+            for key in list(job.runs):
+                self.cluster.abort(job, key, error if isinstance(error, CollectiveError)
+                                   else CollectiveError(error.message, error.details))
+            self.cluster.withdraw(job, error.message)
+        level = logging.INFO if session.closed_cleanly else logging.WARNING
+        log.log(level, "rank %d (pid %s) of %s %s", session.rank, session.pid,
+                job.describe(), reason)
         if not job.members:
             del self.jobs[job.name]
             log.info("%s ended (no members left)", job.describe())
-        else:
-            log.warning("%s", job.broken.message if job.broken else "member left")
 
     # -- dispatch -----------------------------------------------------------
 
@@ -120,6 +139,11 @@ class GradsyncService:
         local_rank = message["local_rank"]
         if not job_name or len(job_name) > 128:
             raise InvalidArgumentError("job name must have 1 to 128 characters")
+        if local_world > MAX_LOCAL_RANKS or world > MAX_WORLD_SIZE:
+            raise InvalidArgumentError(
+                f"at most {MAX_LOCAL_RANKS} ranks per daemon and {MAX_WORLD_SIZE} in a job, "
+                f"got local_world_size={local_world}, world_size={world}"
+            )
         if not (0 < local_world <= world):
             raise InvalidArgumentError(
                 f"need 0 < local_world_size <= world_size, got {local_world} and {world}"
@@ -129,25 +153,34 @@ class GradsyncService:
                 f"rank {rank} / local_rank {local_rank} out of range for "
                 f"world_size {world} / local_world_size {local_world}"
             )
-        if world != local_world:
+        if world != local_world and self.cluster is None:
             raise JobError(
                 f"world_size {world} > local_world_size {local_world} needs peer daemons; "
-                "this daemon serves single-node jobs only (no --peers configured)"
+                "this daemon has none (start it with --listen and --peers)"
             )
         job = self.jobs.get(job_name)
         if job is None:
-            job = Job(job_name, world, local_world)
+            job = Job(job_name, world, local_world, self.loop)
         job.check_compatible(world, local_world)
         job.add_member(Member(rank, local_rank, message["pid"], session.session_id))
         self.jobs[job_name] = job
         session.job_name, session.rank, session.pid = job_name, rank, message["pid"]
         session.reply(messages.ok_reply(message["id"], **self._identity()))
         log.debug("rank %d (pid %d) joined %s", rank, message["pid"], job.describe())
+        if job.multi_node and len(job.members) == job.local_world_size and self.cluster:
+            self.cluster.local_complete(job)
 
     def _alloc(self, session: ClientSession, message: Message) -> None:
         nbytes = message["nbytes"]
         if nbytes <= 0:
             raise InvalidArgumentError(f"alloc needs a positive size, got {nbytes}")
+        if nbytes > self.config.max_shm_bytes:
+            raise ShmExhaustedError(
+                f"allocating {nbytes} bytes for rank {session.rank} of job "
+                f"{session.job_name!r} would exceed max_shm_bytes={self.config.max_shm_bytes}; "
+                "raise --max-shm-bytes",
+                {"requested": nbytes, "limit": self.config.max_shm_bytes},
+            )
         segment = self.pool.allocate(nbytes, f"rank {session.rank} of job {session.job_name!r}")
         session.segments.add(segment.segment_id)
         session.reply(
@@ -173,30 +206,41 @@ class GradsyncService:
         dtype = DTYPES.get(dtype_name)
         if dtype is None:
             raise InvalidArgumentError(
-                f"unsupported dtype {dtype_name!r}; supported: {', '.join(DTYPES)}"
+                f"unsupported dtype {messages.clip(dtype_name)}; supported: {', '.join(DTYPES)}"
             )
         try:
             op = parse_reduce_op(message["op"])
             check_op_for_dtype(op, dtype_name)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
+        algorithm = message.get("algorithm")
+        if algorithm is not None and algorithm not in ALGORITHM_CHOICES:
+            raise InvalidArgumentError(
+                f"unknown algorithm {messages.clip(algorithm)}; expected one of "
+                f"{', '.join(ALGORITHM_CHOICES)}"
+            )
         view = self._view(session, message, dtype, count)
         timeout_s = message.get("timeout_s") or self.config.collective_timeout_s
-        if timeout_s <= 0:
-            raise InvalidArgumentError(f"timeout_s must be positive, got {timeout_s}")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise InvalidArgumentError(f"timeout_s must be positive and finite, got {timeout_s}")
         request_id = message["id"]
         submission = Submission(
             rank=session.rank or 0,
-            fingerprint=Fingerprint("allreduce", dtype_name, count, op.value),
+            fingerprint=Fingerprint("allreduce", dtype_name, count, op.value, algorithm),
             view=view,
             respond=lambda error: session.complete(request_id, error),
             timeout_s=float(timeout_s),
         )
-        pending_before = message["key"] in job.pending
         ready = job.submit(message["key"], submission)
         if ready is None:
-            if not pending_before:
-                pending = job.pending[message["key"]]
+            pending = job.pending[message["key"]]
+            # The earliest deadline any submitter asked for wins.
+            now = time.monotonic()
+            deadline = now + submission.timeout_s
+            if pending.timer is None or deadline < pending.first_seen + pending.deadline_s:
+                if pending.timer is not None:
+                    pending.timer.cancel()
+                pending.deadline_s = deadline - pending.first_seen
                 pending.timer = self.loop.call_later(
                     submission.timeout_s, self._expire, job.name, message["key"]
                 )
@@ -208,7 +252,10 @@ class GradsyncService:
             log.warning("%s", mismatch.message)
             self._fail(ready, mismatch)
             return
-        self._start(job, ready, op)
+        if job.multi_node:
+            self._start_multi_node(job, ready, op)
+        else:
+            self._start(job, ready, op)
 
     def _view(
         self, session: ClientSession, message: Message, dtype: np.dtype, count: int
@@ -273,6 +320,53 @@ class GradsyncService:
             return
         self._succeed(job, ready)
 
+    def _start_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
+        self.in_flight[id(ready)] = ready
+        task = self.loop.create_task(self._run_multi_node(job, ready, op))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def _run_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
+        assert self.cluster is not None
+        order = sorted(ready.submissions)
+        first = ready.submissions[order[0]].fingerprint
+        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
+        try:
+            await self.cluster.run(
+                job, ready, op, slots, first.count, first.algorithm,
+                (first.collective, first.dtype, first.count, first.op),
+            )
+        except GradsyncError as exc:
+            job.remember_failure(ready.key, exc)
+            self._fail(ready, exc)
+            return
+        except Exception as exc:
+            self._kernel_failed(job, ready, exc)
+            return
+        finally:
+            self.in_flight.pop(id(ready), None)
+        if self.shutting_down:
+            self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
+            return
+        self._succeed(job, ready)
+
+    async def run_ranges(
+        self, kernel: Any, slots: list[np.ndarray], count: int, *extra: Any
+    ) -> None:
+        """Run `kernel(slots, start, stop, *extra)` over [0, count): inline or on the pool."""
+        if not slots or count == 0:
+            return
+        if slots[0].nbytes * len(slots) <= self.config.inline_reduce_bytes:
+            kernel(slots, 0, count, *extra)
+            return
+        parts = split_ranges(count, slots[0].itemsize, self.config.threads)
+        await asyncio.gather(
+            *(
+                self.loop.run_in_executor(self.executor, kernel, slots, begin, end, *extra)
+                for begin, end in parts
+            )
+        )
+
     def _succeed(self, job: Job, ready: PendingCollective) -> None:
         job.completed += 1
         self.counters["collectives"] += 1
@@ -314,4 +408,5 @@ class GradsyncService:
         for session in list(self.sessions.values()):
             session.close()
         self.pool.release_all()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        # Let running reductions finish: an empty() buffer is never left half reduced.
+        self.executor.shutdown(wait=True, cancel_futures=False)

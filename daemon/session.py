@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import socket
+import struct
 from typing import TYPE_CHECKING, cast
 
 from gradsync.protocol import messages
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradsync.daemon.session")
 
 _session_ids = itertools.count(1)
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class ClientSession(asyncio.Protocol):
@@ -40,6 +44,7 @@ class ClientSession(asyncio.Protocol):
         self.segments: set[int] = set()
         self.outstanding: set[int] = set()
         self.closed_cleanly = False
+        self.peer_pidfd: int | None = None
 
     def describe(self) -> str:
         if self.job_name is None:
@@ -52,6 +57,37 @@ class ClientSession(asyncio.Protocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
         self.service.session_opened(self)
+        self._watch_peer_process()
+
+    def _watch_peer_process(self) -> None:
+        """Notice the client process exiting even if a forked child keeps its socket open.
+
+        End-of-file is the usual death notice; a pidfd of the peer (from
+        SO_PEERCRED) covers the case where a child inherited the connection.
+        """
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        if sock is None or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+            pid = _CREDS.unpack(creds)[0]
+            self.peer_pidfd = os.pidfd_open(pid)
+        except OSError:
+            return
+        asyncio.get_running_loop().add_reader(self.peer_pidfd, self._peer_exited)
+
+    def _peer_exited(self) -> None:
+        self._stop_watching()
+        if self.transport is not None:
+            log.debug("%s: client process exited", self.describe())
+            self.transport.abort()
+
+    def _stop_watching(self) -> None:
+        if self.peer_pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self.peer_pidfd)
+            os.close(self.peer_pidfd)
+            self.peer_pidfd = None
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -84,6 +120,7 @@ class ClientSession(asyncio.Protocol):
         self.service.handle(self, message)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_watching()
         self.transport = None
         self.service.session_closed(self)
 
@@ -91,8 +128,19 @@ class ClientSession(asyncio.Protocol):
 
     def reply(self, message: Message) -> None:
         self.outstanding.discard(message["id"])
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_frame(message))
+        if self.transport is None or self.transport.is_closing():
+            return
+        try:
+            frame = encode_frame(message)
+        except (ProtocolError, OverflowError, ValueError, TypeError) as exc:
+            # Details echoing huge or exotic values: answer without them.
+            log.warning("reply to %s did not encode (%s); sending it without details",
+                        self.describe(), exc)
+            frame = encode_frame(messages.error_reply(
+                message["id"], str(message.get("code", "error")),
+                str(message.get("message", "reply could not be encoded"))[:1024], {},
+            ))
+        self.transport.write(frame)
 
     def reply_error(self, request_id: int, error: GradsyncError) -> None:
         self.reply(messages.error_reply(request_id, error.code, error.message, error.details))

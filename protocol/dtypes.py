@@ -53,7 +53,8 @@ def parse_reduce_op(op: str | ReduceOp) -> ReduceOp:
         except ValueError:
             pass
     names = ", ".join(member.value for member in ReduceOp)
-    raise ValueError(f"unknown reduce op {op!r}; expected one of: {names}")
+    shown = repr(op) if len(repr(op)) <= 80 else repr(op)[:79] + "…"
+    raise ValueError(f"unknown reduce op {shown}; expected one of: {names}")
 
 
 def check_op_for_dtype(op: ReduceOp, dtype: str) -> None:

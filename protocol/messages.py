@@ -40,6 +40,7 @@ REQUESTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "dtype": ((str,), True),
         "op": ((str,), True),
         "timeout_s": ((float, int, _NONE), False),
+        "algorithm": ((str, _NONE), False),
     },
 }
 
@@ -53,6 +54,14 @@ REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 MAX_KEY_CHARS = 256
+#: Error messages are cut to this many characters so a reply always fits a frame.
+MAX_ERROR_CHARS = 4096
+
+
+def clip(value: Any, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters: echoing user input must stay small."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
@@ -70,18 +79,20 @@ def _check_fields(
     for field, (types, required) in schema.items():
         if field not in message:
             if required:
-                raise ProtocolError(f"{kind!r} message lacks field {field!r}")
+                raise ProtocolError(f"{clip(kind)} message lacks field {field!r}")
             continue
         if not _type_ok(message[field], types):
             names = "/".join("nil" if t is _NONE else t.__name__ for t in types)
             raise ProtocolError(
-                f"{kind!r} field {field!r} must be {names}, "
+                f"{clip(kind)} field {field!r} must be {names}, "
                 f"got {type(message[field]).__name__}"
             )
     if not extra_allowed:
         extra = set(message) - set(schema) - {"v", "id", "kind"}
         if extra:
-            raise ProtocolError(f"{kind!r} message has unknown fields {sorted(extra)}")
+            raise ProtocolError(
+                f"{clip(kind)} message has unknown fields {clip(sorted(extra), 200)}"
+            )
 
 
 def check_header(message: Any) -> Message:
@@ -110,7 +121,7 @@ def decode_request(body: bytes) -> Message:
     schema = REQUESTS.get(message["kind"])
     if schema is None:
         raise ProtocolError(
-            f"unknown message kind {message['kind']!r}; known: {', '.join(REQUESTS)}"
+            f"unknown message kind {clip(message['kind'])}; known: {', '.join(REQUESTS)}"
         )
     _check_fields(message, schema, extra_allowed=False)
     key = message.get("key")
@@ -124,7 +135,7 @@ def decode_reply(body: bytes) -> Message:
     message = check_header(decode_body(body))
     schema = REPLIES.get(message["kind"])
     if schema is None:
-        raise ProtocolError(f"unknown reply kind {message['kind']!r}")
+        raise ProtocolError(f"unknown reply kind {clip(message['kind'])}")
     _check_fields(message, schema, extra_allowed=True)
     return message
 
@@ -148,6 +159,6 @@ def error_reply(
         "id": request_id,
         "kind": "error",
         "code": code,
-        "message": message,
+        "message": message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "…",
         "details": details or {},
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -28,6 +29,18 @@ from gradsync.protocol.shm import SHM_DIR
 
 PROGRAMS = Path(__file__).parent / "programs"
 READY_TIMEOUT_S = 20.0
+
+
+def assert_lock_released(lock_path: str) -> None:
+    """The daemon's lock file may remain, but no live daemon may hold it."""
+    if not os.path.exists(lock_path):
+        return
+    fd = os.open(lock_path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if still held
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def segments_of(pid: int) -> list[str]:

@@ -1,0 +1,407 @@
+"""Multi-node jobs: membership across daemons and the inter-daemon phase.
+
+The service hands a collective here once all local ranks have submitted it.
+This module reduces the local slots into the first one, waits until the job is
+formed across daemons (see `membership.py`), runs the chosen algorithm's
+schedule over the peer links (`executor.py`), then writes the result back to
+every local slot.  It also reacts to peers: announcements, withdrawals, data
+slices, aborts, and peers lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from gradsync.daemon.algorithms import ALGORITHMS
+from gradsync.daemon.algorithms.cost_model import choose
+from gradsync.daemon.executor import ScheduleRun
+from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
+from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
+from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    GradsyncError,
+    InvalidArgumentError,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    RankLostError,
+    error_from_wire,
+)
+
+if TYPE_CHECKING:
+    from gradsync.daemon.config import DaemonConfig
+    from gradsync.daemon.jobs import Job, PendingCollective
+
+log = logging.getLogger("gradsync.daemon.cluster")
+
+#: Algorithms `auto` picks from.  Star is the baseline, never chosen automatically.
+AUTO_CANDIDATES = ("ring", "rhd", "tree")
+#: Link costs assumed until a peer's have been measured.
+DEFAULT_ALPHA_S = 50e-6
+DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
+
+
+class PeerTransport(Protocol):
+    """What the cluster needs from the peer links."""
+
+    endpoint: str
+
+    def peers(self) -> Sequence[str]: ...
+
+    def send(
+        self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
+        zero_copy: bool = False,
+    ) -> Any: ...
+
+    def link_costs(self) -> tuple[float, float] | None: ...
+
+
+class ClusterJobs:
+    """Cross-daemon state of every multi-node job on this daemon."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        loop: asyncio.AbstractEventLoop,
+        transport: PeerTransport,
+        run_blocking: Callable[..., Any],
+        counters: dict[str, int],
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.transport = transport
+        self.run_blocking = run_blocking
+        self.counters = counters
+        self.remote: dict[str, dict[str, Announcement]] = {}
+
+    # -- membership ---------------------------------------------------------
+
+    def local_complete(self, job: Job) -> None:
+        """All local ranks joined: announce this daemon's share to every peer."""
+        costs = self.transport.link_costs() or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
+        job.incarnation = new_incarnation()
+        job.announcement = Announcement(
+            self.transport.endpoint, job.name, job.incarnation, job.world_size,
+            tuple(sorted(job.members)), costs[0], costs[1],
+        )
+        for peer in self.transport.peers():
+            self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
+        self._try_form(job)
+
+    def peer_up(self, peer: str, jobs: dict[str, Job]) -> None:
+        """A link (re)connected: tell it about every job we hold."""
+        for job in jobs.values():
+            if job.announcement is not None and job.broken is None:
+                self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
+
+    def withdraw(self, job: Job, reason: str) -> None:
+        """The local job broke or ended: peers must stop counting on it."""
+        if job.announcement is None or job.withdrawn:
+            return
+        job.withdrawn = True
+        for peer in self.transport.peers():
+            self.transport.send(peer, {
+                "kind": "withdraw", "job": job.name, "incarnation": job.incarnation,
+                "reason": reason,
+            })
+
+    def _try_form(self, job: Job) -> None:
+        if job.formation is not None or job.announcement is None or job.broken is not None:
+            return
+        announcements = dict(self.remote.get(job.name, {}))
+        announcements[self.transport.endpoint] = job.announcement
+        problem = conflicts(announcements, job.world_size)
+        if problem is not None:
+            log.warning("%s cannot form yet: %s", job.describe(), problem)
+            return
+        formation = form(announcements, job.world_size)
+        if formation is None:
+            return
+        job.formation = formation
+        log.info(
+            "%s formed across %d daemons (generation %x): %s", job.describe(),
+            len(formation.daemons), formation.generation, ", ".join(formation.daemons),
+        )
+        if not job.formed.done():
+            job.formed.set_result(formation)
+        early = job.early_slices
+        job.early_slices = []
+        for peer, header, frames in early:
+            self.on_slice(job, peer, header, frames)
+
+    # -- messages from peers ------------------------------------------------
+
+    def on_message(
+        self, peer: str, header: dict[str, Any], frames: Sequence[Any], jobs: dict[str, Job]
+    ) -> None:
+        """Dispatch one validated peer message; malformed content is counted and dropped."""
+        kind = header.get("kind")
+        name = header.get("job")
+        if not isinstance(name, str):
+            self.counters["malformed"] += 1
+            return
+        job = jobs.get(name)
+        try:
+            if kind == "announce":
+                self._on_announce(peer, header, job)
+            elif kind == "withdraw":
+                self._on_withdraw(peer, header, job)
+            elif kind == "slice":
+                if job is None:
+                    self.counters["dropped_unknown_job"] += 1
+                else:
+                    self.on_slice(job, peer, header, frames)
+            elif kind == "abort":
+                self._on_abort(peer, header, job)
+            else:
+                self.counters["malformed"] += 1
+        except (ProtocolError, ValueError, KeyError, TypeError) as exc:
+            self.counters["malformed"] += 1
+            log.warning("dropped a bad %r message from peer %s: %s", kind, peer, exc)
+
+    def _on_announce(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+        announcement = Announcement.from_wire(peer, header)
+        table = self.remote.setdefault(announcement.job, {})
+        previous = table.get(peer)
+        table[peer] = announcement
+        if job is None:
+            return
+        if (previous is not None and previous.incarnation != announcement.incarnation
+                and job.formation is not None and peer in job.formation.daemons):
+            self._break(job, PeerLostError(
+                f"peer daemon {peer} re-created {job.describe()} (its ranks restarted); "
+                "this generation cannot continue",
+                {"job": job.name, "peer": peer},
+            ))
+            return
+        self._try_form(job)
+
+    def _on_withdraw(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+        name, incarnation = header["job"], header.get("incarnation")
+        table = self.remote.get(name, {})
+        if peer in table and table[peer].incarnation == incarnation:
+            del table[peer]
+        if job is not None and job.formation is not None and peer in job.formation.daemons:
+            reason = str(header.get("reason") or "its part of the job ended")
+            self._break(job, RankLostError(
+                f"{job.describe()} on peer daemon {peer}: {reason}",
+                {"job": name, "peer": peer},
+            ), fail_runs=False)
+
+    def _on_abort(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+        if job is None or job.formation is None or header.get("gen") != job.formation.generation:
+            self.counters["stale_generation"] += 1
+            return
+        key = header["key"]
+        error = error_from_wire(
+            str(header.get("code")), str(header.get("message")), dict(header.get("details") or {})
+        )
+        if not isinstance(error, CollectiveError):
+            error = CollectiveError(error.message, error.details)
+        job.remember_failure(key, error)
+        run = job.runs.get(key)
+        if run is not None:
+            run.fail(error)
+
+    def on_slice(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
+        formation = job.formation
+        if formation is None:
+            job.early_slices.append((peer, header, frames))
+            return
+        if header.get("gen") != formation.generation:
+            self.counters["stale_generation"] += 1
+            log.debug("dropped a slice of an old generation of %s from %s", job.describe(), peer)
+            return
+        if peer not in formation.daemons or len(frames) != 1:
+            raise ProtocolError(f"slice from {peer}, not a member of {job.describe()}")
+        key = header["key"]
+        run = job.runs.get(key)
+        if run is None:
+            job.early_by_key.setdefault(key, []).append((peer, header, frames))
+            return
+        if list(header.get("fp") or []) != list(run.fingerprint):
+            self._mismatch(job, key, run, peer, header)
+            return
+        try:
+            run.deliver(formation.index_of(peer), int(header["step"]), int(header["start"]),
+                        int(header["stop"]), frames[0])
+        except ProtocolError as exc:
+            self.abort(job, key, CollectiveError(
+                f"key {key!r} of {job.describe()}: bad slice from peer {peer}: {exc}",
+                {"job": job.name, "key": key, "peer": peer},
+            ))
+
+    def _mismatch(self, job: Job, key: Any, run: Any, peer: str, header: dict[str, Any]) -> None:
+        theirs = list(header.get("fp") or [])
+        formation = job.formation
+        assert formation is not None
+        peer_ranks = list(formation.ranks_by_daemon[formation.index_of(peer)])
+        error = MismatchError(
+            f"key {key!r} of {job.describe()}: ranks disagree: ranks {peer_ranks} (daemon "
+            f"{peer}) sent {_describe_fp(theirs)}; ranks {sorted(job.members)} (daemon "
+            f"{self.transport.endpoint}) sent {_describe_fp(list(run.fingerprint))}",
+            {"job": job.name, "key": key},
+        )
+        self.abort(job, key, error)
+
+    # -- failures -----------------------------------------------------------
+
+    def abort(self, job: Job, key: Any, error: CollectiveError) -> None:
+        """Fail one collective here and on every member daemon."""
+        job.remember_failure(key, error)
+        run = job.runs.get(key)
+        if run is not None:
+            run.fail(error)
+        formation = job.formation
+        if formation is None:
+            return
+        for peer in formation.daemons:
+            if peer != self.transport.endpoint:
+                self.transport.send(peer, {
+                    "kind": "abort", "job": job.name, "gen": formation.generation, "key": key,
+                    "code": error.code, "message": error.message, "details": error.details,
+                })
+
+    def peer_lost(self, peer: str, jobs: dict[str, Job], why: str) -> None:
+        """Fail every collective of every job that spans the lost peer."""
+        for table in self.remote.values():
+            table.pop(peer, None)
+        for job in list(jobs.values()):
+            if job.formation is None or peer not in job.formation.daemons:
+                continue
+            steps = ", ".join(
+                f"key {key!r} at step {run.step + 1}/{run.steps} of {run.algorithm}"
+                for key, run in job.runs.items()
+            ) or "between collectives"
+            self._break(job, PeerLostError(
+                f"peer daemon {peer} of {job.describe()} was lost ({why}); {steps}",
+                {"job": job.name, "peer": peer},
+            ))
+
+    def _break(self, job: Job, error: GradsyncError, fail_runs: bool = True) -> None:
+        """No new collectives for this generation; pending ones fail now.
+
+        Running ones fail too unless `fail_runs` is False: a peer that withdraws
+        after finishing its part (its ranks exited) must not fail collectives
+        that already hold everything they need from it.
+        """
+        if job.broken is None:
+            job.broken = error
+        log.warning("%s", error.message)
+        if fail_runs:
+            for run in list(job.runs.values()):
+                run.fail(error)
+        if not job.formed.done():
+            job.formed.set_exception(error)
+            job.formed.exception()  # mark retrieved: nobody may be waiting
+        for pending in list(job.pending.values()):
+            job.pending.pop(pending.key, None)
+            for submission in pending.submissions.values():
+                submission.respond(error)
+        self.withdraw(job, error.message)
+
+    # -- running a collective -----------------------------------------------
+
+    def choose_algorithm(self, requested: str | None, formation: Formation, nbytes: int) -> str:
+        name = requested or self.config.algorithm
+        if name != "auto":
+            if name not in ALGORITHMS:
+                raise InvalidArgumentError(
+                    f"unknown algorithm {name!r}; expected auto or one of {', '.join(ALGORITHMS)}"
+                )
+            return name
+        best, estimates = choose(
+            len(formation.daemons), nbytes, formation.alpha_s, formation.beta_s_per_byte,
+            candidates=AUTO_CANDIDATES,
+        )
+        log.debug("auto picked %s for %d bytes over %d daemons; estimates %s", best, nbytes,
+                  len(formation.daemons), {k: f"{v * 1e6:.0f}us" for k, v in estimates.items()})
+        return best
+
+    async def run(
+        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
+        count: int, requested_algorithm: str | None, fingerprint: tuple[Any, ...],
+    ) -> None:
+        """The whole multi-node collective; raises the error the clients should get."""
+        deadline = ready.first_seen + ready.deadline_s
+        formation = job.formation
+        if formation is None:
+            try:
+                formation = await asyncio.wait_for(
+                    asyncio.shield(job.formed), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                missing = _ranks_not_announced(self.remote.get(job.name, {}), job)
+                raise CollectiveTimeoutError(
+                    f"key {ready.key!r} of {job.describe()} timed out after "
+                    f"{ready.deadline_s:g}s: the job never formed; ranks {missing} did not "
+                    "join on any peer daemon",
+                    {"job": job.name, "key": ready.key, "missing": missing},
+                ) from None
+        nbytes = count * (slots[0].itemsize if slots else 0)
+        algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes)
+        fp = (*fingerprint, algorithm)
+        if len(slots) > 1:
+            await self.run_blocking(reduce_into_first, slots, count, op)
+        buffer = slots[0] if slots else np.empty(0, dtype=np.uint8)
+        me = formation.index_of(self.transport.endpoint)
+        schedule = ALGORITHMS[algorithm](me, len(formation.daemons), count)
+        base = {"kind": "slice", "job": job.name, "gen": formation.generation,
+                "key": ready.key, "fp": list(fp)}
+
+        def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
+            return self.transport.send(
+                formation.daemons[peer], {**base, **header}, (payload,), zero_copy
+            )
+
+        run = ScheduleRun(
+            schedule, buffer, op, send, self.config.pipeline_slice_bytes, self.loop,
+            fingerprint=fp, algorithm=algorithm,
+        )
+        job.runs[ready.key] = run
+        try:
+            run.start()
+            for peer, header, frames in job.early_by_key.pop(ready.key, []):
+                self.on_slice(job, peer, header, frames)
+            try:
+                await asyncio.wait_for(
+                    asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                waiting = [formation.daemons[i] for i in run.waiting_for()]
+                error = CollectiveTimeoutError(
+                    f"key {ready.key!r} of {job.describe()} timed out after "
+                    f"{ready.deadline_s:g}s at step {run.step + 1}/{run.steps} of {algorithm}, "
+                    f"waiting for peer daemons {waiting}",
+                    {"job": job.name, "key": ready.key, "waiting_for": waiting},
+                )
+                self.abort(job, ready.key, error)
+                raise error from None
+            await run.wait_sent(max(1.0, deadline - time.monotonic()))
+        finally:
+            job.runs.pop(ready.key, None)
+        if slots:
+            divide = job.world_size if op is ReduceOp.AVG else 1
+            await self.run_blocking(broadcast_from_first, slots, count, divide)
+
+
+def _describe_fp(fp: list[Any]) -> str:
+    if len(fp) >= 5:
+        return f"{fp[0]} {fp[1]}[{fp[2]}] op={fp[3]} algorithm={fp[4]}"
+    return repr(fp)
+
+
+def _ranks_not_announced(remote: dict[str, Announcement], job: Job) -> list[int]:
+    held = set(job.members)
+    for announcement in remote.values():
+        held |= set(announcement.ranks)
+    return sorted(set(range(job.world_size)) - held)
+

@@ -1,0 +1,169 @@
+"""Runs one daemon's part of an inter-daemon schedule over the peer links.
+
+A schedule (see `gradsync.daemon.algorithms`) says, per step, which element
+ranges this daemon sends to which peer and which it receives, reducing or
+copying.  The executor cuts every transfer into pipeline slices of about
+`slice_bytes`, so a peer reduces slice i while slice i+1 is on the wire, and
+applies slices as they arrive; slices of a later step that arrive early are
+kept until that step.  Sends read the buffer as it is at the start of their
+step (the schedule guarantees no receive of the same step touches those
+ranges), which is what lets large slices go zero-copy from the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gradsync.daemon.reduce import combine_into
+from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.errors import GradsyncError, ProtocolError
+
+#: Sends at least this large go zero-copy and are tracked until libzmq lets go.
+ZERO_COPY_BYTES = 64 * 1024
+
+SendSlice = Callable[[int, dict[str, Any], memoryview | bytes, bool], Any]
+
+
+@dataclasses.dataclass
+class _Expected:
+    reduce: bool
+    start: int
+    stop: int
+    received: set[int] = dataclasses.field(default_factory=set)
+
+
+class ScheduleRun:
+    """One collective's inter-daemon phase on this daemon."""
+
+    def __init__(
+        self,
+        schedule: Any,
+        buffer: np.ndarray,
+        op: ReduceOp,
+        send: SendSlice,
+        slice_bytes: int,
+        loop: asyncio.AbstractEventLoop,
+        fingerprint: tuple[Any, ...] = (),
+        algorithm: str = "",
+    ) -> None:
+        self.schedule = schedule
+        self.fingerprint = fingerprint
+        self.algorithm = algorithm
+        self.buffer = buffer
+        self.op = op
+        self._send = send
+        self._slice = max(1, slice_bytes // max(1, buffer.itemsize))
+        self.step = -1
+        self.done: asyncio.Future[None] = loop.create_future()
+        self._expected: dict[tuple[int, int], _Expected] = {}
+        self._missing = 0
+        self._early: dict[int, list[tuple[int, int, int, Any]]] = {}
+        self.trackers: list[Any] = []
+        self.bytes_sent = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.schedule.steps)
+
+    def waiting_for(self) -> list[int]:
+        """Peers (daemon indices) whose slices the current step still needs."""
+        return sorted({peer for (peer, _), exp in self._expected.items()
+                       if _remaining(exp) > 0})
+
+    def start(self) -> None:
+        self._advance()
+
+    def fail(self, error: GradsyncError) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    def deliver(self, peer: int, step: int, start: int, stop: int, payload: Any) -> None:
+        """A slice from daemon index `peer`; raises ProtocolError if it does not fit."""
+        if self.done.done():
+            return
+        if step > self.step:
+            self._early.setdefault(step, []).append((peer, start, stop, payload))
+            return
+        if step < self.step:
+            raise ProtocolError(f"slice for step {step} arrived at step {self.step}")
+        self._apply(peer, start, stop, payload)
+        if self._missing == 0:
+            self._advance()
+
+    def _apply(self, peer: int, start: int, stop: int, payload: Any) -> None:
+        expected = None
+        for (source, _), candidate in self._expected.items():
+            if source == peer and candidate.start <= start < stop <= candidate.stop:
+                expected = candidate
+                break
+        if expected is None or start in expected.received:
+            raise ProtocolError(
+                f"unexpected slice [{start}, {stop}) from daemon #{peer} at step {self.step}"
+            )
+        data = np.frombuffer(payload, dtype=self.buffer.dtype)
+        if data.size != stop - start:
+            raise ProtocolError(
+                f"slice [{start}, {stop}) from daemon #{peer} carries {data.size} elements"
+            )
+        target = self.buffer[start:stop]
+        if expected.reduce:
+            combine_into(target, data, self.op)
+        else:
+            np.copyto(target, data)
+        expected.received.add(start)
+        self._missing -= stop - start
+
+    def _advance(self) -> None:
+        steps = self.schedule.steps
+        while True:
+            self.step += 1
+            if self.step >= len(steps):
+                if not self.done.done():
+                    self.done.set_result(None)
+                return
+            step = steps[self.step]
+            for send in step.sends:
+                self._send_range(send.peer, send.start, send.stop)
+            self._expected = {}
+            self._missing = 0
+            for recv in step.recvs:
+                self._expected[(recv.peer, recv.start)] = _Expected(
+                    recv.reduce, recv.start, recv.stop
+                )
+                self._missing += recv.stop - recv.start
+            for peer, start, stop, payload in self._early.pop(self.step, []):
+                self._apply(peer, start, stop, payload)
+            if self._missing > 0:
+                return
+
+    def _send_range(self, peer: int, start: int, stop: int) -> None:
+        itemsize = self.buffer.itemsize
+        for begin in range(start, stop, self._slice):
+            end = min(begin + self._slice, stop)
+            view = self.buffer[begin:end].data.cast("B")
+            zero_copy = (end - begin) * itemsize >= ZERO_COPY_BYTES
+            header = {"step": self.step, "start": begin, "stop": end}
+            tracker = self._send(peer, header, view if zero_copy else bytes(view), zero_copy)
+            if tracker is not None:
+                self.trackers.append(tracker)
+            self.bytes_sent += (end - begin) * itemsize
+
+    async def wait_sent(self, timeout_s: float) -> None:
+        """Wait until libzmq no longer reads any zero-copy slice of the buffer."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = 0.0002
+        while any(not tracker.done for tracker in self.trackers):
+            if loop.time() > deadline:
+                raise GradsyncError("peer links did not drain the sent slices in time")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+
+def _remaining(expected: _Expected) -> int:
+    return 1 if len(expected.received) == 0 and expected.stop > expected.start else 0

@@ -1,0 +1,128 @@
+"""Which daemons hold which ranks of a multi-node job, and when it is formed.
+
+Each daemon announces a job to its peers once all of its local ranks have
+joined: the ranks it holds, an incarnation number (new every time the job is
+created on that daemon) and its measured link costs.  A job is formed when
+the announcements cover every rank exactly once.  All daemons see the same
+announcements, so they derive the same member order (by lowest rank held),
+the same generation (a hash of every member's incarnation) and the same
+cost-model inputs, without any extra agreement round.  After a failure the
+job is created anew on each daemon, with new incarnations, hence a new
+generation: messages of the old one are recognisable and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import time
+from typing import Any
+
+_incarnations = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + os.getpid() % 1000)
+
+
+def new_incarnation() -> int:
+    """A number no earlier creation of a job on this daemon has used."""
+    return next(_incarnations)
+
+
+@dataclasses.dataclass(frozen=True)
+class Announcement:
+    """One daemon's share of a job."""
+
+    daemon: str
+    job: str
+    incarnation: int
+    world_size: int
+    ranks: tuple[int, ...]
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "incarnation": self.incarnation,
+            "world_size": self.world_size,
+            "ranks": list(self.ranks),
+            "alpha_s": self.alpha_s,
+            "beta_s_per_byte": self.beta_s_per_byte,
+        }
+
+    @classmethod
+    def from_wire(cls, daemon: str, fields: dict[str, Any]) -> Announcement:
+        """Build from a peer's message; raises ValueError on a malformed one."""
+        ranks = fields.get("ranks")
+        world = fields.get("world_size")
+        if not isinstance(ranks, list) or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in ranks
+        ):
+            raise ValueError("announce: 'ranks' must be a list of integers")
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ValueError("announce: 'world_size' must be a positive integer")
+        if not ranks or any(not 0 <= r < world for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError("announce: ranks out of range or repeated")
+        job, incarnation = fields.get("job"), fields.get("incarnation")
+        if not isinstance(job, str) or not isinstance(incarnation, int):
+            raise ValueError("announce: 'job' must be a string, 'incarnation' an integer")
+        alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
+        if not isinstance(alpha, (int, float)) or not isinstance(beta, (int, float)):
+            raise ValueError("announce: link costs must be numbers")
+        return cls(daemon, job, incarnation, world, tuple(sorted(ranks)),
+                   float(alpha), float(beta))
+
+
+@dataclasses.dataclass(frozen=True)
+class Formation:
+    """A formed job: member daemons in their agreed order, and its generation."""
+
+    daemons: tuple[str, ...]
+    ranks_by_daemon: tuple[tuple[int, ...], ...]
+    generation: int
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def index_of(self, daemon: str) -> int:
+        return self.daemons.index(daemon)
+
+
+def form(announcements: dict[str, Announcement], world_size: int) -> Formation | None:
+    """The formation if the announcements cover ranks 0..world_size-1 exactly once."""
+    if any(a.world_size != world_size for a in announcements.values()):
+        return None
+    covered: set[int] = set()
+    for announcement in announcements.values():
+        if covered & set(announcement.ranks):
+            return None
+        covered |= set(announcement.ranks)
+    if covered != set(range(world_size)):
+        return None
+    ordered = sorted(announcements.values(), key=lambda a: a.ranks[0])
+    digest = hashlib.blake2b(digest_size=8)
+    for announcement in ordered:
+        digest.update(f"{announcement.daemon}|{announcement.incarnation};".encode())
+    return Formation(
+        daemons=tuple(a.daemon for a in ordered),
+        ranks_by_daemon=tuple(a.ranks for a in ordered),
+        generation=int.from_bytes(digest.digest(), "big") >> 1,
+        # The slowest link sets the pace: every daemon uses the same, worst, figures.
+        alpha_s=max(a.alpha_s for a in ordered),
+        beta_s_per_byte=max(a.beta_s_per_byte for a in ordered),
+    )
+
+
+def conflicts(announcements: dict[str, Announcement], world_size: int) -> str | None:
+    """Why these announcements can never form a job (overlap, sizes), or None."""
+    owners: dict[int, str] = {}
+    for announcement in announcements.values():
+        if announcement.world_size != world_size:
+            return (
+                f"daemon {announcement.daemon} says world_size={announcement.world_size}, "
+                f"this daemon's clients say {world_size}"
+            )
+        for rank in announcement.ranks:
+            if rank in owners:
+                return f"rank {rank} is held by both {owners[rank]} and {announcement.daemon}"
+            owners[rank] = announcement.daemon
+    return None

@@ -1,0 +1,250 @@
+"""Daemon configuration: precedence of the four sources, validation, and the CLI's exit.
+
+`load_config` is exercised directly (flags > environment > TOML > defaults;
+unknown keys and bad values rejected naming key and source), then end to end:
+`gradsyncd` with a bad file or variable exits 2 naming the key, and a running
+daemon reports the timeout that won.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import DaemonProcess
+from gradsync.client.ping import query
+from gradsync.daemon.config import ConfigError, DaemonConfig, env_name, load_config
+
+StartDaemon = Callable[..., DaemonProcess]
+GRADSYNCD = os.path.join(os.path.dirname(sys.executable), "gradsyncd")
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+
+
+def write_toml(folder: Path, text: str, name: str = "gradsyncd.toml") -> str:
+    path = folder / name
+    path.write_text(text)
+    return str(path)
+
+
+# -- precedence --------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    config = load_config(flags={}, environ={})
+    assert config == DaemonConfig()
+    assert config.collective_timeout_s == 300.0
+    assert config.max_shm_bytes == 8 * 1024**3
+    assert config.threads == (os.cpu_count() or 1)
+    assert config.log_level == "info"
+    assert config.socket.startswith("ipc:///") and config.socket.endswith("/gradsyncd.sock")
+
+
+def test_flags_beat_environment_beat_toml_beat_defaults(tmp_path: Path) -> None:
+    toml = write_toml(tmp_path, """
+socket = "ipc:///tmp/from-toml/gradsyncd.sock"
+threads = 3
+collective_timeout_s = 10.0
+max_shm_bytes = "64MiB"
+log_level = "debug"
+""")
+    environ = {
+        "GRADSYNC_THREADS": "5",
+        "GRADSYNC_COLLECTIVE_TIMEOUT_S": "20.5",
+        "GRADSYNC_JOB": "not-a-daemon-setting",  # a client variable: ignored, not an error
+    }
+    flags: dict[str, Any] = {"threads": "7", "collective_timeout_s": None, "log_level": None}
+    config = load_config(flags=flags, environ=environ, toml_path=toml)
+    assert config.threads == 7  # flag over environment over TOML
+    assert config.collective_timeout_s == 20.5  # environment over TOML (flag left unset)
+    assert config.max_shm_bytes == 64 * 1024**2  # TOML over default
+    assert config.log_level == "debug"
+    assert config.socket == "ipc:///tmp/from-toml/gradsyncd.sock"
+    assert config.inline_reduce_bytes == DaemonConfig().inline_reduce_bytes  # default
+    assert load_config(flags={}, environ=environ, toml_path=toml).threads == 5
+    assert load_config(flags={}, environ={}, toml_path=toml).threads == 3
+
+
+def test_process_environment_is_read_when_none_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(env_name("max_shm_bytes"), "2GiB")
+    monkeypatch.setenv("GRADSYNC_LOG_LEVEL", "WARNING")
+    config = load_config()
+    assert config.max_shm_bytes == 2 * 1024**3
+    assert config.log_level == "warning"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1048576", 1048576), ("1MiB", 1048576), ("1M", 1048576), ("64 KiB", 65536),
+     ("8G", 8 * 1024**3), ("1.5KiB", 1536), ("2t", 2 * 1024**4)],
+)
+def test_sizes_accept_binary_units(text: str, expected: int) -> None:
+    assert load_config(flags={"max_shm_bytes": text}, environ={}).max_shm_bytes == expected
+
+
+def test_config_is_frozen() -> None:
+    config = load_config(flags={}, environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.threads = 1  # type: ignore[misc]
+
+
+# -- validation --------------------------------------------------------------
+
+BAD_TOML = [
+    ("threads = 0", "threads"),
+    ("threads = -2", "threads"),
+    ("threads = 2.5", "threads"),
+    ("threads = true", "threads"),
+    ('threads = "many"', "threads"),
+    ("collective_timeout_s = 0", "collective_timeout_s"),
+    ("collective_timeout_s = -1.0", "collective_timeout_s"),
+    ("collective_timeout_s = inf", "collective_timeout_s"),
+    ("collective_timeout_s = nan", "collective_timeout_s"),
+    ('collective_timeout_s = "soon"', "collective_timeout_s"),
+    ("collective_timeout_s = false", "collective_timeout_s"),
+    ('max_shm_bytes = "lots"', "max_shm_bytes"),
+    ("max_shm_bytes = 0", "max_shm_bytes"),
+    ('max_shm_bytes = "-1GiB"', "max_shm_bytes"),
+    ("inline_reduce_bytes = -1", "inline_reduce_bytes"),
+    ('log_level = "loud"', "log_level"),
+    ('socket = "relative/gradsyncd.sock"', "socket"),
+    ("socket = 5", "socket"),
+    (f'socket = "ipc:///tmp/{"x" * 120}.sock"', "socket"),
+    ("colective_timeout_s = 5", "colective_timeout_s"),
+    ("[daemon]\nthreads = 2", "daemon"),
+]
+
+
+@pytest.mark.parametrize(("text", "key"), BAD_TOML)
+def test_bad_toml_value_names_key_and_file(tmp_path: Path, text: str, key: str) -> None:
+    toml = write_toml(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(flags={}, environ={}, toml_path=toml)
+    message = str(caught.value)
+    assert repr(key) in message and toml in message, message
+
+
+def test_unknown_toml_key_lists_the_known_ones(tmp_path: Path) -> None:
+    toml = write_toml(tmp_path, "bogus = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting 'bogus'") as caught:
+        load_config(flags={}, environ={}, toml_path=toml)
+    assert "collective_timeout_s" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("GRADSYNC_THREADS", "zero"), ("GRADSYNC_THREADS", "0"),
+     ("GRADSYNC_COLLECTIVE_TIMEOUT_S", "-1"), ("GRADSYNC_COLLECTIVE_TIMEOUT_S", "inf"),
+     ("GRADSYNC_MAX_SHM_BYTES", "lots"), ("GRADSYNC_MAX_SHM_BYTES", ""),
+     ("GRADSYNC_LOG_LEVEL", "loud"), ("GRADSYNC_SOCKET", "gradsyncd.sock")],
+)
+def test_bad_environment_value_names_key_and_variable(variable: str, value: str) -> None:
+    key = variable[len("GRADSYNC_") :].lower()
+    with pytest.raises(ConfigError) as caught:
+        load_config(flags={}, environ={variable: value})
+    message = str(caught.value)
+    assert repr(key) in message and variable in message, message
+
+
+@pytest.mark.parametrize("value", ["1.5", "2k"])
+def test_thread_count_must_be_a_plain_integer(value: str) -> None:
+    with pytest.raises(ConfigError, match="threads"):
+        load_config(flags={}, environ={"GRADSYNC_THREADS": value})
+
+
+def test_bad_flag_value_names_key_and_flags() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(flags={"collective_timeout_s": "-3"}, environ={})
+    assert "'collective_timeout_s'" in str(caught.value)
+    assert "command-line" in str(caught.value)
+
+
+def test_unreadable_or_invalid_toml_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="cannot read config file") as caught:
+        load_config(flags={}, environ={}, toml_path=missing)
+    assert missing in str(caught.value)
+    broken = write_toml(tmp_path, "threads = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML") as caught:
+        load_config(flags={}, environ={}, toml_path=broken)
+    assert broken in str(caught.value)
+
+
+def test_a_bad_lower_source_fails_even_if_a_higher_one_overrides_it(tmp_path: Path) -> None:
+    """Every source is validated: a typo in the file is reported, not masked by a flag."""
+    toml = write_toml(tmp_path, "threads = 0\n")
+    with pytest.raises(ConfigError, match="threads"):
+        load_config(flags={"threads": "2"}, environ={}, toml_path=toml)
+
+
+# -- end to end --------------------------------------------------------------
+
+
+def run_gradsyncd(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GRADSYNCD, *args], capture_output=True, text=True, timeout=30,
+        env={**CLEAN_ENV, **(env or {})}, stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [("collective_timeout_s = -1\n", "collective_timeout_s"),
+     ("colective_timeout_s = 5\n", "colective_timeout_s"),
+     ('max_shm_bytes = "lots"\n', "max_shm_bytes")],
+)
+def test_gradsyncd_with_bad_config_file_exits_2_naming_the_key(
+    short_tmp: str, text: str, key: str
+) -> None:
+    toml = write_toml(Path(short_tmp), text, "bad.toml")
+    socket_path = f"{short_tmp}/never.sock"
+    result = run_gradsyncd("--config", toml, "--socket", f"ipc://{socket_path}")
+    assert result.returncode == 2, result
+    assert key in result.stderr and "bad.toml" in result.stderr, result.stderr
+    assert not os.path.exists(socket_path)
+
+
+@pytest.mark.timeout(60)
+def test_gradsyncd_with_bad_environment_exits_2_naming_the_key(short_tmp: str) -> None:
+    socket_path = f"{short_tmp}/never.sock"
+    result = run_gradsyncd(
+        "--socket", f"ipc://{socket_path}", env={"GRADSYNC_COLLECTIVE_TIMEOUT_S": "-1"}
+    )
+    assert result.returncode == 2, result
+    assert "collective_timeout_s" in result.stderr, result.stderr
+    assert "GRADSYNC_COLLECTIVE_TIMEOUT_S" in result.stderr, result.stderr
+    assert not os.path.exists(socket_path)
+
+
+@pytest.mark.timeout(60)
+def test_gradsyncd_with_bad_flag_exits_2(short_tmp: str) -> None:
+    result = run_gradsyncd("--socket", f"ipc://{short_tmp}/never.sock", "--threads", "0")
+    assert result.returncode == 2, result
+    assert "threads" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_running_daemon_reports_the_winning_timeout(
+    start_daemon: StartDaemon, short_tmp: str
+) -> None:
+    toml = write_toml(Path(short_tmp), "collective_timeout_s = 7\n")
+    from_toml = start_daemon("--config", toml)
+    from_env = start_daemon("--config", toml, env={"GRADSYNC_COLLECTIVE_TIMEOUT_S": "5"})
+    from_flag = start_daemon(
+        "--config", toml, "--collective-timeout-s", "3",
+        env={"GRADSYNC_COLLECTIVE_TIMEOUT_S": "5"},
+    )
+    assert query(from_toml.endpoint, 5.0)["collective_timeout_s"] == 7.0
+    assert query(from_env.endpoint, 5.0)["collective_timeout_s"] == 5.0
+    assert query(from_flag.endpoint, 5.0)["collective_timeout_s"] == 3.0
