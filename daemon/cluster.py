@@ -191,10 +191,15 @@ class ClusterJobs:
             del table[peer]
         if job is not None and job.formation is not None and peer in job.formation.daemons:
             reason = str(header.get("reason") or "its part of the job ended")
-            self._break(job, RankLostError(
-                f"{job.describe()} on peer daemon {peer}: {reason}",
-                {"job": name, "peer": peer},
-            ), fail_runs=False)
+            error = RankLostError(
+                f"{job.describe()} on peer daemon {peer}: {reason}", {"job": name, "peer": peer}
+            )
+            self._break(job, error, fail_runs=False)
+            # Collectives that still wait for data from it cannot finish.
+            index = job.formation.index_of(peer)
+            for run in list(job.runs.values()):
+                if run.needs_from(index):
+                    run.fail(error)
 
     def _on_abort(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
         if job is None or job.formation is None or header.get("gen") != job.formation.generation:
@@ -255,13 +260,14 @@ class ClusterJobs:
     # -- failures -----------------------------------------------------------
 
     def abort(self, job: Job, key: Any, error: CollectiveError) -> None:
-        """Fail one collective here and on every member daemon."""
+        """Fail one collective here and on every member daemon (once per key)."""
+        already_known = key in job.failed
         job.remember_failure(key, error)
         run = job.runs.get(key)
         if run is not None:
             run.fail(error)
         formation = job.formation
-        if formation is None:
+        if formation is None or already_known:
             return
         for peer in formation.daemons:
             if peer != self.transport.endpoint:

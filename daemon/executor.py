@@ -21,7 +21,7 @@ import numpy as np
 
 from gradsync.daemon.reduce import combine_into
 from gradsync.protocol.dtypes import ReduceOp
-from gradsync.protocol.errors import GradsyncError, ProtocolError
+from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
 
 #: Sends at least this large go zero-copy and are tracked until libzmq lets go.
 ZERO_COPY_BYTES = 64 * 1024
@@ -35,6 +35,7 @@ class _Expected:
     start: int
     stop: int
     received: set[int] = dataclasses.field(default_factory=set)
+    got: int = 0
 
 
 class ScheduleRun:
@@ -72,8 +73,20 @@ class ScheduleRun:
 
     def waiting_for(self) -> list[int]:
         """Peers (daemon indices) whose slices the current step still needs."""
-        return sorted({peer for (peer, _), exp in self._expected.items()
-                       if _remaining(exp) > 0})
+        return sorted({peer for (peer, _), exp in self._expected.items() if _remaining(exp)})
+
+    def needs_from(self, peer: int) -> bool:
+        """Whether this run still expects a slice directly from daemon index `peer`."""
+        if self.done.done():
+            return False
+        for (source, _), expected in self._expected.items():
+            if source == peer and _remaining(expected):
+                return True
+        return any(
+            recv.peer == peer
+            for step in self.schedule.steps[self.step + 1 :]
+            for recv in step.recvs
+        )
 
     def start(self) -> None:
         self._advance()
@@ -116,6 +129,7 @@ class ScheduleRun:
         else:
             np.copyto(target, data)
         expected.received.add(start)
+        expected.got += stop - start
         self._missing -= stop - start
 
     def _advance(self) -> None:
@@ -143,9 +157,11 @@ class ScheduleRun:
 
     def _send_range(self, peer: int, start: int, stop: int) -> None:
         itemsize = self.buffer.itemsize
+        # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
+        as_bytes = self.buffer.view(np.uint8)
         for begin in range(start, stop, self._slice):
             end = min(begin + self._slice, stop)
-            view = self.buffer[begin:end].data.cast("B")
+            view = as_bytes[begin * itemsize : end * itemsize].data
             zero_copy = (end - begin) * itemsize >= ZERO_COPY_BYTES
             header = {"step": self.step, "start": begin, "stop": end}
             tracker = self._send(peer, header, view if zero_copy else bytes(view), zero_copy)
@@ -154,16 +170,31 @@ class ScheduleRun:
             self.bytes_sent += (end - begin) * itemsize
 
     async def wait_sent(self, timeout_s: float) -> None:
-        """Wait until libzmq no longer reads any zero-copy slice of the buffer."""
+        """Wait until libzmq no longer reads any zero-copy slice of the buffer.
+
+        `trackers` hold futures of `zmq.MessageTracker`s: the future is done once
+        the message is queued, the tracker once libzmq has let go of the memory.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        delay = 0.0002
-        while any(not tracker.done for tracker in self.trackers):
+        delay = 0.0
+        while not all(_released(sending) for sending in self.trackers):
             if loop.time() > deadline:
-                raise GradsyncError("peer links did not drain the sent slices in time")
+                raise CollectiveTimeoutError(
+                    f"the peer links did not send this daemon's last slices within {timeout_s:g}s"
+                )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(max(2 * delay, 50e-6), 2e-3)
+
+
+def _released(sending: Any) -> bool:
+    """True once a tracked send no longer needs its buffer (raises if it failed)."""
+    if not sending.done():
+        return False
+    tracker = sending.result()
+    return tracker is None or bool(tracker.done)
 
 
 def _remaining(expected: _Expected) -> int:
-    return 1 if len(expected.received) == 0 and expected.stop > expected.start else 0
+    """Elements of an expected receive that have not arrived yet."""
+    return expected.stop - expected.start - expected.got

@@ -95,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartupError as exc:
         print(f"gradsyncd: cannot start: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:
+        print(f"gradsyncd: configuration error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 0
     return 0

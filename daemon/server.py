@@ -19,7 +19,10 @@ import socket
 import stat
 from collections.abc import Iterator
 
+import zmq
+
 from gradsync.daemon.config import DaemonConfig
+from gradsync.daemon.peering import Peering, wants_peers
 from gradsync.daemon.service import GradsyncService
 from gradsync.daemon.session import ClientSession
 from gradsync.daemon.shm_pool import sweep_dead_segments
@@ -94,8 +97,16 @@ async def serve(config: DaemonConfig) -> None:
     removed = sweep_dead_segments()
     if removed:
         log.info("removed %d segments left by dead daemons", len(removed))
+    use_peers = wants_peers(config)
     with claim_socket(path):
         service = GradsyncService(config, loop)
+        peering = Peering(config, service) if use_peers else None
+        if peering is not None:
+            try:
+                await peering.start()
+            except zmq.ZMQError as exc:
+                await peering.close()
+                raise StartupError(f"cannot bind the peer endpoint {config.listen}: {exc}") from None
         server = await loop.create_unix_server(
             lambda: ClientSession(service), sock=_bind_unix(path)
         )
@@ -112,6 +123,8 @@ async def serve(config: DaemonConfig) -> None:
         log.info("shutting down: failing in-flight collectives, unlinking segments")
         server.close()
         service.shut_down()
+        if peering is not None:
+            await peering.close()
         await server.wait_closed()
         # Let the transports flush the error replies before the process exits.
         await asyncio.sleep(0)

@@ -336,12 +336,17 @@ class GradsyncService:
                 job, ready, op, slots, first.count, first.algorithm,
                 (first.collective, first.dtype, first.count, first.op),
             )
-        except GradsyncError as exc:
-            job.remember_failure(ready.key, exc)
-            self._fail(ready, exc)
-            return
         except Exception as exc:
-            self._kernel_failed(job, ready, exc)
+            error = exc if isinstance(exc, CollectiveError) else CollectiveError(
+                f"key {ready.key!r} of {job.describe()} failed in the daemon: {exc}"
+                if not isinstance(exc, GradsyncError) else exc.message,
+                exc.details if isinstance(exc, GradsyncError) else {},
+            )
+            if not isinstance(exc, GradsyncError):
+                log.error("multi-node collective failed", exc_info=exc)
+            # Tell the other daemons, so their clients do not wait for the deadline.
+            self.cluster.abort(job, ready.key, error)
+            self._fail(ready, exc if isinstance(exc, GradsyncError) else error)
             return
         finally:
             self.in_flight.pop(id(ready), None)

@@ -206,8 +206,16 @@ def spawn_ranks(
     return processes
 
 
-def collect(processes: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[RankResult]:
+def collect(
+    processes: Sequence[subprocess.Popen[str]], timeout_s: float, grace_after_failure_s: float = 30
+) -> list[RankResult]:
+    """Wait for every rank; once one has failed, the others get a grace period, not the
+    whole timeout (a rank waiting on a dead peer would otherwise hide the real error)."""
     deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in processes):
+            deadline = min(deadline, time.monotonic() + grace_after_failure_s)
+        time.sleep(0.05)
     results = []
     for rank, process in enumerate(processes):
         try:

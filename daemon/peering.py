@@ -1,0 +1,148 @@
+"""Wiring of the peer links into the daemon: build, adapt, pump, close.
+
+`PeerLinks` (daemon/peers) moves messages; `ClusterJobs` (cluster.py) decides
+what they mean.  This module connects the two and the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from gradsync.daemon.cluster import ClusterJobs
+from gradsync.daemon.config import ConfigError, DaemonConfig
+from gradsync.daemon.peers.links import CurveConfig, PeerLinks
+from gradsync.daemon.service import GradsyncService
+from gradsync.protocol.errors import DaemonShuttingDownError
+
+log = logging.getLogger("gradsync.daemon.peering")
+
+#: Message kinds daemons exchange (besides the links' own probes).
+PEER_KINDS = ("announce", "withdraw", "slice", "abort")
+#: Control messages that only matter to a peer that is up; it hears them again
+#: (re-announced) when its link comes up.
+_CONTROL_KINDS = frozenset({"announce", "withdraw"})
+
+
+class LinksTransport:
+    """`PeerTransport` over `PeerLinks`: synchronous, ordered sends."""
+
+    def __init__(self, links: PeerLinks) -> None:
+        self.links = links
+        self.endpoint = links.endpoint
+
+    def peers(self) -> Sequence[str]:
+        return self.links.peers
+
+    def send(
+        self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
+        zero_copy: bool = False,
+    ) -> Any:
+        if header["kind"] in _CONTROL_KINDS and self.links.peer_state(peer) != "up":
+            return None
+        sending = self.links.send_nowait(peer, header, payloads, track=zero_copy)
+        if not zero_copy:
+            # Nothing waits on it; keep a failure from being reported as never retrieved.
+            sending.add_done_callback(_quiet)
+            return None
+        return sending
+
+    def link_costs(self) -> tuple[float, float] | None:
+        """Worst latency (α = rtt/2) and inverse bandwidth (β) over measured links."""
+        stats = [self.links.link_stats(peer) for peer in self.links.peers]
+        measured = [s for s in stats if s is not None]
+        if not measured or len(measured) < len(stats):
+            return None
+        alpha = max(s.rtt_s for s in measured) / 2
+        beta = max(1.0 / max(s.bytes_per_s, 1.0) for s in measured)
+        return alpha, beta
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def wants_peers(config: DaemonConfig) -> bool:
+    """Whether this daemon is configured for multi-node jobs; checks the settings."""
+    if config.listen is None:
+        if config.all_peers():
+            raise ConfigError("peers are configured but 'listen' is not: pass --listen")
+        return False
+    if bool(config.curve_secret) != bool(config.curve_authorized):
+        raise ConfigError("pass both --curve-secret and --curve-authorized (or neither)")
+    return True
+
+
+class Peering:
+    """The running peer side of a daemon: links, cluster state, receive loop."""
+
+    def __init__(self, config: DaemonConfig, service: GradsyncService) -> None:
+        assert config.listen is not None
+        curve = None
+        if config.curve_secret and config.curve_authorized:
+            curve = CurveConfig(config.curve_secret, config.curve_authorized)
+        self.service = service
+        self.peer_timeout_s = config.peer_timeout_s
+        self.links = PeerLinks(
+            config.listen,
+            list(config.all_peers()),
+            curve,
+            insecure=config.insecure,
+            kinds=PEER_KINDS,
+            peer_timeout_s=config.peer_timeout_s,
+            on_peer_up=self._peer_up,
+            on_peer_lost=self._peer_lost,
+        )
+        self.cluster = ClusterJobs(
+            config, service.loop, LinksTransport(self.links), service.run_ranges,
+            service.counters,
+        )
+        service.cluster = self.cluster
+        self._pump: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.links.insecure and self.links.peers:
+            log.warning(
+                "peer links run WITHOUT encryption or authentication (--insecure): "
+                "anyone who can reach %s can join jobs and read gradients", self.links.endpoint
+            )
+        await self.links.start()
+        self._pump = asyncio.get_running_loop().create_task(self._receive())
+        log.info("peer links up on %s; peers: %s", self.links.endpoint,
+                 ", ".join(self.links.peers) or "none")
+
+    async def _receive(self) -> None:
+        with contextlib.suppress(DaemonShuttingDownError):
+            while True:
+                message = await self.links.recv()
+                try:
+                    self.cluster.on_message(
+                        message.peer, message.header, message.payloads, self.service.jobs
+                    )
+                except Exception:
+                    self.service.counters["malformed"] += 1
+                    log.exception("failed to handle a %r message from %s",
+                                  message.header.get("kind"), message.peer)
+
+    def _peer_up(self, peer: str) -> None:
+        self.cluster.peer_up(peer, self.service.jobs)
+
+    def _peer_lost(self, peer: str) -> None:
+        self.cluster.peer_lost(
+            peer, self.service.jobs,
+            f"its connection closed or it was silent for {self.peer_timeout_s:g}s",
+        )
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.links.counters)
+
+    async def close(self) -> None:
+        await self.links.close()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump

@@ -1,0 +1,171 @@
+"""CURVE key files: a daemon's secret certificate and the authorised public ones.
+
+The files use pyzmq's (czmq's) certificate format, as `gradsync keygen` writes
+it: a `metadata` section of `name = "value"` lines, then a `curve` section with
+`public-key` and, in the secret file only, `secret-key` (Z85 text).  The
+metadata entry `endpoint` names the `tcp://HOST:PORT` the key's daemon listens
+on; that is how a daemon finds the server key of a peer it knows only by
+endpoint (see `gradsync.daemon.peers.links`).
+
+Loading is strict: a secret file readable by group or others, a key that is
+not 32 bytes of Z85, or a folder anyone may write to is refused at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+
+from zmq.utils import z85
+
+from gradsync.daemon.config import ConfigError
+
+_KEY_CHARS = 40
+_MAX_CERT_BYTES = 64 * 1024
+
+
+class KeyFileError(ConfigError):
+    """A key file or folder that cannot be used; the message names it and says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificate:
+    """One certificate file: its keys (Z85 bytes) and metadata."""
+
+    path: str
+    public_key: bytes
+    secret_key: bytes | None
+    metadata: dict[str, str]
+
+    @property
+    def endpoint(self) -> str | None:
+        """The `endpoint` metadata: where this key's daemon listens, if recorded."""
+        return self.metadata.get("endpoint")
+
+
+def _check_key(path: str, name: str, value: str) -> bytes:
+    key = value.encode("ascii", errors="replace")
+    if len(key) != _KEY_CHARS:
+        raise KeyFileError(f"{path}: {name} must be {_KEY_CHARS} Z85 characters, got {len(key)}")
+    try:
+        z85.decode(key)
+    except (ValueError, KeyError, IndexError):
+        raise KeyFileError(f"{path}: {name} is not valid Z85 text") from None
+    return key
+
+
+def parse_certificate(path: str, text: str) -> Certificate:
+    """Parse certificate text (the ZPL subset pyzmq writes); raise `KeyFileError`."""
+    sections: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.rstrip()
+        # Whole-line comments only: Z85 keys may contain '#'.
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            current = sections.setdefault(line.strip(), {})
+            continue
+        name, sep, value = line.strip().partition("=")
+        if current is None or not sep:
+            raise KeyFileError(f"{path}:{number}: expected 'name = \"value\"' inside a section")
+        current[name.strip()] = value.strip().strip("\"'")
+    curve = sections.get("curve", {})
+    if "public-key" not in curve:
+        raise KeyFileError(f"{path} holds no public-key: not a CURVE certificate")
+    secret = curve.get("secret-key")
+    return Certificate(
+        path=path,
+        public_key=_check_key(path, "public-key", curve["public-key"]),
+        secret_key=None if secret is None else _check_key(path, "secret-key", secret),
+        metadata=dict(sections.get("metadata", {})),
+    )
+
+
+def _read_text(path: str, fd: int) -> str:
+    data = os.read(fd, _MAX_CERT_BYTES + 1)
+    if len(data) > _MAX_CERT_BYTES:
+        raise KeyFileError(f"{path} is larger than {_MAX_CERT_BYTES} bytes: not a certificate")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KeyFileError(f"{path} is not UTF-8 text: not a certificate") from None
+
+
+def read_certificate(path: str) -> Certificate:
+    """Read and parse one certificate file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read key file {path}: {exc.strerror}") from None
+    try:
+        return parse_certificate(path, _read_text(path, fd))
+    finally:
+        os.close(fd)
+
+
+def load_secret(path: str) -> Certificate:
+    """Load this daemon's secret certificate; refuse one that others may read.
+
+    The mode is checked on the open file (no race with a chmod in between).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read secret key file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise KeyFileError(f"secret key file {path} is not a regular file")
+        mode = stat.S_IMODE(info.st_mode)
+        if mode & 0o077:
+            raise KeyFileError(
+                f"secret key file {path} has mode {mode:04o}: it is readable by group or "
+                f"others; run `chmod 600 {path}` (and consider the key leaked)"
+            )
+        cert = parse_certificate(path, _read_text(path, fd))
+    finally:
+        os.close(fd)
+    if cert.secret_key is None:
+        raise KeyFileError(
+            f"{path} holds no secret-key (is it the public .key file? "
+            "pass the NAME.key_secret that `gradsync keygen` wrote)"
+        )
+    return cert
+
+
+def load_authorized_certificates(directory: str) -> list[Certificate]:
+    """Every `*.key` certificate in `directory`, sorted by file name.
+
+    Refuses a folder that group or others may write to (anyone could then
+    authorise a key) and a folder without any key.
+    """
+    try:
+        info = os.stat(directory)
+        names = sorted(os.listdir(directory))
+    except OSError as exc:
+        raise KeyFileError(
+            f"cannot read authorized keys folder {directory}: {exc.strerror}"
+        ) from None
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KeyFileError(
+            f"authorized keys folder {directory} has mode {stat.S_IMODE(info.st_mode):04o}: "
+            f"group or others may add keys to it; run `chmod go-w {directory}`"
+        )
+    certs = [
+        read_certificate(os.path.join(directory, name))
+        for name in names
+        if name.endswith(".key") and os.path.isfile(os.path.join(directory, name))
+    ]
+    if not certs:
+        raise KeyFileError(
+            f"authorized keys folder {directory} holds no *.key files; copy there the "
+            "NAME.key of every daemon of the cluster (written by `gradsync keygen`)"
+        )
+    return certs
+
+
+def load_authorized(directory: str) -> set[bytes]:
+    """The public keys (Z85 bytes) of every `*.key` certificate in `directory`."""
+    return {cert.public_key for cert in load_authorized_certificates(directory)}

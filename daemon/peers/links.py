@@ -1,0 +1,822 @@
+"""Links between peer daemons over ZeroMQ TCP: one ROUTER in, one DEALER per peer out.
+
+Every daemon binds a ROUTER on its `listen` endpoint and connects one DEALER
+to each other peer, with the DEALER's routing id set to its own endpoint.  A
+message from A to B travels A.DEALER → B.ROUTER, so B learns the sender from
+the connection; only link probes are answered back along the same connection.
+
+Keys (CURVE).  Each daemon has one keypair, written by
+`gradsync keygen DIR --name NAME --endpoint tcp://HOST:PORT`; it serves its
+ROUTER with it and presents it as client key on its DEALERs.  Every daemon's
+authorised folder holds the public `NAME.key` of every daemon of the cluster.
+A DEALER must know its peer's server key before connecting, and peers are
+given by endpoint, so each public certificate records its daemon's endpoint in
+its metadata (`endpoint = "tcp://HOST:PORT"`); the key of peer P is the one
+whose recorded endpoint is the same socket as P (same port, a common address).
+Why not one cluster-wide server key: any node holding it could impersonate any
+other, and removing a node from the cluster would mean re-keying all of them.
+Here each node only ever holds its own secret, a node is removed by deleting
+its public key, and a received message counts as from peer P only if the key
+the ZAP handler accepted (libzmq's User-Id) is the one recorded for P.
+
+Health.  ZMTP heartbeats run on every connection: a DEALER pings every
+`heartbeat_ivl_s` and drops the connection when nothing came back for
+`peer_timeout_s - heartbeat_ivl_s` after a ping, so a peer killed, stopped or
+cut off is noticed within `peer_timeout_s` (a killed one at once: its kernel
+closes the TCP connection).  A monitor on each DEALER turns handshake success
+into state `up` and disconnection into `lost`.  The heartbeats are answered
+by the peer's ZeroMQ I/O thread, so they prove that the peer's process and
+network are alive, not that its event loop is: per-step deadlines of the
+collectives cover a peer that is alive but stuck.
+
+When a link comes up, its latency and bandwidth are measured (`link_stats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, cast
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gradsync.daemon.config import ConfigError
+from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
+from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
+from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
+from gradsync.daemon.peers.wire import (
+    BULK,
+    LINK_KINDS,
+    MAX_PAYLOAD_FRAMES,
+    PING,
+    PONG,
+    check_kinds,
+    decode_header,
+    encode_header,
+)
+from gradsync.daemon.peers.zap import ZapHandler
+from gradsync.protocol.codec import Message
+from gradsync.protocol.errors import (
+    DaemonShuttingDownError,
+    InvalidArgumentError,
+    PeerLostError,
+    ProtocolError,
+)
+
+log = logging.getLogger("gradsync.daemon.peers")
+
+PeerState = Literal["connecting", "up", "lost"]
+#: Anything exporting a C-contiguous buffer: bytes, memoryview, a numpy array.
+Payload = Any
+
+_ZAP_DOMAIN = "gradsync-peers"
+_RECONNECT_IVL_MS = 100
+_RECONNECT_IVL_MAX_MS = 1000
+_MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
+_MAX_WARNINGS = 1024
+_DEALER_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_MONITOR_STOPPED
+)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+COUNTERS = (
+    "sent",  # application messages sent
+    "received",  # application messages accepted (queued for recv())
+    "malformed",  # dropped: undecodable header, wrong version, unknown kind, bad fields
+    "unknown_peer",  # dropped: sender is not one of our peers
+    "rejected_keys",  # CURVE handshakes refused by the ZAP handler
+    "handshake_failed",  # our DEALER's handshake with a peer failed
+    "peer_lost",  # up → lost transitions
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveConfig:
+    """This daemon's secret certificate and the folder of authorised public ones."""
+
+    secret_file: str
+    authorized_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerMessage:
+    """A message from a peer: its header and its payload frames (not copied)."""
+
+    peer: str
+    header: Message
+    frames: list[zmq.Frame]
+
+    @property
+    def payloads(self) -> list[memoryview]:
+        """Read-only views of the payload frames, valid while the frames live."""
+        return [frame.buffer for frame in self.frames]
+
+
+@dataclasses.dataclass(eq=False)
+class _Link:
+    """Our side of the connection to one peer."""
+
+    name: str
+    endpoint: TcpEndpoint
+    server_key: bytes | None
+    dealer: zmq.asyncio.Socket | None = None
+    monitor: zmq.asyncio.Socket | None = None
+    state: PeerState = "connecting"
+    stats: LinkStats | None = None
+    #: Resolved when the current `up` period ends; replaced when the link comes up.
+    down: asyncio.Future[None] | None = None
+    pongs: dict[int, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
+    seq: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+    tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    probe: asyncio.Task[None] | None = None
+
+
+def _find_self(
+    listen: TcpEndpoint, peers: Sequence[str]
+) -> tuple[str | None, list[tuple[str, TcpEndpoint]]]:
+    """This daemon's entry in `peers` (if any), and the other peers parsed."""
+    me = None
+    others: list[tuple[str, TcpEndpoint]] = []
+    for text in peers:
+        try:
+            endpoint = parse_tcp_endpoint(text)
+        except ValueError as exc:
+            raise ConfigError(f"bad value in 'peers': {exc}") from None
+        if same_endpoint(listen, endpoint):
+            me = me or text
+            continue
+        if endpoint.is_wildcard:
+            raise ConfigError(f"peer endpoint {text!r} is a wildcard; name a host to connect to")
+        for prior_name, prior in others:
+            if same_endpoint(prior, endpoint):
+                raise ConfigError(f"'peers' lists one daemon twice: {prior_name!r} and {text!r}")
+        others.append((text, endpoint))
+    return me, others
+
+
+class PeerLinks:
+    """The peer-link layer of one daemon: connect, send, receive, watch health.
+
+    Build it, `await start()`, then `await send(peer, header, payloads)` and
+    `await recv()` (or `async for message in links`); `await close()` at the
+    end.  Peers are named by the endpoint strings given in `peers`.
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        peers: Sequence[str],
+        curve: CurveConfig | None = None,
+        *,
+        insecure: bool = False,
+        kinds: Collection[str] = (),
+        peer_timeout_s: float = 10.0,
+        heartbeat_ivl_s: float | None = None,
+        probe_rounds: int = 5,
+        probe_bytes: int = 4 * 1024 * 1024,
+        max_payload_bytes: int = 1 << 31,
+        max_queued: int = 10_000,
+        io_threads: int = 1,
+        validate: Callable[[Message], None] | None = None,
+        on_peer_up: Callable[[str], None] | None = None,
+        on_peer_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        """Check the settings and load the keys; nothing is bound before `start()`.
+
+        `kinds` are the application message kinds accepted from peers;
+        `validate(header)` may raise `ProtocolError` to drop a message as
+        malformed.  Raises `ConfigError` (`KeyFileError` for key files) with a
+        message naming the setting when something cannot work.
+        """
+        try:
+            self._listen = parse_tcp_endpoint(listen)
+        except ValueError as exc:
+            raise ConfigError(f"bad value for 'listen': {exc}") from None
+        if not peer_timeout_s > 0:
+            raise ConfigError(f"peer_timeout_s must be positive, got {peer_timeout_s!r}")
+        heartbeat = peer_timeout_s / 4 if heartbeat_ivl_s is None else heartbeat_ivl_s
+        if not 0 < heartbeat < peer_timeout_s:
+            raise ConfigError(
+                f"heartbeat_ivl_s must be positive and below peer_timeout_s "
+                f"({peer_timeout_s}), got {heartbeat_ivl_s!r}"
+            )
+        if max_payload_bytes < 1024 * 1024:
+            raise ConfigError("max_payload_bytes must be at least 1 MiB")
+        if probe_rounds < 1 or probe_bytes < 0 or max_queued < 1 or io_threads < 1:
+            raise ConfigError(
+                "probe_rounds, max_queued and io_threads must be at least 1, "
+                "probe_bytes at least 0"
+            )
+        me, others = _find_self(self._listen, peers)
+        if me is None and others and self._listen.is_wildcard:
+            raise ConfigError(
+                f"listening on {listen} but none of 'peers' is this daemon: list this "
+                "daemon's own address in 'peers' (the same list on every node)"
+            )
+        #: This daemon's name among peers, and its routing id on every DEALER.
+        self.endpoint: str = me or listen
+        if len(self.endpoint.encode()) > 255:
+            raise ConfigError(f"endpoint {self.endpoint!r} is longer than 255 bytes")
+        self._links = {name: _Link(name, endpoint, None) for name, endpoint in others}
+        if self._links and curve is None and not insecure:
+            raise ConfigError(
+                "peer links need CURVE keys: pass --curve-secret FILE and "
+                "--curve-authorized DIR (create keys with `gradsync keygen`), or pass "
+                "--insecure to run unauthenticated and unencrypted on a trusted network"
+            )
+        if curve is not None and insecure:
+            raise ConfigError("pass either CURVE keys or --insecure, not both")
+        self.curve = curve
+        self.insecure = insecure
+        self._kinds = check_kinds(kinds)
+        self._accepted = self._kinds | {PING, BULK}
+        self._validate = validate
+        self._peer_timeout_s = float(peer_timeout_s)
+        self._heartbeat_ivl_s = float(heartbeat)
+        self._probe_rounds = probe_rounds
+        self._probe_bytes = probe_bytes
+        self._max_payload_bytes = max_payload_bytes
+        self._io_threads = io_threads
+        self._on_peer_up = on_peer_up
+        self._on_peer_lost = on_peer_lost
+        self._secret: tuple[bytes, bytes] | None = None
+        self._authorized: set[bytes] = set()
+        self._peer_by_key: dict[bytes, str] = {}
+        if curve is not None and self._links:
+            self._load_keys(curve)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._inbox: asyncio.Queue[PeerMessage | None] = asyncio.Queue(max_queued)
+        self._by_routing_id: dict[bytes, str | None] = {
+            name.encode(): name for name in self._links
+        }
+        self._context: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        #: The same ROUTER, blocking API: probe answers are sent without awaiting.
+        self._router_now: zmq.Socket[bytes] | None = None
+        self._zap: ZapHandler | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()
+        self._warned: set[str] = set()
+        self._started = False
+        self._closed = False
+
+    # -- set-up ---------------------------------------------------------------
+
+    def _load_keys(self, curve: CurveConfig) -> None:
+        """Load our secret and the authorised keys; find each peer's server key."""
+        secret = load_secret(curve.secret_file)
+        assert secret.secret_key is not None  # load_secret guarantees it
+        self._secret = (secret.public_key, secret.secret_key)
+        certs = load_authorized_certificates(curve.authorized_dir)
+        self._authorized = {cert.public_key for cert in certs}
+        if secret.public_key not in self._authorized:
+            log.warning(
+                "the public key of %s is not in %s: peers using the same authorized "
+                "folder will refuse this daemon", curve.secret_file, curve.authorized_dir,
+            )
+        recorded: list[tuple[TcpEndpoint, bytes, str]] = []
+        for cert in certs:
+            if cert.endpoint is None:
+                continue
+            try:
+                recorded.append((parse_tcp_endpoint(cert.endpoint), cert.public_key, cert.path))
+            except ValueError as exc:
+                raise KeyFileError(f"{cert.path}: bad 'endpoint' metadata: {exc}") from None
+        for link in self._links.values():
+            matches = {
+                (key, path) for ep, key, path in recorded if same_endpoint(ep, link.endpoint)
+            }
+            keys = {key for key, _ in matches}
+            if not keys:
+                raise KeyFileError(
+                    f"no key in {curve.authorized_dir} records the endpoint of peer "
+                    f"{link.name}: copy that daemon's NAME.key there, written by "
+                    f"`gradsync keygen DIR --name NAME --endpoint {link.name}` (or add "
+                    f"'endpoint = \"{link.name}\"' to the metadata section of its .key)"
+                )
+            if len(keys) > 1:
+                raise KeyFileError(
+                    f"several keys in {curve.authorized_dir} record the endpoint of peer "
+                    f"{link.name}: {', '.join(sorted(path for _, path in matches))}"
+                )
+            link.server_key = keys.pop()
+            self._peer_by_key[link.server_key] = link.name
+
+    def _configure(self, sock: zmq.asyncio.Socket) -> None:
+        """Options every peer socket shares: heartbeats, limits, no linger."""
+        ivl_ms = max(1, round(self._heartbeat_ivl_s * 1000))
+        timeout_ms = max(1, round(self._peer_timeout_s * 1000) - ivl_ms)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(100, ivl_ms + timeout_ms)))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, round(self._peer_timeout_s * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload_bytes)
+        if self._listen.is_ipv6 or any(link.endpoint.is_ipv6 for link in self._links.values()):
+            sock.setsockopt(zmq.IPV6, 1)
+
+    async def start(self) -> None:
+        """Bind the ROUTER, connect the DEALERs, start the background tasks."""
+        if self._started:
+            raise RuntimeError("PeerLinks.start() called twice")
+        self._started = True
+        if not self._links:
+            log.info("no other peers: peer links idle, nothing bound on %s", self._listen)
+            return
+        loop = asyncio.get_running_loop()
+        self._context = context = zmq.asyncio.Context(self._io_threads)
+        if self.insecure:
+            log.warning(
+                "peer links on %s are INSECURE: no authentication, no encryption; "
+                "anyone who can reach this port can send to this daemon", self.endpoint,
+            )
+        else:
+            self._zap = ZapHandler(context, self._authorized, self._rejected)
+            self._zap.start()
+        router = self._router = context.socket(zmq.ROUTER)
+        self._configure(router)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self._secret is not None:
+            router.curve_server = True
+            router.curve_publickey, router.curve_secretkey = self._secret
+            router.zap_domain = _ZAP_DOMAIN.encode()
+        try:
+            router.bind(str(self._listen))
+        except zmq.ZMQError as exc:
+            await self.close()
+            raise ConfigError(f"cannot listen for peers on {self._listen}: {exc}") from None
+        self._router_now = zmq.Socket.shadow(router.underlying)
+        self._tasks.append(loop.create_task(self._serve_router(), name="peer-router"))
+        for link in self._links.values():
+            self._connect(loop, link)
+        log.info(
+            "peer links of %s: %d peers, %s, peer timeout %gs (heartbeat every %gs)",
+            self.endpoint, len(self._links), "CURVE" if self._secret else "insecure",
+            self._peer_timeout_s, self._heartbeat_ivl_s,
+        )
+
+    def _connect(self, loop: asyncio.AbstractEventLoop, link: _Link) -> None:
+        assert self._context is not None
+        dealer = link.dealer = self._context.socket(zmq.DEALER)
+        self._configure(dealer)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: no stale sends
+        dealer.setsockopt(zmq.ROUTING_ID, self.endpoint.encode())
+        if self._secret is not None:
+            dealer.curve_publickey, dealer.curve_secretkey = self._secret
+            dealer.curve_serverkey = link.server_key
+        link.monitor = dealer.get_monitor_socket(_DEALER_EVENTS)
+        dealer.connect(link.name)
+        link.tasks = [
+            loop.create_task(self._watch(link), name=f"peer-monitor {link.name}"),
+            loop.create_task(self._serve_dealer(link), name=f"peer-dealer {link.name}"),
+        ]
+
+    async def __aenter__(self) -> PeerLinks:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- public API -----------------------------------------------------------
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The other peers, by the endpoint strings given in `peers`."""
+        return tuple(self._links)
+
+    def peer_state(self, peer: str) -> PeerState:
+        """`connecting` (never up yet), `up`, or `lost` (was up, then went away)."""
+        return self._link(peer).state
+
+    def link_stats(self, peer: str) -> LinkStats | None:
+        """`(rtt_s, bytes_per_s)` measured when the link last came up, or None yet."""
+        return self._link(peer).stats
+
+    async def wait_up(
+        self, timeout_s: float, peers: Iterable[str] | None = None, measured: bool = True
+    ) -> None:
+        """Wait until the peers are up (and, if `measured`, their links measured).
+
+        Raises `TimeoutError` naming the peers that are not.
+        """
+        names = list(self._links if peers is None else peers)
+        for name in names:
+            self._link(name)
+
+        def pending() -> list[str]:
+            return [
+                name for name in names
+                if self._links[name].state != "up"
+                or (measured and self._links[name].stats is None)
+            ]
+
+        deadline = time.monotonic() + timeout_s
+        while missing := pending():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                states = ", ".join(f"{name} ({self._links[name].state})" for name in missing)
+                raise TimeoutError(f"peers not up after {timeout_s}s: {states}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+
+    async def send(
+        self,
+        peer: str,
+        header: Mapping[str, Any],
+        payloads: Sequence[Payload] = (),
+        *,
+        wait_sent: bool = True,
+    ) -> None:
+        """Send `header` (with its "kind") and payload frames to `peer`, without copying.
+
+        With `wait_sent`, returns once ZeroMQ let go of the payload buffers (they
+        were handed to the kernel): the caller may then overwrite them.  Without,
+        it returns once queued, and the buffers must stay untouched until a later
+        `wait_sent` send to the same peer returned.  Raises `PeerLostError` if the
+        peer is not up or is lost before the message left.
+        """
+        link = self._link(peer)
+        frames = self._frames(header, payloads)
+        await self._send_frames(link, frames, wait_sent)
+        self.counters["sent"] += 1
+
+    def send_nowait(
+        self,
+        peer: str,
+        header: Mapping[str, Any],
+        payloads: Sequence[Payload] = (),
+        *,
+        track: bool = False,
+    ) -> asyncio.Future[zmq.MessageTracker | None]:
+        """Queue a message at once, in order with every earlier send to `peer`.
+
+        For callers that must not yield between sends (a schedule's steps).  The
+        returned future holds a `MessageTracker` when `track` is set: the payload
+        buffers may be overwritten once the future is done and the tracker too.
+        Raises `PeerLostError` if the peer is not up.
+        """
+        link = self._link(peer)
+        frames = self._frames(header, payloads)
+        if self._closed:
+            raise DaemonShuttingDownError("peer links are closed")
+        if link.state != "up" or link.dealer is None:
+            raise PeerLostError(
+                f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
+            )
+        sending = cast(
+            "asyncio.Future[zmq.MessageTracker | None]",
+            link.dealer.send_multipart(frames, copy=False, track=track),
+        )
+        self.counters["sent"] += 1
+        return sending
+
+    def _frames(self, header: Mapping[str, Any], payloads: Sequence[Payload]) -> list[Any]:
+        kind = header.get("kind")
+        if kind not in self._kinds:
+            raise InvalidArgumentError(f"message kind {kind!r} was not declared in `kinds`")
+        frames: list[Any] = [encode_header(self.endpoint, header)]
+        for index, payload in enumerate(payloads):
+            view = memoryview(payload)
+            if not view.c_contiguous:
+                raise InvalidArgumentError(f"payload {index} is not C-contiguous")
+            if view.nbytes > self._max_payload_bytes:
+                raise InvalidArgumentError(
+                    f"payload {index} is {view.nbytes} bytes, above max_payload_bytes "
+                    f"({self._max_payload_bytes}); cut it into slices"
+                )
+            frames.append(view)
+        if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
+            raise InvalidArgumentError(f"more than {MAX_PAYLOAD_FRAMES} payload frames")
+        return frames
+
+    async def recv(self) -> PeerMessage:
+        """The next application message from any peer (in order per peer)."""
+        message = await self._inbox.get()
+        if message is None:
+            self._inbox.put_nowait(None)  # wake the next waiter too
+            raise DaemonShuttingDownError("peer links are closed")
+        return message
+
+    def __aiter__(self) -> PeerLinks:
+        return self
+
+    async def __anext__(self) -> PeerMessage:
+        try:
+            return await self.recv()
+        except DaemonShuttingDownError:
+            raise StopAsyncIteration from None
+
+    async def close(self) -> None:
+        """Stop every task and close every socket at once (linger 0); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._tasks)
+        for link in self._links.values():
+            tasks += link.tasks
+            if link.probe is not None:
+                tasks.append(link.probe)
+            self._end_up_period(link, DaemonShuttingDownError("peer links are closed"))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._zap is not None:
+            await self._zap.close()
+        for link in self._links.values():
+            if link.dealer is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    link.dealer.disable_monitor()
+            for sock in (link.monitor, link.dealer):
+                if sock is not None:
+                    sock.close(linger=0)
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._context is not None:
+            self._context.destroy(linger=0)
+        while not self._inbox.empty():
+            self._inbox.get_nowait()
+        self._inbox.put_nowait(None)
+        self._notify()
+
+    # -- sending --------------------------------------------------------------
+
+    def _link(self, peer: str) -> _Link:
+        try:
+            return self._links[peer]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"{peer!r} is not a peer of {self.endpoint}; peers: {', '.join(self._links)}"
+            ) from None
+
+    async def _send_frames(self, link: _Link, frames: list[Any], wait_sent: bool) -> None:
+        """Queue a message on the link's DEALER; give up if the link goes down."""
+        if self._closed:
+            raise DaemonShuttingDownError("peer links are closed")
+        down = link.down
+        if link.state != "up" or down is None or down.done() or link.dealer is None:
+            raise PeerLostError(
+                f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
+            )
+        # zmq.asyncio returns a Future (typed as a mere Awaitable); it is already
+        # done when the message fit in the queue at once: the common, fast case.
+        sending = cast(
+            "asyncio.Future[zmq.MessageTracker | None]",
+            link.dealer.send_multipart(frames, copy=False, track=wait_sent),
+        )
+        if not sending.done():
+            await asyncio.wait((sending, down), return_when=asyncio.FIRST_COMPLETED)
+            if not sending.done():
+                sending.cancel()
+                self._raise_down(link, down)
+        tracker = sending.result()
+        if wait_sent and tracker is not None:
+            delay = 0.0
+            while not tracker.done:
+                await asyncio.sleep(delay)
+                delay = min(max(2 * delay, 50e-6), 2e-3)
+            if down.done():
+                self._raise_down(link, down)
+
+    def _raise_down(self, link: _Link, down: asyncio.Future[None]) -> None:
+        exc = down.exception() if down.done() and not down.cancelled() else None
+        if isinstance(exc, DaemonShuttingDownError):
+            raise DaemonShuttingDownError(exc.message)
+        raise PeerLostError(
+            f"peer {link.name} was lost while sending to it",
+            {"peer": link.name, "state": link.state},
+        )
+
+    # -- receiving ------------------------------------------------------------
+
+    def _drop(self, counter: str, peer: str, reason: str) -> None:
+        """Count a dropped message; warn once per peer and counter."""
+        self.counters[counter] += 1
+        self._warn_once(f"{counter}:{peer}", "dropped a message from %s: %s", peer, reason)
+
+    def _warn_once(self, key: str, text: str, *args: object) -> None:
+        if key in self._warned:
+            log.debug(text, *args)
+            return
+        if len(self._warned) < _MAX_WARNINGS:
+            self._warned.add(key)
+        log.warning(text, *args)
+
+    def _sender(self, frames: list[zmq.Frame]) -> str | None:
+        """Which peer sent a message, or None for a stranger.
+
+        By routing id (the sender's endpoint); under CURVE the key the ZAP
+        handler accepted must also be the one recorded for that endpoint, so an
+        authorised daemon cannot speak in the name of another.
+        """
+        routing_id = frames[0].bytes
+        if routing_id not in self._by_routing_id:
+            if len(self._by_routing_id) > _MAX_WARNINGS + len(self._links):
+                self._by_routing_id = {name.encode(): name for name in self._links}
+            self._by_routing_id[routing_id] = self._match_routing_id(routing_id)
+        peer = self._by_routing_id[routing_id]
+        if self._secret is not None and peer is not None:
+            try:
+                user_id = str(frames[1].get("User-Id")).encode()
+            except zmq.ZMQError:
+                return None
+            if self._peer_by_key.get(user_id) != peer:
+                return None
+        return peer
+
+    def _match_routing_id(self, routing_id: bytes) -> str | None:
+        """The peer whose endpoint is the same socket as the one a routing id names."""
+        try:
+            endpoint = parse_tcp_endpoint(routing_id.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        for link in self._links.values():
+            if same_endpoint(link.endpoint, endpoint):
+                return link.name
+        return None
+
+    async def _serve_router(self) -> None:
+        """Read the ROUTER forever: answer probes, queue application messages."""
+        assert self._router is not None and self._router_now is not None
+        router, router_now = self._router, self._router_now
+        while True:
+            frames = await router.recv_multipart(copy=False)
+            message = self._accept(frames)
+            if message is None:
+                continue
+            kind = message.header["kind"]
+            if kind in (PING, BULK):
+                pong = encode_header(self.endpoint, {"kind": PONG, "seq": message.header["seq"]})
+                # Non-blocking: a probe answer that does not fit is dropped, never waited for.
+                with contextlib.suppress(zmq.Again):
+                    router_now.send_multipart([frames[0], pong], flags=zmq.NOBLOCK)
+                continue
+            self.counters["received"] += 1
+            await self._inbox.put(message)
+
+    def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
+        """Check one message from the ROUTER; count and drop it if it is bad."""
+        peer = self._sender(frames) if len(frames) >= 2 else None
+        if peer is None:
+            label = frames[0].bytes.decode("utf-8", errors="replace")[:80]
+            self._drop("unknown_peer", label, "sender is not one of our peers")
+            return None
+        if len(frames) - 2 > MAX_PAYLOAD_FRAMES:
+            self._drop("malformed", peer, f"{len(frames) - 2} payload frames")
+            return None
+        try:
+            header = decode_header(frames[1].bytes, self._accepted)
+            if header["src"].encode() != frames[0].bytes:
+                raise ProtocolError(f"'src' {header['src'][:80]!r} is not the sender's id")
+            if self._validate is not None and header["kind"] not in LINK_KINDS:
+                self._validate(header)
+        except (ProtocolError, ValueError, TypeError) as exc:
+            self._drop("malformed", peer, str(exc))
+            return None
+        return PeerMessage(peer, header, frames[2:])
+
+    async def _serve_dealer(self, link: _Link) -> None:
+        """Read answers to our probes that come back over the link's DEALER."""
+        assert link.dealer is not None
+        while True:
+            frames = await link.dealer.recv_multipart(copy=False)
+            try:
+                header = decode_header(frames[0].bytes, frozenset({PONG}))
+                if len(frames) != 1:
+                    raise ProtocolError("a pong carries no payload")
+            except ProtocolError as exc:
+                self._drop("malformed", link.name, str(exc))
+                continue
+            waiter = link.pongs.pop(header["seq"], None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    # -- link health ------------------------------------------------------------
+
+    def _rejected(self, address: str, reason: str) -> None:
+        self.counters["rejected_keys"] += 1
+        self._warn_once(f"zap:{address}", "refused a peer connection from %s: %s", address, reason)
+
+    async def _watch(self, link: _Link) -> None:
+        """Follow the DEALER's monitor events: handshake → up, disconnect → lost."""
+        assert link.monitor is not None
+        while True:
+            event = parse_monitor_message(await link.monitor.recv_multipart())
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._mark_up(link)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if link.state == "up":
+                    self._mark_lost(link)
+            elif kind & _HANDSHAKE_FAILED:
+                self.counters["handshake_failed"] += 1
+                self._warn_once(
+                    f"handshake:{link.name}",
+                    "handshake with peer %s failed (%s): is our key in its authorized "
+                    "folder, and its key the one recorded for it in ours?",
+                    link.name, zmq.Event(kind).name,
+                )
+            elif kind == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    def _mark_up(self, link: _Link) -> None:
+        if link.state == "up":
+            return
+        link.state = "up"
+        link.down = asyncio.get_running_loop().create_future()
+        log.info("peer %s is up", link.name)
+        if link.probe is not None:
+            link.probe.cancel()
+        link.probe = asyncio.get_running_loop().create_task(
+            self._measure(link), name=f"peer-probe {link.name}"
+        )
+        self._notify()
+        self._call(self._on_peer_up, link.name)
+
+    def _mark_lost(self, link: _Link) -> None:
+        link.state = "lost"
+        self.counters["peer_lost"] += 1
+        log.warning(
+            "peer %s lost: connection closed or silent for %gs", link.name, self._peer_timeout_s
+        )
+        self._end_up_period(link, PeerLostError(f"peer {link.name} lost", {"peer": link.name}))
+        if link.probe is not None:
+            link.probe.cancel()
+            link.probe = None
+        self._notify()
+        self._call(self._on_peer_lost, link.name)
+
+    def _end_up_period(self, link: _Link, exc: Exception) -> None:
+        """Wake whatever waits on the link: pending sends and probe answers."""
+        if link.down is not None and not link.down.done():
+            link.down.set_exception(exc)
+            link.down.exception()  # retrieved: no "never retrieved" warning if nobody waits
+        for waiter in link.pongs.values():
+            if not waiter.done():
+                waiter.set_exception(exc)
+                waiter.exception()
+        link.pongs.clear()
+
+    def _call(self, callback: Callable[[str], None] | None, peer: str) -> None:
+        if callback is None:
+            return
+        try:
+            callback(peer)
+        except Exception:
+            log.exception("peer callback %r failed for %s", callback, peer)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- link measurement -------------------------------------------------------
+
+    async def _measure(self, link: _Link) -> None:
+        """Measure latency and bandwidth of a link that just came up."""
+        timeout_s = max(10.0, self._peer_timeout_s)
+
+        async def round_trip(payload: Sequence[memoryview]) -> None:
+            seq = next(link.seq)
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            link.pongs[seq] = waiter
+            kind = BULK if payload else PING
+            header = encode_header(self.endpoint, {"kind": kind, "seq": seq})
+            try:
+                await self._send_frames(link, [header, *payload], wait_sent=False)
+                await asyncio.wait_for(waiter, timeout_s)
+            finally:
+                link.pongs.pop(seq, None)
+
+        try:
+            stats = await measure_link(
+                round_trip, self._probe_rounds, bulk_payload(self._probe_bytes)
+            )
+        except (PeerLostError, DaemonShuttingDownError):
+            return
+        except TimeoutError:
+            log.warning("could not measure the link to %s: no answer in %gs", link.name, timeout_s)
+            return
+        link.stats = stats
+        log.info(
+            "link to %s: rtt %.1f µs, %.1f MB/s",
+            link.name, stats.rtt_s * 1e6, stats.bytes_per_s / 1e6,
+        )
+        self._notify()
+

@@ -1,0 +1,99 @@
+"""Peer message frames: a strict msgpack header, then raw payload frames.
+
+A peer message is `[header, payload...]` on the DEALER side (the receiving
+ROUTER prepends the sender's routing id).  The header is a map
+`{"v": PROTOCOL_VERSION, "kind": ..., "src": SENDER_ENDPOINT, ...}` of at most
+`MAX_FRAME_BYTES`; payload frames are opaque bytes, never decoded.
+
+Kinds starting with `link.` belong to the link layer itself (latency and
+bandwidth probes); all other kinds are the application's and must be declared
+when the links are built, so that an unknown kind is dropped at the door.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import msgpack
+
+from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body
+from gradsync.protocol.errors import InvalidArgumentError, ProtocolError, VersionMismatchError
+from gradsync.protocol.version import PROTOCOL_VERSION
+
+LINK_PREFIX = "link."
+#: Latency probe; answered by PONG with the same `seq`.
+PING = "link.ping"
+#: Bandwidth probe: PING with payload frames; answered by PONG once all arrived.
+BULK = "link.bulk"
+#: Answer to PING and BULK, sent back over the connection the probe came in on.
+PONG = "link.pong"
+LINK_KINDS = frozenset({PING, BULK, PONG})
+
+#: At most this many payload frames per message (a bound for hostile peers).
+MAX_PAYLOAD_FRAMES = 4096
+#: Header fields the links fill in; callers supply "kind" and their own fields.
+_FILLED_IN = ("v", "src")
+
+
+def check_kinds(kinds: Collection[str]) -> frozenset[str]:
+    """Validate the application's message kinds (non-empty, not `link.*`)."""
+    for kind in kinds:
+        if not isinstance(kind, str) or not kind or kind.startswith(LINK_PREFIX):
+            raise InvalidArgumentError(
+                f"message kind {kind!r} is not allowed: use a non-empty string "
+                f"not starting with {LINK_PREFIX!r}"
+            )
+    return frozenset(kinds)
+
+
+def encode_header(src: str, header: Mapping[str, Any]) -> bytes:
+    """Add the envelope to the caller's fields and pack them; refuse oversize headers."""
+    clash = [key for key in _FILLED_IN if key in header]
+    if clash:
+        raise InvalidArgumentError(f"header fields {clash} are filled in by the peer links")
+    body: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "src": src, **header}, use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise InvalidArgumentError(
+            f"header of kind {header.get('kind')!r} is {len(body)} bytes, above the "
+            f"{MAX_FRAME_BYTES}-byte limit; send data as payload frames"
+        )
+    return body
+
+
+def _int_field(message: Message, field: str) -> None:
+    value = message.get(field)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{message['kind']!r} message needs an integer {field!r}")
+
+
+def decode_header(body: bytes, kinds: frozenset[str]) -> Message:
+    """Decode and check a header frame; `kinds` are the kinds accepted here.
+
+    Raises `ProtocolError` (`VersionMismatchError` for another version) on
+    anything but a well-formed header of an accepted kind.
+    """
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"header frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    message = decode_body(body)
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a header must be a map, got {type(message).__name__}")
+    version = message.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProtocolError("header lacks an integer protocol version 'v'")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"protocol version mismatch: peer speaks v{version}, "
+            f"this side speaks v{PROTOCOL_VERSION}",
+            {"peer_version": version, "our_version": PROTOCOL_VERSION},
+        )
+    kind = message.get("kind")
+    if not isinstance(kind, str):
+        raise ProtocolError("header lacks a string 'kind'")
+    if kind not in kinds:
+        raise ProtocolError(f"unknown message kind {kind[:64]!r}")
+    if not isinstance(message.get("src"), str):
+        raise ProtocolError("header lacks a string 'src'")
+    if kind in LINK_KINDS:
+        _int_field(message, "seq")
+    return message

@@ -1,0 +1,36 @@
+"""Allreduce across several daemons on 127.0.0.1: every algorithm against numpy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from cluster import free_ports, peer_args, run_spread
+
+from conftest import DaemonProcess
+
+StartDaemon = Callable[..., DaemonProcess]
+
+
+def start_cluster(start_daemon: StartDaemon, count: int, *extra: str) -> list[DaemonProcess]:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    return [start_daemon(*peer_args(i, endpoints, "--insecure", *extra)) for i in range(count)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "ranks_per_daemon",
+    [(1, 1), (1, 2, 1), (2, 1, 1, 2), (1, 1, 1, 1, 1)],
+    ids=["2d-1+1", "3d-1+2+1", "4d-2+1+1+2", "5d-1x5"],
+)
+def test_every_algorithm_matches_numpy(
+    start_daemon: StartDaemon, ranks_per_daemon: tuple[int, ...]
+) -> None:
+    daemons = start_cluster(start_daemon, len(ranks_per_daemon))
+    results = run_spread(daemons, ranks_per_daemon, "multinode_allreduce.py", timeout_s=280)
+    for result in results:
+        summary = result.records()[-1]
+        assert summary["failures"] == 0, result.stdout
+        assert summary["checked"] > 300
+    for daemon in daemons:
+        daemon.assert_alive()

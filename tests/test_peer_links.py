@@ -1,0 +1,534 @@
+"""Peer links over real TCP sockets on 127.0.0.1.
+
+Several `PeerLinks` run in one event loop; the failure tests run one side in a
+subprocess and SIGKILL or SIGSTOP it.  Readiness is awaited with deadlines
+(`wait_up`, polling), never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from gradsync.client.keygen import generate_keypair
+from gradsync.daemon.config import ConfigError
+from gradsync.daemon.peers import (
+    CurveConfig,
+    KeyFileError,
+    PeerLinks,
+    PeerMessage,
+    load_secret,
+    read_peers_file,
+)
+from gradsync.protocol.errors import DaemonShuttingDownError, InvalidArgumentError, PeerLostError
+from gradsync.protocol.version import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.timeout(30)
+
+T = TypeVar("T")
+KINDS = ("chunk", "note")
+READY_S = 10.0
+# Generous enough that a loaded test machine causes no false losses (the loss
+# tests use 1 s with an idle peer); the probes kept small to be quick.
+FAST: dict[str, Any] = {"peer_timeout_s": 5.0, "probe_bytes": 1 << 20, "probe_rounds": 3}
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports free right now on 127.0.0.1.
+
+    Drawn below the kernel's ephemeral range, so that no outgoing connection
+    (of this or a concurrent test run) takes one before the links bind it.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports: list[int] = []
+    with contextlib.ExitStack() as stack:
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket())
+            port = random.randrange(10_000, max(10_001, low))
+            with contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", port))
+                ports.append(port)
+    return ports
+
+
+def endpoints(count: int) -> list[str]:
+    return [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+
+
+def run(coro: Awaitable[T], timeout_s: float = 20.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+async def poll(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Callable[[list[str]], list[CurveConfig]]:
+    """Factory: one keypair per endpoint, all public keys in one authorized folder."""
+
+    def make(names: list[str]) -> list[CurveConfig]:
+        folder = tmp_path / "authorized"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        configs = []
+        for index, endpoint in enumerate(names):
+            secrets = tmp_path / f"node{index}"
+            public, secret = generate_keypair(str(secrets), "node", endpoint)
+            os.replace(public, folder / f"node{index}.key")
+            configs.append(CurveConfig(secret, str(folder)))
+        return configs
+
+    return make
+
+
+async def start_all(
+    names: list[str], configs: list[CurveConfig | None], **options: Any
+) -> list[PeerLinks]:
+    links = [
+        PeerLinks(name, names, config, insecure=config is None, kinds=KINDS, **{**FAST, **options})
+        for name, config in zip(names, configs, strict=True)
+    ]
+    for link in links:
+        await link.start()
+    for link in links:
+        await link.wait_up(READY_S)
+    return links
+
+
+async def close_all(links: list[PeerLinks]) -> None:
+    for link in links:
+        await link.close()
+
+
+# -- exchange -------------------------------------------------------------------
+
+
+def exchange(names: list[str], configs: list[CurveConfig | None]) -> None:
+    """Every link sends every other one a header and two payloads; all arrive intact."""
+
+    async def main() -> None:
+        links = await start_all(names, configs)
+        try:
+            big = {
+                name: np.arange(3 * 1024 * 1024, dtype=np.float32) * (i + 1)
+                for i, name in enumerate(names)
+            }  # 12 MiB each
+            small = np.frombuffer(b"tail", dtype=np.uint8)
+            for sender in links:
+                for peer in sender.peers:
+                    await sender.send(
+                        peer, {"kind": "chunk", "to": peer, "step": 3},
+                        [big[sender.endpoint].data, small],
+                    )
+            for receiver in links:
+                got: dict[str, PeerMessage] = {}
+                while len(got) < len(names) - 1:
+                    message = await receiver.recv()
+                    got[message.peer] = message
+                assert set(got) == set(receiver.peers)
+                for peer, message in got.items():
+                    assert message.header == {
+                        "v": PROTOCOL_VERSION, "src": peer, "kind": "chunk",
+                        "to": receiver.endpoint, "step": 3,
+                    }
+                    assert isinstance(message.frames[0], zmq.Frame)  # received without a copy
+                    payload, tail = message.payloads
+                    assert np.array_equal(np.frombuffer(payload, dtype=np.float32), big[peer])
+                    assert bytes(tail) == b"tail"
+                assert receiver.counters["received"] == len(names) - 1
+                assert receiver.counters["malformed"] == receiver.counters["unknown_peer"] == 0
+                for peer in receiver.peers:
+                    assert receiver.peer_state(peer) == "up"
+                    stats = receiver.link_stats(peer)
+                    assert stats is not None
+                    rtt_s, bytes_per_s = stats
+                    assert 0 < rtt_s < 1.0 and bytes_per_s > 1e6
+        finally:
+            await close_all(links)
+
+    run(main())
+
+
+def test_three_links_exchange_large_payloads_over_curve(
+    keys: Callable[[list[str]], list[CurveConfig]],
+) -> None:
+    names = endpoints(3)
+    configs: list[CurveConfig | None] = list(keys(names))
+    exchange(names, configs)
+
+
+def test_two_links_insecure_mode_works_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gradsync.daemon.peers")
+    exchange(endpoints(2), [None, None])
+    assert "INSECURE" in caplog.text
+
+
+def test_sending_zero_copy_waits_until_buffers_are_released() -> None:
+    """After send() returns, overwriting the buffer cannot change what arrives."""
+
+    async def main() -> None:
+        names = endpoints(2)
+        a, b = await start_all(names, [None, None])
+        try:
+            data = np.full(8 * 1024 * 1024, 7, dtype=np.uint8)
+            await a.send(b.endpoint, {"kind": "chunk"}, [data])
+            data[:] = 0
+            message = await b.recv()
+            assert np.all(np.frombuffer(message.payloads[0], dtype=np.uint8) == 7)
+            with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+                await a.send(b.endpoint, {"kind": "chunk"}, [np.zeros((4, 4))[:, ::2]])
+            with pytest.raises(InvalidArgumentError, match="not declared"):
+                await a.send(b.endpoint, {"kind": "bogus"})
+            with pytest.raises(InvalidArgumentError, match="not a peer"):
+                await a.send("tcp://127.0.0.1:1", {"kind": "note"})
+        finally:
+            await close_all([a, b])
+
+    run(main())
+
+
+# -- configuration ----------------------------------------------------------------
+
+
+def test_missing_keys_without_insecure_raises() -> None:
+    names = endpoints(2)
+    with pytest.raises(ConfigError, match=r"--curve-secret.*--curve-authorized.*--insecure"):
+        PeerLinks(names[0], names)
+    PeerLinks(names[0], [names[0]])  # alone: nothing to secure, nothing bound
+
+
+def test_self_is_recognised_under_an_equivalent_address() -> None:
+    own, other = free_ports(2)
+    links = PeerLinks(
+        f"tcp://127.0.0.1:{own}",
+        [f"tcp://localhost:{own}", f"tcp://127.0.0.1:{other}"],
+        insecure=True,
+    )
+    assert links.endpoint == f"tcp://localhost:{own}"
+    assert links.peers == (f"tcp://127.0.0.1:{other}",)
+    wildcard = PeerLinks(
+        f"tcp://*:{own}", [f"tcp://127.0.0.1:{own}", f"tcp://127.0.0.1:{other}"], insecure=True
+    )
+    assert wildcard.peers == (f"tcp://127.0.0.1:{other}",)
+    with pytest.raises(ConfigError, match="twice"):
+        PeerLinks(
+            f"tcp://127.0.0.1:{own}",
+            [f"tcp://127.0.0.1:{other}", f"tcp://localhost:{other}"],
+            insecure=True,
+        )
+    with pytest.raises(ConfigError, match="list this daemon's own address"):
+        PeerLinks(f"tcp://*:{own}", [f"tcp://127.0.0.1:{other}"], insecure=True)
+
+
+def test_peers_file(tmp_path: Path) -> None:
+    path = tmp_path / "peers"
+    path.write_text("# cluster\ntcp://node1:7070\n\n  tcp://[::1]:7071  # v6\n")
+    assert read_peers_file(str(path)) == ["tcp://node1:7070", "tcp://[::1]:7071"]
+    path.write_text("tcp://node1:7070\nnode2:7070\n")
+    with pytest.raises(ValueError, match=r"peers:2: .*tcp://HOST:PORT"):
+        read_peers_file(str(path))
+
+
+def test_secret_key_readable_by_others_is_refused(
+    keys: Callable[[list[str]], list[CurveConfig]],
+) -> None:
+    names = endpoints(2)
+    config = keys(names)[0]
+    os.chmod(config.secret_file, 0o644)
+    with pytest.raises(KeyFileError, match=rf"{config.secret_file} has mode 0644"):
+        PeerLinks(names[0], names, config)
+
+
+def test_peer_without_recorded_endpoint_is_refused(tmp_path: Path) -> None:
+    names = endpoints(2)
+    folder = tmp_path / "authorized"
+    folder.mkdir(mode=0o700)
+    _, secret = generate_keypair(str(tmp_path / "a"), "a", names[0])
+    public_b, _ = generate_keypair(str(tmp_path / "b"), "b")  # no --endpoint
+    os.replace(public_b, folder / "b.key")
+    with pytest.raises(KeyFileError, match=rf"records the endpoint of peer {names[1]}"):
+        PeerLinks(names[0], names, CurveConfig(secret, str(folder)))
+
+
+# -- authentication ------------------------------------------------------------------
+
+
+def test_unknown_key_never_delivers_and_is_counted(
+    tmp_path: Path, keys: Callable[[list[str]], list[CurveConfig]],
+) -> None:
+    names = endpoints(2)
+    config_a, config_b = keys(names)
+    # A rogue daemon knows A's public key and address but its own key is not authorised.
+    rogue_folder = tmp_path / "rogue-authorized"
+    rogue_folder.mkdir(mode=0o700)
+    rogue_public, rogue_secret = generate_keypair(str(tmp_path / "rogue"), "rogue")
+    (rogue_folder / "a.key").write_bytes((Path(config_a.authorized_dir) / "node0.key").read_bytes())
+    os.replace(rogue_public, rogue_folder / "rogue.key")
+    rogue_endpoint = endpoints(1)[0]
+
+    async def main() -> None:
+        a, b = await start_all(names, [config_a, config_b])
+        rogue_keys = CurveConfig(rogue_secret, str(rogue_folder))
+        rogue = PeerLinks(
+            rogue_endpoint, [rogue_endpoint, names[0]], rogue_keys, kinds=KINDS, **FAST
+        )
+        await rogue.start()
+        # A raw CURVE socket with the rogue key, queueing messages before the handshake.
+        context = zmq.asyncio.Context()
+        raw = context.socket(zmq.DEALER)
+        raw.linger = 0
+        raw.routing_id = names[1].encode()  # even claiming to be B does not help
+        raw.curve_publickey, raw.curve_secretkey = zmq.curve_keypair()
+        raw.curve_serverkey = (Path(config_a.authorized_dir) / "node0.key").read_text().split(
+            'public-key = "')[1][:40].encode()
+        raw.connect(names[0])
+        header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "note", "src": names[1]})
+        raw.send_multipart([header])
+        try:
+            await poll(
+                lambda: a.counters["rejected_keys"] >= 2 and rogue.counters["handshake_failed"] > 0,
+                READY_S, "the rejections",
+            )
+            assert rogue.peer_state(names[0]) == "connecting"
+            with pytest.raises(PeerLostError):
+                await rogue.send(names[0], {"kind": "note"})
+            await b.send(names[0], {"kind": "note", "from": "b"})
+            message = await a.recv()
+            assert (message.peer, message.header["from"]) == (names[1], "b")
+            assert a.counters["received"] == 1
+        finally:
+            context.destroy(linger=0)
+            await close_all([a, b, rogue])
+
+    run(main())
+
+
+def test_authorised_daemon_cannot_speak_for_another(
+    keys: Callable[[list[str]], list[CurveConfig]],
+) -> None:
+    names = endpoints(3)  # the third daemon is authorised but not running
+    configs = keys(names)
+
+    async def main() -> None:
+        a = PeerLinks(names[0], names, configs[0], kinds=KINDS, **FAST)
+        b = PeerLinks(names[1], names, configs[1], kinds=KINDS, **FAST)
+        for links in (a, b):
+            await links.start()
+        await a.wait_up(READY_S, [names[1]])
+        await b.wait_up(READY_S, [names[0]])
+        context = zmq.asyncio.Context()
+        try:
+            # B's own key, but claiming to be the third daemon.
+            secret_b = load_secret(configs[1].secret_file)
+            raw = context.socket(zmq.DEALER)
+            raw.linger = 0
+            raw.routing_id = names[2].encode()
+            raw.curve_publickey, raw.curve_secretkey = secret_b.public_key, secret_b.secret_key
+            raw.curve_serverkey = load_secret(configs[0].secret_file).public_key
+            raw.connect(names[0])
+            await raw.send_multipart(
+                [msgpack.packb({"v": PROTOCOL_VERSION, "kind": "note", "src": names[2]})]
+            )
+            await poll(lambda: a.counters["unknown_peer"] == 1, READY_S, "the drop")
+            await b.send(names[0], {"kind": "note"})
+            assert (await a.recv()).peer == names[1]
+            assert a.counters["received"] == 1
+        finally:
+            context.destroy(linger=0)
+            await close_all([a, b])
+
+    run(main())
+
+
+def test_close_wakes_receivers_and_is_prompt() -> None:
+    async def main() -> None:
+        a, b = await start_all(endpoints(2), [None, None])
+        receiver = asyncio.ensure_future(a.recv())
+        iterated: list[PeerMessage] = []
+
+        async def iterate() -> None:
+            async for message in b:
+                iterated.append(message)
+
+        iterator = asyncio.ensure_future(iterate())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await close_all([a, b])
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(DaemonShuttingDownError):
+            await receiver
+        await iterator
+        assert iterated == []
+        with pytest.raises(DaemonShuttingDownError):
+            await a.send(b.endpoint, {"kind": "note"})
+
+    run(main())
+
+
+# -- malformed input ---------------------------------------------------------------------
+
+
+def test_malformed_messages_are_dropped_and_counted() -> None:
+    names = endpoints(2)
+
+    def header(**fields: Any) -> bytes:
+        base: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "note", "src": names[1]}
+        return msgpack.packb({**base, **fields})
+
+    bad = [
+        [b"\xc1 not msgpack"],
+        [msgpack.packb([1, 2, 3])],
+        [msgpack.packb({1: "int key"})],
+        [header(v=PROTOCOL_VERSION + 1)],
+        [header(v=True)],
+        [header(kind="no-such-kind")],
+        [header(kind="link.pong", seq=1)],
+        [header(src=names[0])],
+        [header(kind="link.ping")],  # no seq
+        [msgpack.packb({"v": PROTOCOL_VERSION, "kind": "note"})],
+        [b"\x00" * (64 * 1024 + 1)],
+    ]
+
+    def validate(message: dict[str, Any]) -> None:
+        if message.get("poison"):
+            raise ValueError("poisoned")
+
+    async def main() -> None:
+        a = PeerLinks(names[0], names, insecure=True, kinds=KINDS, validate=validate, **FAST)
+        await a.start()
+        context = zmq.asyncio.Context()
+        try:
+            impostor = context.socket(zmq.DEALER)
+            impostor.linger = 0
+            impostor.routing_id = names[1].encode()
+            impostor.connect(names[0])
+            stranger = context.socket(zmq.DEALER)
+            stranger.linger = 0
+            stranger.routing_id = b"tcp://127.0.0.1:9"
+            stranger.connect(names[0])
+            await stranger.send_multipart([header(src="tcp://127.0.0.1:9")])
+            for frames in [*bad, [header(poison=True)]]:
+                await impostor.send_multipart(frames)
+            await impostor.send_multipart([header(ok=1), b"payload"])
+            message = await a.recv()
+            assert message.header["ok"] == 1 and bytes(message.payloads[0]) == b"payload"
+            assert a.counters["malformed"] == len(bad) + 1
+            await poll(lambda: a.counters["unknown_peer"] == 1, READY_S, "the stranger")
+        finally:
+            context.destroy(linger=0)
+            await a.close()
+
+    run(main())
+
+
+# -- peer loss ------------------------------------------------------------------------------
+
+CHILD = """
+import asyncio, json, sys
+from gradsync.daemon.peers import PeerLinks
+
+async def main():
+    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), insecure=True,
+                      peer_timeout_s=float(sys.argv[3]), probe_bytes=1 << 20)
+    await links.start()
+    print("started", flush=True)
+    async for _ in links:
+        pass
+
+asyncio.run(main())
+"""
+
+
+@contextlib.contextmanager
+def child_links(
+    listen: str, peers: list[str], peer_timeout_s: float
+) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", CHILD, listen, json.dumps(peers), str(peer_timeout_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+        process.communicate(timeout=10)
+
+
+def notice_loss(how: signal.Signals) -> None:
+    peer_timeout_s = 1.0
+    margin_s = 0.5
+    names = endpoints(2)
+    lost_at: list[float] = []
+    up_count: list[int] = []
+
+    async def main(child: subprocess.Popen[str]) -> None:
+        links = PeerLinks(
+            names[0], names, insecure=True, kinds=KINDS, peer_timeout_s=peer_timeout_s,
+            on_peer_lost=lambda peer: lost_at.append(time.monotonic()),
+            on_peer_up=lambda peer: up_count.append(1),
+        )
+        await links.start()
+        try:
+            try:
+                await links.wait_up(READY_S)
+            except TimeoutError:
+                child.kill()
+                raise AssertionError(f"child never came up: {child.communicate()[1]}") from None
+            signalled = time.monotonic()
+            os.kill(child.pid, how)
+            await poll(lambda: bool(lost_at), peer_timeout_s + 5, "the loss")
+            delay = lost_at[0] - signalled
+            assert delay <= peer_timeout_s + margin_s, f"noticed after {delay:.2f}s"
+            if how == signal.SIGSTOP:  # by missed heartbeats: after timeout - interval at least
+                assert delay >= 0.7 * peer_timeout_s, f"noticed after {delay:.2f}s"
+            assert links.peer_state(names[1]) == "lost"
+            assert links.counters["peer_lost"] == 1
+            with pytest.raises(PeerLostError, match=names[1]):
+                await links.send(names[1], {"kind": "note"})
+            if how == signal.SIGSTOP:  # it comes back when continued
+                os.kill(child.pid, signal.SIGCONT)
+                await links.wait_up(READY_S)
+                assert len(up_count) == 2
+        finally:
+            await links.close()
+
+    with child_links(names[1], names, peer_timeout_s) as child:
+        run(main(child))
+
+
+def test_killed_peer_is_noticed_within_the_peer_timeout() -> None:
+    notice_loss(signal.SIGKILL)
+
+
+def test_stopped_peer_is_noticed_within_the_peer_timeout() -> None:
+    notice_loss(signal.SIGSTOP)
