@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from gradsync.client.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.launch import add_launch_arguments, run_launch
 from gradsync.client.ping import ping
 from gradsync.protocol.endpoint import default_endpoint
@@ -25,6 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_arguments(launch)
 
+    keygen = commands.add_parser(
+        "keygen", help="create a CURVE keypair for a daemon's peer links",
+        description="Write NAME.key (public: copy it into every peer's authorized folder) "
+        "and NAME.key_secret (mode 0600: stays on this node) in DIR.",
+    )
+    add_keygen_arguments(keygen)
+
     ping_parser = commands.add_parser("ping", help="check that a daemon answers")
     ping_parser.add_argument(
         "--daemon", default=None, metavar="ENDPOINT",
@@ -38,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         return int(run_launch(args))
+    if args.command == "keygen":
+        return int(run_keygen(args))
     if args.command == "ping":
         return int(ping(args.daemon, args.timeout_s))
     return 2

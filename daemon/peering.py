@@ -22,9 +22,9 @@ log = logging.getLogger("gradsync.daemon.peering")
 
 #: Message kinds daemons exchange (besides the links' own probes).
 PEER_KINDS = ("announce", "withdraw", "slice", "abort")
-#: Control messages that only matter to a peer that is up; it hears them again
-#: (re-announced) when its link comes up.
-_CONTROL_KINDS = frozenset({"announce", "withdraw"})
+#: Control messages that only matter to a peer that is up: a peer that is down
+#: fails its own collectives, and hears the announcements again when it is back.
+_CONTROL_KINDS = frozenset({"announce", "withdraw", "abort"})
 
 
 class LinksTransport:
@@ -102,6 +102,9 @@ class Peering:
             service.counters,
         )
         service.cluster = self.cluster
+        service.extra_counters = lambda: {
+            f"links_{name}": value for name, value in self.links.counters.items()
+        }
         self._pump: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

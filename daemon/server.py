@@ -106,7 +106,9 @@ async def serve(config: DaemonConfig) -> None:
                 await peering.start()
             except zmq.ZMQError as exc:
                 await peering.close()
-                raise StartupError(f"cannot bind the peer endpoint {config.listen}: {exc}") from None
+                raise StartupError(
+                    f"cannot bind the peer endpoint {config.listen}: {exc}"
+                ) from None
         server = await loop.create_unix_server(
             lambda: ClientSession(service), sock=_bind_unix(path)
         )

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +66,8 @@ class GradsyncService:
             "dropped_unknown_job": 0, "rejected_keys": 0,
         }
         self.cluster: ClusterJobs | None = None
+        #: More counters for `ping` (the peer links add theirs).
+        self.extra_counters: Callable[[], dict[str, int]] = dict
 
     # -- sessions -----------------------------------------------------------
 
@@ -129,6 +132,8 @@ class GradsyncService:
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "collective_timeout_s": self.config.collective_timeout_s,
+            "counters": {**self.counters, **self.extra_counters()},
+            "jobs": len(self.jobs),
         }
 
     def _hello(self, session: ClientSession, message: Message) -> None:

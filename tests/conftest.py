@@ -103,13 +103,17 @@ def wait_until_ready(endpoint: str, process: subprocess.Popen[bytes], log_path: 
 
 
 def launch_daemon(
-    folder: str, *args: str, env: dict[str, str] | None = None, name: str = "d"
+    folder: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    name: str = "d",
+    prefix: Sequence[str] = (),
 ) -> DaemonProcess:
     endpoint = f"ipc://{folder}/{name}.sock"
     log_path = Path(folder) / f"{name}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gradsync.daemon", "--socket", endpoint, *args],
+            [*prefix, sys.executable, "-m", "gradsync.daemon", "--socket", endpoint, *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -133,8 +137,10 @@ def start_daemon(short_tmp: str) -> Iterator[object]:
     """Factory: start daemons; each must exit 0 on SIGTERM and leave no segment."""
     started: list[DaemonProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        daemon = launch_daemon(short_tmp, *args, env=env, name=f"d{len(started)}")
+    def start(
+        *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    ) -> DaemonProcess:
+        daemon = launch_daemon(short_tmp, *args, env=env, name=f"d{len(started)}", prefix=prefix)
         started.append(daemon)
         return daemon
 

@@ -1,0 +1,166 @@
+"""Multi-node failures: dead or frozen peers, mismatches, stale generations, CURVE keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import zmq
+from cluster import free_ports, peer_args, run_spread, spawn_spread
+
+from conftest import DaemonProcess, collect
+from gradsync.client.ping import query
+from gradsync.daemon.peers.wire import encode_header
+
+StartDaemon = Callable[..., DaemonProcess]
+PEER_TIMEOUT_S = 2.0
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def counters(daemon: DaemonProcess) -> dict[str, int]:
+    return dict(query(daemon.endpoint, 5.0)["counters"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_lost_peer_fails_collectives_with_peer_lost(
+    start_daemon: StartDaemon, short_tmp: str, how: str
+) -> None:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(3)]
+    daemons = [
+        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
+                                str(PEER_TIMEOUT_S)))
+        for i in range(3)
+    ]
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    ranks = spawn_spread(daemons, (1, 1, 1), "multinode_hold.py",
+                         [str(4 * 1024 * 1024), str(markers)], job="hold")
+    wait_for(lambda: len(list(markers.iterdir())) == 3, 60, "all ranks to start reducing")
+    victim = daemons[2]
+    struck = time.monotonic()
+    victim.process.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+    try:
+        survivors = collect(ranks[:2], timeout_s=PEER_TIMEOUT_S + 20)
+    finally:
+        if how == "sigstop":
+            ranks[2].kill()
+            victim.process.kill()
+            victim.process.wait()
+    for result in survivors:
+        outcome = result.records()[-1]
+        assert outcome["error"] == "PeerLostError", result.stdout + result.stderr
+        assert endpoints[2] in outcome["message"], outcome
+        assert "job 'hold'" in outcome["message"], outcome
+        # Noticed within the peer timeout plus a margin for a loaded 2-core machine.
+        assert outcome["at"] - struck < PEER_TIMEOUT_S + 8, outcome
+    if how == "sigkill":
+        killed_rank = collect(ranks[2:], timeout_s=20)[0]
+        assert killed_rank.records()[-1]["error"] == "DaemonUnavailableError"
+    # The survivors go on serving: a new job across them works.
+    results = run_spread(daemons[:2], (1, 1), "multinode_allreduce.py", ["ring"], job="after")
+    assert all(r.records()[-1]["failures"] == 0 for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_cross_node_mismatch_names_ranks_and_job_continues(start_daemon: StartDaemon) -> None:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(2)]
+    results = run_spread(daemons, (1, 1), "multinode_mismatch.py", job="mm")
+    for result in results:
+        records = result.records()
+        message = records[0]["mismatch"]
+        assert message and "ranks [0]" in message and "ranks [1]" in message, message
+        assert "float32[10]" in message and "float32[20]" in message, message
+        assert records[0]["untouched"] is True
+        assert records[1]["after"] == [2.0] * 5
+
+
+@pytest.mark.timeout(120)
+def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tmp: str) -> None:
+    ghost_port, *ports = free_ports(3)
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in ports]
+    ghost = f"tcp://127.0.0.1:{ghost_port}"  # listed as a peer, never started
+    daemons = [
+        start_daemon(
+            *peer_args(i, endpoints, "--insecure"), "--peers", ",".join([*endpoints, ghost])
+        )
+        for i in range(2)
+    ]
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py", ["1000", str(markers)], job="live")
+    try:
+        wait_for(lambda: len(list(markers.iterdir())) == 2, 60, "the job to run")
+        before = counters(daemons[0])["stale_generation"]
+        context = zmq.Context()
+        try:
+            fake = context.socket(zmq.DEALER)
+            fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
+            fake.setsockopt(zmq.LINGER, 0)
+            fake.connect(endpoints[0])
+            header = {"kind": "slice", "job": "live", "gen": 12345, "key": 0,
+                      "fp": ["allreduce", "float32", 1000, "sum", "ring"],
+                      "step": 0, "start": 0, "stop": 1000}
+            for _ in range(5):
+                fake.send_multipart([encode_header(ghost, header), bytes(4000)])
+            wait_for(lambda: counters(daemons[0])["stale_generation"] >= before + 5, 20,
+                     "the stale slices to be counted")
+        finally:
+            context.destroy(linger=0)
+        # The live job is unaffected: both ranks are still reducing correctly.
+        daemons[0].assert_alive()
+    finally:
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+        collect(ranks, timeout_s=20)
+
+
+@pytest.mark.timeout(120)
+def test_curve_links_work_and_unknown_keys_are_rejected(
+    start_daemon: StartDaemon, short_tmp: str
+) -> None:
+    ports = free_ports(3)
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in ports[:2]]
+    intruder_endpoint = f"tcp://127.0.0.1:{ports[2]}"
+    keys, authorized, rogue = (Path(short_tmp) / n for n in ("keys", "authorized", "rogue"))
+    for folder in (keys, authorized, rogue):
+        folder.mkdir(mode=0o700)
+    for index, endpoint in enumerate(endpoints):
+        subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(keys),
+                        "--name", f"node{index}", "--endpoint", endpoint], check=True)
+        os.link(keys / f"node{index}.key", authorized / f"node{index}.key")
+    subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(rogue),
+                    "--name", "intruder", "--endpoint", intruder_endpoint], check=True)
+    daemons = [
+        start_daemon(*peer_args(i, endpoints, "--curve-secret", str(keys / f"node{i}.key_secret"),
+                                "--curve-authorized", str(authorized)))
+        for i in range(2)
+    ]
+    # The intruder trusts node0's key, but node0 does not know the intruder's.
+    rogue_trust = Path(short_tmp) / "rogue-trust"
+    rogue_trust.mkdir(mode=0o700)
+    os.link(keys / "node0.key", rogue_trust / "node0.key")
+    start_daemon("--listen", intruder_endpoint, "--peers", f"{endpoints[0]},{intruder_endpoint}",
+                 "--curve-secret", str(rogue / "intruder.key_secret"),
+                 "--curve-authorized", str(rogue_trust))
+    wait_for(lambda: counters(daemons[0])["links_rejected_keys"] >= 1, 30,
+             "node0 to refuse the intruder's key")
+    results = run_spread(daemons, (1, 1), "multinode_allreduce.py", ["ring,auto"], job="sealed")
+    assert all(r.records()[-1]["failures"] == 0 for r in results)
+    assert counters(daemons[0])["links_unknown_peer"] == 0
+    assert json.dumps(counters(daemons[0]))  # the snapshot is plain data

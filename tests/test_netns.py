@@ -1,0 +1,72 @@
+"""The same job across daemons in separate network namespaces joined by a veth pair.
+
+Each daemon runs in its own namespace and reaches the other only through the
+veth link, over addresses this test assigns inside the namespaces it creates
+(and removes afterwards).  Needs root and iproute2; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+
+import pytest
+from cluster import run_spread
+
+from conftest import DaemonProcess
+
+StartDaemon = Callable[..., DaemonProcess]
+SUBNET = "10.213.47"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[str, str]]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    names = (f"gsa{tag}", f"gsb{tag}")
+    veth = (f"gsva{tag}", f"gsvb{tag}")
+    try:
+        for name in names:
+            _ip("netns", "add", name)
+        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
+        for index, (name, link) in enumerate(zip(names, veth, strict=True), start=1):
+            _ip("link", "set", link, "netns", name)
+            _ip("-n", name, "addr", "add", f"{SUBNET}.{index}/24", "dev", link)
+            _ip("-n", name, "link", "set", link, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        pytest.skip(f"cannot create network namespaces here: {exc}")
+    yield names
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+@pytest.mark.timeout(240)
+def test_job_across_network_namespaces(
+    start_daemon: StartDaemon, two_hosts: tuple[str, str]
+) -> None:
+    endpoints = [f"tcp://{SUBNET}.{i}:29400" for i in (1, 2)]
+    peers = ",".join(endpoints)
+    daemons = [
+        start_daemon("--listen", endpoints[i], "--peers", peers, "--insecure",
+                     prefix=["ip", "netns", "exec", two_hosts[i]])
+        for i in range(2)
+    ]
+    # Clients reach their daemon through its Unix socket (a file, not the network);
+    # the daemons reach each other only over the veth pair.
+    results = run_spread(daemons, (2, 1), "multinode_allreduce.py", ["ring,tree,rhd,auto"],
+                         job="netns")
+    for result in results:
+        summary = result.records()[-1]
+        assert summary["failures"] == 0, result.stdout
+    for daemon in daemons:
+        assert "formed across 2 daemons" in daemon.log()
