@@ -53,7 +53,13 @@ class DaemonConfig:
         """`peers` plus the endpoints listed in `peers_file`, in order, without repeats."""
         endpoints = list(self.peers)
         if self.peers_file:
-            endpoints += read_peers_file(self.peers_file)
+            # Imported here: the peers package itself imports this module.
+            from gradsync.daemon.peers.endpoints import read_peers_file
+
+            try:
+                endpoints += read_peers_file(self.peers_file)
+            except ValueError as exc:
+                raise ConfigError(f"bad peers_file: {exc}") from None
         return tuple(dict.fromkeys(endpoints))
 
 
@@ -148,31 +154,6 @@ def _algorithm(value: Any) -> str:
     if name not in ALGORITHM_CHOICES:
         raise ValueError(f"must be one of {', '.join(ALGORITHM_CHOICES)}, got {value!r}")
     return name
-
-
-def read_peers_file(path: str) -> list[str]:
-    """One endpoint per line (a hostfile); blank lines and `#` comments are skipped.
-
-    A bare `HOST:PORT` or `HOST PORT` line is read as tcp://HOST:PORT, so a
-    Slurm node list turned into lines with a port appended works as is.
-    """
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read peers file {path}: {exc.strerror}") from None
-    endpoints = []
-    for number, raw in enumerate(lines, 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if not line.startswith("tcp://"):
-            line = "tcp://" + ":".join(line.split())
-        try:
-            endpoints.append(_tcp_endpoint(line))
-        except ValueError as exc:
-            raise ConfigError(f"peers file {path}, line {number}: {exc}") from None
-    return endpoints
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -299,8 +299,12 @@ class GradsyncService:
                 return
             self._succeed(job, ready)
             return
+        self._spawn(ready, self._reduce_on_pool(job, ready, op, slots))
+
+    def _spawn(self, ready: PendingCollective, work: Coroutine[Any, Any, None]) -> None:
+        """Run a collective's coroutine as a task the shutdown can find."""
         self.in_flight[id(ready)] = ready
-        task = self.loop.create_task(self._reduce_on_pool(job, ready, op, slots))
+        task = self.loop.create_task(work)
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
@@ -320,16 +324,10 @@ class GradsyncService:
             return
         finally:
             self.in_flight.pop(id(ready), None)
-        if self.shutting_down:
-            self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
-            return
         self._succeed(job, ready)
 
     def _start_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        self.in_flight[id(ready)] = ready
-        task = self.loop.create_task(self._run_multi_node(job, ready, op))
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        self._spawn(ready, self._run_multi_node(job, ready, op))
 
     async def _run_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
         assert self.cluster is not None
@@ -355,9 +353,6 @@ class GradsyncService:
             return
         finally:
             self.in_flight.pop(id(ready), None)
-        if self.shutting_down:
-            self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
-            return
         self._succeed(job, ready)
 
     async def run_ranges(
@@ -378,6 +373,10 @@ class GradsyncService:
         )
 
     def _succeed(self, job: Job, ready: PendingCollective) -> None:
+        if self.shutting_down:
+            # The clients were already told; the result may not be complete everywhere.
+            self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
+            return
         job.completed += 1
         self.counters["collectives"] += 1
         for submission in ready.submissions.values():

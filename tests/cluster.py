@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from conftest import PROGRAMS, DaemonProcess, RankResult, collect
 
 
 def free_ports(count: int) -> list[int]:
-    """Ports the kernel just handed out; held open together so they differ."""
-    sockets = []
+    """Distinct ports free right now on 127.0.0.1.
+
+    Drawn below the kernel's ephemeral range, so that no outgoing connection
+    (of this or a concurrent test run) takes one before the links bind it.
+    """
     try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports: list[int] = []
+    with contextlib.ExitStack() as stack:
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket())
+            port = random.randrange(10_000, max(10_001, low))
+            with contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", port))
+                ports.append(port)
+    return ports
 
 
 def peer_args(index: int, endpoints: Sequence[str], *extra: str) -> list[str]:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,15 @@ from gradsync.protocol.shm import SHM_DIR
 
 PROGRAMS = Path(__file__).parent / "programs"
 READY_TIMEOUT_S = 20.0
+
+
+def poll_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        time.sleep(0.01)
 
 
 def assert_lock_released(lock_path: str) -> None:

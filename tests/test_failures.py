@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess, assert_lock_released, run_ranks, segments_of, spawn_ranks
+from conftest import (
+    DaemonProcess,
+    assert_lock_released,
+    poll_until,
+    run_ranks,
+    segments_of,
+    spawn_ranks,
+)
 from gradsync.client import (
     Client,
     CollectiveTimeoutError,
@@ -32,15 +39,6 @@ from gradsync.client import (
 
 StartDaemon = Callable[..., DaemonProcess]
 _SHM_NAME = re.compile(r"/dev/shm/(gradsync-\d+-[A-Za-z0-9_-]+)")
-
-
-def poll_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.01)
 
 
 class LineReader:

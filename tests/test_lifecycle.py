@@ -24,21 +24,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess, assert_lock_released, segments_of, wait_until_ready
+from conftest import DaemonProcess, assert_lock_released, poll_until, segments_of, wait_until_ready
 from gradsync.client import Client, DaemonUnavailableError, ShmExhaustedError
 from gradsync.client.ping import query
 from gradsync.protocol.shm import SHM_DIR
 
 StartDaemon = Callable[..., DaemonProcess]
 DAEMON = [sys.executable, "-m", "gradsync.daemon"]
-
-
-def poll_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager

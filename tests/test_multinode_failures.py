@@ -15,20 +15,12 @@ import pytest
 import zmq
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
-from conftest import DaemonProcess, collect
+from conftest import DaemonProcess, collect, poll_until
 from gradsync.client.ping import query
 from gradsync.daemon.peers.wire import encode_header
 
 StartDaemon = Callable[..., DaemonProcess]
 PEER_TIMEOUT_S = 2.0
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def counters(daemon: DaemonProcess) -> dict[str, int]:
@@ -50,7 +42,7 @@ def test_lost_peer_fails_collectives_with_peer_lost(
     markers.mkdir()
     ranks = spawn_spread(daemons, (1, 1, 1), "multinode_hold.py",
                          [str(4 * 1024 * 1024), str(markers)], job="hold")
-    wait_for(lambda: len(list(markers.iterdir())) == 3, 60, "all ranks to start reducing")
+    poll_until(lambda: len(list(markers.iterdir())) == 3, 60, "all ranks to start reducing")
     victim = daemons[2]
     struck = time.monotonic()
     victim.process.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
@@ -105,7 +97,7 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
     markers.mkdir()
     ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py", ["1000", str(markers)], job="live")
     try:
-        wait_for(lambda: len(list(markers.iterdir())) == 2, 60, "the job to run")
+        poll_until(lambda: len(list(markers.iterdir())) == 2, 60, "the job to run")
         before = counters(daemons[0])["stale_generation"]
         context = zmq.Context()
         try:
@@ -118,7 +110,7 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
                       "step": 0, "start": 0, "stop": 1000}
             for _ in range(5):
                 fake.send_multipart([encode_header(ghost, header), bytes(4000)])
-            wait_for(lambda: counters(daemons[0])["stale_generation"] >= before + 5, 20,
+            poll_until(lambda: counters(daemons[0])["stale_generation"] >= before + 5, 20,
                      "the stale slices to be counted")
         finally:
             context.destroy(linger=0)
@@ -158,7 +150,7 @@ def test_curve_links_work_and_unknown_keys_are_rejected(
     start_daemon("--listen", intruder_endpoint, "--peers", f"{endpoints[0]},{intruder_endpoint}",
                  "--curve-secret", str(rogue / "intruder.key_secret"),
                  "--curve-authorized", str(rogue_trust))
-    wait_for(lambda: counters(daemons[0])["links_rejected_keys"] >= 1, 30,
+    poll_until(lambda: counters(daemons[0])["links_rejected_keys"] >= 1, 30,
              "node0 to refuse the intruder's key")
     results = run_spread(daemons, (1, 1), "multinode_allreduce.py", ["ring,auto"], job="sealed")
     assert all(r.records()[-1]["failures"] == 0 for r in results)

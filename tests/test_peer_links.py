@@ -12,9 +12,7 @@ import contextlib
 import json
 import logging
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from cluster import free_ports
 
 from gradsync.client.keygen import generate_keypair
 from gradsync.daemon.config import ConfigError
@@ -51,25 +50,6 @@ READY_S = 10.0
 FAST: dict[str, Any] = {"peer_timeout_s": 5.0, "probe_bytes": 1 << 20, "probe_rounds": 3}
 
 
-def free_ports(count: int) -> list[int]:
-    """Distinct ports free right now on 127.0.0.1.
-
-    Drawn below the kernel's ephemeral range, so that no outgoing connection
-    (of this or a concurrent test run) takes one before the links bind it.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    ports: list[int] = []
-    with contextlib.ExitStack() as stack:
-        while len(ports) < count:
-            sock = stack.enter_context(socket.socket())
-            port = random.randrange(10_000, max(10_001, low))
-            with contextlib.suppress(OSError):
-                sock.bind(("127.0.0.1", port))
-                ports.append(port)
-    return ports
 
 
 def endpoints(count: int) -> list[str]:
@@ -252,8 +232,11 @@ def test_peers_file(tmp_path: Path) -> None:
     path = tmp_path / "peers"
     path.write_text("# cluster\ntcp://node1:7070\n\n  tcp://[::1]:7071  # v6\n")
     assert read_peers_file(str(path)) == ["tcp://node1:7070", "tcp://[::1]:7071"]
-    path.write_text("tcp://node1:7070\nnode2:7070\n")
-    with pytest.raises(ValueError, match=r"peers:2: .*tcp://HOST:PORT"):
+    # Hostfile style: bare HOST:PORT or HOST PORT lines.
+    path.write_text("node1:7070\nnode2 7071\n")
+    assert read_peers_file(str(path)) == ["tcp://node1:7070", "tcp://node2:7071"]
+    path.write_text("tcp://node1:7070\nnode2:port\n")
+    with pytest.raises(ValueError, match=r"peers:2: .*needs a port"):
         read_peers_file(str(path))
 
 

@@ -102,6 +102,8 @@ def same_endpoint(a: TcpEndpoint, b: TcpEndpoint) -> bool:
 def read_peers_file(path: str) -> list[str]:
     """Peer endpoints from a file: one `tcp://HOST:PORT` a line, `#` starts a comment.
 
+    A bare `HOST:PORT` or `HOST PORT` line is read as `tcp://HOST:PORT`, so a
+    hostfile or a Slurm node list with a port appended works as it is.
     Raises `ValueError` naming the file and line of a bad entry.
     """
     try:
@@ -114,6 +116,8 @@ def read_peers_file(path: str) -> list[str]:
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
+        if not text.startswith("tcp://"):
+            text = "tcp://" + ":".join(text.split())
         try:
             parse_tcp_endpoint(text)
         except ValueError as exc:

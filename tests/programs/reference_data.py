@@ -1,0 +1,59 @@
+"""Inputs and numpy reference results shared by the allreduce rank programs.
+
+Inputs are small integers (or ±1, 2 for prod), so sums, products, min and max
+are exact in every dtype and results can be compared for equality; only avg,
+which divides, needs a tolerance (`AVG_RTOL`).  Every rank can derive every
+other rank's input, so each checks the full result itself.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+AVG_RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6, "float64": 1e-12}
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def make_input(rank: int, case: int, shape: tuple[int, ...], dtype: str, op: str) -> np.ndarray:
+    count = int(np.prod(shape))
+    index = np.arange(count, dtype=np.int64)
+    if op == "prod":
+        values = np.array([1, 2, 1, -1, 1], dtype=np.int64)[(index * 3 + rank + case) % 5]
+        if dtype == "uint8":
+            values = np.abs(values)
+    else:
+        values = (index * (rank + 3) + case * 7 + rank * 11) % 9 - 4
+        if dtype == "uint8":
+            values = values + 4
+    return values.astype(np_dtype(dtype)).reshape(shape)
+
+
+def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    acc = inputs[0].copy()
+    with np.errstate(all="ignore"):
+        for x in inputs[1:]:
+            if op in ("sum", "avg"):
+                np.add(acc, x, out=acc)
+            elif op == "prod":
+                np.multiply(acc, x, out=acc)
+            elif op == "min":
+                np.minimum(acc, x, out=acc)
+            else:
+                np.maximum(acc, x, out=acc)
+    if op == "avg":
+        return (acc.astype(np.float64) / len(inputs)).astype(acc.dtype)
+    return acc
+
+
+def matches(result: np.ndarray, expected: np.ndarray, op: str, dtype: str) -> bool:
+    if result.shape != expected.shape:
+        return False
+    if op == "avg":
+        tolerance = AVG_RTOL[dtype]
+        return bool(np.allclose(result.astype(np.float64), expected.astype(np.float64),
+                                rtol=tolerance, atol=tolerance))
+    return bool(np.array_equal(result, expected))
