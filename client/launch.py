@@ -59,7 +59,11 @@ def log(message: str) -> None:
 
 
 @contextlib.contextmanager
-def daemon_for(endpoint: str | None, daemon_args: list[str] | None = None) -> Iterator[str]:
+def daemon_for(
+    endpoint: str | None,
+    daemon_args: list[str] | None = None,
+    signals: SignalForwarder | None = None,
+) -> Iterator[str]:
     """Yield an endpoint with a live daemon, starting a private one if needed."""
     candidate = endpoint or os.environ.get("GRADSYNC_DAEMON")
     if candidate is None and _answers(default_endpoint()):
@@ -69,20 +73,26 @@ def daemon_for(endpoint: str | None, daemon_args: list[str] | None = None) -> It
         yield candidate
         return
     folder = None
-    if candidate is None:
-        folder = tempfile.mkdtemp(prefix="gradsync-launch-")
-        candidate = f"ipc://{folder}/gradsyncd.sock"
     env = dict(os.environ)
     env.setdefault("GRADSYNC_LOG_LEVEL", "warning")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gradsync.daemon", "--socket", candidate, *(daemon_args or [])],
-        stdin=subprocess.DEVNULL,
-        env=env,
-        # Its own session: a Ctrl-C for the ranks must not stop it under them; launch
-        # stops it once the ranks are done.
-        start_new_session=True,
-    )
+    # A signal between creating the folder or the process and the `try` below
+    # would leak them: hold it until the cleanup is in place.
+    with signals.held() if signals else contextlib.nullcontext():
+        if candidate is None:
+            folder = tempfile.mkdtemp(prefix="gradsync-launch-")
+            candidate = f"ipc://{folder}/gradsyncd.sock"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gradsync.daemon", "--socket", candidate,
+             *(daemon_args or [])],
+            stdin=subprocess.DEVNULL,
+            env=env,
+            # Its own session: a Ctrl-C for the ranks must not stop it under them;
+            # launch stops it once the ranks are done.
+            start_new_session=True,
+        )
     try:
+        if signals is not None:
+            signals.raise_held()
         _wait_ready(candidate, process)
         log(f"started a private gradsyncd (pid {process.pid}) at {candidate}")
         yield candidate
@@ -151,6 +161,23 @@ class SignalForwarder:
         self.ranks: list[subprocess.Popen[bytes]] = []
         self.received: list[int] = []
         self._previous: dict[int, Any] = {}
+        self._holding = False
+        self._pending: list[int] = []
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Record, but do not act on, signals inside the block (see `raise_held`)."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
+    def raise_held(self) -> None:
+        """Act on the signals that arrived while held."""
+        pending, self._pending = self._pending, []
+        for signum in pending:
+            self._act(signum)
 
     def __enter__(self) -> SignalForwarder:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -163,6 +190,12 @@ class SignalForwarder:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received.append(signum)
+        if self._holding:
+            self._pending.append(signum)
+        else:
+            self._act(signum)
+
+    def _act(self, signum: int) -> None:
         if not self.ranks:
             raise LaunchInterrupted(signum)
         for rank in self.ranks:
@@ -186,7 +219,9 @@ def run_ranks(
                 LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nproc),
                 GROUP_RANK=str(node_rank), GRADSYNC_DAEMON=endpoint, GRADSYNC_JOB=job,
             )
-            ranks.append(subprocess.Popen(command, env=env))
+            with signals.held():
+                ranks.append(subprocess.Popen(command, env=env))
+            signals.raise_held()
         code = _watch(ranks, received)
         # Like torchrun: a launch stopped by a signal is not a success, however the
         # ranks exited.
@@ -242,7 +277,7 @@ def run_launch(args: argparse.Namespace) -> int:
             "and --peers on every node (or pass them here for a private daemon)")
     with SignalForwarder() as signals:
         try:
-            with daemon_for(args.daemon, daemon_args) as endpoint:
+            with daemon_for(args.daemon, daemon_args, signals) as endpoint:
                 return run_ranks(
                     command, args.nproc_per_node, endpoint, job, args.nnodes, args.node_rank,
                     signals,
