@@ -1,0 +1,185 @@
+"""The allreduce implementations under test, as seen from one rank.
+
+Each contender gives the measurement loop the same four things: a float32
+buffer of a given length, a zero-argument function that sum-allreduces that
+buffer in place, a barrier, and an exact max over ranks of one float (used to
+agree on sample counts).  Heavy imports (gradsync, torch, mpi4py) happen only
+in the contender that needs them, so a missing library only costs its column.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+from machine import process_cpu_s
+
+
+class Contender(Protocol):
+    """One rank's handle on an allreduce implementation."""
+
+    rank: int
+    world_size: int
+
+    def allocate(self, count: int) -> np.ndarray:
+        """A float32 buffer of `count` elements, where this contender wants it."""
+        ...
+
+    def reducer(self, buffer: np.ndarray) -> Callable[[], None]:
+        """A function that sum-allreduces `buffer` in place, as cheaply as the API allows."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def agree_max(self, value: float) -> float:
+        """The maximum of `value` over all ranks, identical on every rank."""
+        ...
+
+    def daemon_cpu_s(self) -> float | None:
+        """CPU seconds the gradsync daemon has used so far; None where there is none."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class GradsyncContender:
+    """gradsync through its public `Client`; `zero_copy` picks `empty()` or numpy buffers."""
+
+    def __init__(self, zero_copy: bool) -> None:
+        from gradsync.client import Client
+
+        self.client = Client()
+        self.zero_copy = zero_copy
+        self.rank = self.client.rank
+        self.world_size = self.client.world_size
+        # There is no barrier collective yet: a one-element allreduce stands in for it.
+        self._barrier_buffer = self.client.empty((1,), np.float32)
+        self._agree_buffer = self.client.empty((1,), np.float64)
+
+    def allocate(self, count: int) -> np.ndarray:
+        if self.zero_copy:
+            buffer: np.ndarray = self.client.empty((count,), np.float32)
+            return buffer
+        return np.empty(count, dtype=np.float32)
+
+    def reducer(self, buffer: np.ndarray) -> Callable[[], None]:
+        client = self.client
+
+        def op() -> None:
+            client.all_reduce(buffer, op="sum")
+
+        return op
+
+    def barrier(self) -> None:
+        self.client.all_reduce(self._barrier_buffer, op="sum")
+
+    def agree_max(self, value: float) -> float:
+        self._agree_buffer[0] = value
+        self.client.all_reduce(self._agree_buffer, op="max")
+        return float(self._agree_buffer[0])
+
+    def daemon_cpu_s(self) -> float | None:
+        return process_cpu_s(self.client.daemon_pid)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class GlooContender:
+    """torch.distributed with the gloo backend, initialised through a file store."""
+
+    def __init__(self, init_file: str, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch: Any = torch
+        self._dist: Any = dist
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def allocate(self, count: int) -> np.ndarray:
+        return np.empty(count, dtype=np.float32)
+
+    def reducer(self, buffer: np.ndarray) -> Callable[[], None]:
+        tensor = self._torch.from_numpy(buffer)  # shares memory with `buffer`
+        all_reduce = self._dist.all_reduce
+        sum_op = self._dist.ReduceOp.SUM
+
+        def op() -> None:
+            all_reduce(tensor, op=sum_op)
+
+        return op
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def agree_max(self, value: float) -> float:
+        tensor = self._torch.tensor([value], dtype=self._torch.float64)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX)
+        return float(tensor[0])
+
+    def daemon_cpu_s(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        self._dist.destroy_process_group()
+
+
+class MpiContender:
+    """mpi4py's buffer-based `Allreduce(MPI.IN_PLACE, ...)` under mpirun."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self._mpi: Any = MPI
+        self.comm: Any = MPI.COMM_WORLD
+        self.rank = int(self.comm.Get_rank())
+        self.world_size = int(self.comm.Get_size())
+
+    def allocate(self, count: int) -> np.ndarray:
+        return np.empty(count, dtype=np.float32)
+
+    def reducer(self, buffer: np.ndarray) -> Callable[[], None]:
+        allreduce = self.comm.Allreduce
+        in_place = self._mpi.IN_PLACE
+        spec = [buffer, self._mpi.FLOAT]
+        sum_op = self._mpi.SUM
+
+        def op() -> None:
+            allreduce(in_place, spec, op=sum_op)
+
+        return op
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def agree_max(self, value: float) -> float:
+        return float(self.comm.allreduce(value, op=self._mpi.MAX))
+
+    def daemon_cpu_s(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        pass  # mpi4py finalizes at exit
+
+
+def make_contender(key: str, init_file: str, timeout_s: float) -> Contender:
+    if key == "gradsync-empty":
+        return GradsyncContender(zero_copy=True)
+    if key == "gradsync-numpy":
+        return GradsyncContender(zero_copy=False)
+    if key == "gloo":
+        return GlooContender(init_file, timeout_s)
+    if key == "mpi":
+        return MpiContender()
+    raise ValueError(f"unknown contender {key!r}")
