@@ -55,6 +55,10 @@ class SegmentRegistry:
             weakref.finalize(mapping, self._forget, segment_id, True)
         return mapping
 
+    def forget(self, segment_id: int) -> None:
+        """Stop tracking a segment and queue it for freeing in the daemon."""
+        self._forget(segment_id, True)
+
     def _forget(self, segment_id: int, free_in_daemon: bool) -> None:
         with self._lock:
             self._segments.pop(segment_id, None)
@@ -87,11 +91,18 @@ class ScratchSlot:
 
 
 class ScratchPool:
-    """Reusable segments for staging ordinary arrays, by power-of-two capacity."""
+    """Reusable segments for staging ordinary arrays, by power-of-two capacity.
 
-    def __init__(self) -> None:
+    Idle slots beyond `retain_bytes` are handed back to the daemon, so one
+    all-reduce of a huge ordinary array does not pin its scratch for the
+    client's lifetime.
+    """
+
+    def __init__(self, registry: SegmentRegistry, retain_bytes: int = 256 * 1024**2) -> None:
         self._lock = threading.Lock()
         self._free: list[ScratchSlot] = []
+        self._registry = registry
+        self.retain_bytes = retain_bytes
 
     @staticmethod
     def capacity_for(nbytes: int) -> int:
@@ -110,6 +121,14 @@ class ScratchPool:
     def give_back(self, slot: ScratchSlot) -> None:
         with self._lock:
             self._free.append(slot)
+            idle = sum(s.capacity for s in self._free)
+            # Release the largest idle slots first.
+            for victim in sorted(self._free, key=lambda s: s.capacity, reverse=True):
+                if idle <= self.retain_bytes:
+                    break
+                self._free.remove(victim)
+                idle -= victim.capacity
+                self._registry.forget(victim.segment_id)
 
     def clear(self) -> None:
         with self._lock:

@@ -55,7 +55,7 @@ class Client:
         self.timeout_s = identity.timeout_s
         self.algorithm: str | None = os.environ.get("GRADSYNC_ALGO") or None
         self._segments = SegmentRegistry()
-        self._scratch = ScratchPool()
+        self._scratch = ScratchPool(self._segments)
         self._submit_lock = threading.Lock()
         self._sequence = 0
         self._closed = False

@@ -134,6 +134,8 @@ class GradsyncService:
             "collective_timeout_s": self.config.collective_timeout_s,
             "counters": {**self.counters, **self.extra_counters()},
             "jobs": len(self.jobs),
+            "shm_in_use": self.pool.in_use,
+            "segments": len(self.pool),
         }
 
     def _hello(self, session: ClientSession, message: Message) -> None:

@@ -53,6 +53,10 @@ REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
 }
 
+_ALLOWED_KEYS = {
+    kind: frozenset(schema) | {"v", "id", "kind"} for kind, schema in (REQUESTS | REPLIES).items()
+}
+
 MAX_KEY_CHARS = 256
 #: Error messages are cut to this many characters so a reply always fits a frame.
 MAX_ERROR_CHARS = 4096
@@ -81,13 +85,15 @@ def _check_fields(
             if required:
                 raise ProtocolError(f"{clip(kind)} message lacks field {field!r}")
             continue
-        if not _type_ok(message[field], types):
+        # msgpack yields exact builtin types, so an exact type test is enough (and
+        # keeps bool out of int fields); subclasses only come from local callers.
+        if type(message[field]) not in types and not _type_ok(message[field], types):
             names = "/".join("nil" if t is _NONE else t.__name__ for t in types)
             raise ProtocolError(
                 f"{clip(kind)} field {field!r} must be {names}, "
                 f"got {type(message[field]).__name__}"
             )
-    if not extra_allowed:
+    if not extra_allowed and not message.keys() <= _ALLOWED_KEYS[kind]:
         extra = set(message) - set(schema) - {"v", "id", "kind"}
         if extra:
             raise ProtocolError(

@@ -36,6 +36,7 @@ from gradsync.client import (
     JobError,
     RankLostError,
 )
+from gradsync.client.ping import query
 
 StartDaemon = Callable[..., DaemonProcess]
 _SHM_NAME = re.compile(r"/dev/shm/(gradsync-\d+-[A-Za-z0-9_-]+)")
@@ -399,3 +400,17 @@ def test_wait_timeout_leaves_the_collective_in_flight_until_the_peer_catches_up(
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.timeout(60)
+def test_scratch_for_a_huge_ordinary_array_is_not_kept(daemon: DaemonProcess) -> None:
+    """Staging a 320 MiB ordinary array must not pin 512 MiB of scratch for good."""
+    with Client(daemon=daemon.endpoint, job="scratch", rank=0, world_size=1) as client:
+        huge = np.ones(80 * 1024 * 1024, np.float32)
+        client.all_reduce(huge)
+        assert huge[0] == 1 and huge[-1] == 1
+        small = np.ones(16, np.float32)
+        client.all_reduce(small)  # flushes the queued free
+        client.all_reduce(small)
+        in_use = query(daemon.endpoint, 5.0)["shm_in_use"]
+        assert in_use <= 256 * 1024**2, in_use
