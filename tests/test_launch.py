@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster import free_ports
 
 from conftest import PROGRAMS, DaemonProcess, assert_lock_released, launch_daemon, segments_of
 from gradsync.protocol.version import __version__
@@ -390,3 +391,31 @@ def test_ping_a_killed_daemon_fails(daemon: DaemonProcess, sandbox: dict[str, Pa
     assert result.returncode == 1
     assert daemon.endpoint in result.stderr
     assert "no gradsync daemon answers" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_two_node_launch_numbers_ranks_like_torchrun(sandbox: dict[str, Path]) -> None:
+    """Two launches (one per "node"), each with a private daemon that has peers."""
+    ports = free_ports(2)
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in ports]
+    launchers = []
+    for node in range(2):
+        run_dir = sandbox["run"] / f"node{node}"
+        run_dir.mkdir(mode=0o700)
+        env = clean_env(sandbox, XDG_RUNTIME_DIR=str(run_dir))
+        launchers.append(start_cli(
+            ["launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+             "--job", "two-nodes", "--listen", endpoints[node], "--peers", ",".join(endpoints),
+             "--insecure", str(PROGRAMS / "launch_report.py")],
+            env,
+        ))
+    results = [finish(launcher) for launcher in launchers]
+    seen = []
+    for node, result in enumerate(results):
+        assert result.returncode == 0, result.stderr
+        for record in records(result.stdout):
+            assert record["world_size"] == 4 and record["local_world_size"] == 2
+            assert record["rank"] == node * 2 + record["local_rank"]
+            assert record["sum"] == [0 + 1 + 2 + 3, 4, 1 + 10 + 100 + 1000]
+            seen.append(record["rank"])
+    assert sorted(seen) == [0, 1, 2, 3]
