@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import math
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -17,7 +20,23 @@ from gradsync.client.connection import Connection
 from gradsync.client.environment import resolve_identity
 from gradsync.client.work import Work
 from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype, dtype_name, parse_reduce_op
-from gradsync.protocol.errors import DaemonUnavailableError, GradsyncError, InvalidArgumentError
+from gradsync.protocol.errors import (
+    CollectiveTimeoutError,
+    DaemonUnavailableError,
+    GradsyncError,
+    InvalidArgumentError,
+)
+
+
+@dataclasses.dataclass
+class Placed:
+    """Where one buffer of a collective lives for the daemon, and what to do after."""
+
+    segment: int | None
+    offset: int
+    on_success: Callable[[], None] | None = None
+    on_finish: Callable[[], None] | None = None
+
 
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
@@ -42,6 +61,7 @@ class Client:
         local_rank: int | None = None,
         local_world_size: int | None = None,
         timeout_s: float | None = None,
+        _segments: SegmentRegistry | None = None,
     ) -> None:
         identity = resolve_identity(
             daemon, job, rank, world_size, local_rank, local_world_size, timeout_s
@@ -54,11 +74,16 @@ class Client:
         self.local_world_size = identity.local_world_size
         self.timeout_s = identity.timeout_s
         self.algorithm: str | None = os.environ.get("GRADSYNC_ALGO") or None
-        self._segments = SegmentRegistry()
+        self._segments = _segments or SegmentRegistry()
         self._scratch = ScratchPool(self._segments)
         self._submit_lock = threading.Lock()
         self._sequence = 0
         self._closed = False
+        self._barrier_buffer: np.ndarray | None = None
+        self._groups: list[Client] = []
+        self._groups_created = 0
+        #: Global ranks of a sub-group's members (None for a job's own client).
+        self.ranks: tuple[int, ...] | None = None
         self._connection = Connection(self.daemon)
         try:
             welcome = self._connection.call(
@@ -91,6 +116,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        for group in self._groups:
+            group.close()
         with contextlib.suppress(GradsyncError):
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
@@ -168,57 +195,219 @@ class Client:
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
         wire_dtype, reduce_op = self._check_array(array, op)
-        count = int(array.size)
-        located = self._segments.locate(array) if count else None
-        on_success = on_finish = None
-        if count == 0:
-            segment_id, offset = None, 0
-        elif located is not None:
-            segment_id, offset = located
-        else:
-            slot = self._scratch_slot(array.nbytes)
-            staged = slot.view(array.dtype, count)
-            np.copyto(staged, array.reshape(-1))
-            segment_id, offset = slot.segment_id, 0
-
-            def on_success() -> None:
-                np.copyto(array.reshape(-1), staged)
-
-            def on_finish() -> None:
-                self._scratch.give_back(slot)
-
+        placed = self._place(array, copy_in=True, copy_out=True)
         fields: dict[str, Any] = {
-            "segment": segment_id,
-            "offset": offset,
-            "count": count,
+            "segment": placed.segment,
+            "offset": placed.offset,
+            "count": int(array.size),
             "dtype": wire_dtype,
             "op": reduce_op.value,
             "timeout_s": self.timeout_s,
             "algorithm": algorithm,
         }
+        return self._issue(
+            "allreduce", fields, [placed], async_op,
+            f"all_reduce ({wire_dtype}[{array.size}] {reduce_op.value})",
+        )
+
+    # -- the other collectives (torch.distributed's names and semantics) ---------
+
+    def broadcast(self, array: np.ndarray, src: int, async_op: bool = False) -> Work | None:
+        """Rank `src`'s `array` into every rank's `array`, in place."""
+        return self._collective("broadcast", array, None, async_op, root=src, in_place=True)
+
+    def reduce(
+        self, array: np.ndarray, dst: int, op: str | ReduceOp = "sum", async_op: bool = False
+    ) -> Work | None:
+        """Reduce every rank's `array` into rank `dst`'s, in place; others keep theirs."""
+        return self._collective("reduce", array, None, async_op, root=dst, op=op, in_place=True)
+
+    def all_gather(
+        self, output: np.ndarray, input: np.ndarray, async_op: bool = False
+    ) -> Work | None:
+        """`output` (world_size × input elements) receives every rank's input, in rank order."""
+        return self._collective("all_gather", input, output, async_op)
+
+    def reduce_scatter(
+        self, output: np.ndarray, input: np.ndarray, op: str | ReduceOp = "sum",
+        async_op: bool = False,
+    ) -> Work | None:
+        """`input` holds world_size chunks; rank r's `output` gets chunk r reduced over ranks."""
+        return self._collective("reduce_scatter", input, output, async_op, op=op)
+
+    def gather(
+        self, output: np.ndarray | None, input: np.ndarray, dst: int, async_op: bool = False
+    ) -> Work | None:
+        """Rank `dst`'s `output` (world_size × input) receives every rank's input."""
+        return self._collective("gather", input, output, async_op, root=dst)
+
+    def scatter(
+        self, output: np.ndarray, input: np.ndarray | None, src: int, async_op: bool = False
+    ) -> Work | None:
+        """Rank `src`'s `input` (world_size chunks): chunk r goes to rank r's `output`."""
+        return self._collective("scatter", input, output, async_op, root=src)
+
+    def all_to_all(
+        self, output: np.ndarray, input: np.ndarray, async_op: bool = False
+    ) -> Work | None:
+        """Equal splits: rank i's j-th input chunk becomes rank j's i-th output chunk."""
+        return self._collective("all_to_all", input, output, async_op)
+
+    def barrier(self, async_op: bool = False) -> Work | None:
+        """Return once every rank of the job has reached its barrier."""
+        if self._barrier_buffer is None:
+            self._barrier_buffer = self.empty(1, np.int8)
+        return self.all_reduce(self._barrier_buffer, "max", async_op=async_op)
+
+    def _collective(
+        self,
+        kind: str,
+        input: np.ndarray | None,
+        output: np.ndarray | None,
+        async_op: bool,
+        root: int | None = None,
+        op: str | ReduceOp | None = None,
+        in_place: bool = False,
+    ) -> Work | None:
+        self._check_open()
+        if root is not None and not (
+            isinstance(root, int) and not isinstance(root, bool) and 0 <= root < self.world_size
+        ):
+            raise InvalidArgumentError(
+                f"{kind}: root rank must be in [0, {self.world_size}), got {root!r}"
+            )
+        arrays = [a for a in (input, output) if a is not None]
+        if not arrays:
+            raise InvalidArgumentError(f"{kind}: no buffer given")
+        names = [self._check_array(a, op or "sum")[0] for a in arrays]
+        if len(set(names)) > 1:
+            raise InvalidArgumentError(f"{kind}: input is {names[0]} but output is {names[1]}")
+        reduce_op = parse_reduce_op(op) if op is not None else None
+        placed_in = self._place(input, copy_in=True, copy_out=in_place)
+        placed_out = self._place(output, copy_in=False, copy_out=True)
+        fields: dict[str, Any] = {
+            "collective": kind,
+            "segment": placed_in.segment,
+            "offset": placed_in.offset,
+            "count": 0 if input is None else int(input.size),
+            "out_segment": placed_out.segment,
+            "out_offset": placed_out.offset,
+            "out_count": None if output is None else int(output.size),
+            "dtype": names[0],
+            "op": reduce_op.value if reduce_op else None,
+            "root": root,
+            "timeout_s": self.timeout_s,
+        }
+        return self._issue("collective", fields, [placed_in, placed_out], async_op, kind)
+
+    def _place(self, array: np.ndarray | None, copy_in: bool, copy_out: bool) -> Placed:
+        """Where the daemon finds `array`: its own segment, or a scratch copy."""
+        if array is None or array.size == 0:
+            return Placed(None, 0)
+        located = self._segments.locate(array)
+        if located is not None:
+            return Placed(*located)
+        slot = self._scratch_slot(array.nbytes)
+        staged = slot.view(array.dtype, int(array.size))
+        if copy_in:
+            np.copyto(staged, array.reshape(-1))
+
+        def copy_back() -> None:
+            np.copyto(array.reshape(-1), staged)
+
+        return Placed(
+            slot.segment_id, 0, copy_back if copy_out else None,
+            lambda: self._scratch.give_back(slot),
+        )
+
+    def _issue(
+        self, kind: str, fields: dict[str, Any], placed: list[Placed], async_op: bool,
+        what: str,
+    ) -> Work | None:
+        """Send one collective with the next key; wait for it unless `async_op`."""
+        successes = [p.on_success for p in placed if p.on_success is not None]
+        finishes = [p.on_finish for p in placed if p.on_finish is not None]
+
+        def on_success() -> None:
+            for step in successes:
+                step()
+
+        def on_finish() -> None:
+            for step in finishes:
+                step()
+
         with self._submit_lock:
             key = self._sequence
             self._sequence += 1
             try:
-                request_id = self._connection.send("allreduce", key=key, **fields)
+                request_id = self._connection.send(kind, key=key, **fields)
             except GradsyncError:
-                if on_finish is not None:
-                    on_finish()
+                on_finish()
                 raise
         timeout = self.timeout_s or self._daemon_timeout_s
         work = Work(
             self._connection,
             request_id,
-            lambda: f"all_reduce #{key} ({wire_dtype}[{count}] {reduce_op.value}) of job "
-            f"{self.job!r} rank {self.rank}",
+            lambda: f"{what} #{key} of job {self.job!r} rank {self.rank}",
             time.monotonic() + timeout + _GUARD_MARGIN_S,
-            on_success,
-            on_finish,
+            on_success if successes else None,
+            on_finish if finishes else None,
         )
         if async_op:
             return work
         work.wait()
         return None
+
+    # -- sub-groups --------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> Client | None:
+        """A sub-group of these ranks, numbered in the order given (torch's new_group).
+
+        Every rank of the job must call it, in the same order; non-members get
+        None.  The group is an independent job in the daemons, with its own
+        keys, and has every collective method; closing this client closes it.
+        """
+        self._check_open()
+        members = list(ranks)
+        if not members or len(set(members)) != len(members) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size
+            for r in members
+        ):
+            raise InvalidArgumentError(
+                f"new_group needs distinct ranks in [0, {self.world_size}), got {members!r}"
+            )
+        self._groups_created += 1
+        digest = hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=6).hexdigest()
+        name = f"{self.job}/g{self._groups_created}-{digest}"
+        if self.rank not in members:
+            return None
+        local = self._local_ranks()
+        local_members = [r for r in members if r in local]
+        group = Client(
+            daemon=self.daemon, job=name, rank=members.index(self.rank),
+            world_size=len(members), local_rank=local_members.index(self.rank),
+            local_world_size=len(local_members), timeout_s=self.timeout_s,
+            _segments=self._segments,
+        )
+        group.ranks = tuple(members)
+        self._groups.append(group)
+        return group
+
+    def _local_ranks(self) -> set[int]:
+        """The job's ranks on this node, once all of them have connected to the daemon."""
+        deadline = time.monotonic() + (self.timeout_s or self._daemon_timeout_s)
+        delay = 0.001
+        while True:
+            reply = self._connection.call("group_info", timeout_s=_HELLO_TIMEOUT_S)
+            if reply.get("complete"):
+                return set(reply.get("members", []))
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"new_group: not all {self.local_world_size} local ranks of job "
+                    f"{self.job!r} connected to the daemon in time"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     @staticmethod
     def _check_array(array: Any, op: str | ReduceOp) -> tuple[str, ReduceOp]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.algorithms.cost_model import choose
+from gradsync.daemon.collectives import Plan
 from gradsync.daemon.executor import ScheduleRun
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
@@ -72,13 +73,13 @@ class ClusterJobs:
         config: DaemonConfig,
         loop: asyncio.AbstractEventLoop,
         transport: PeerTransport,
-        run_blocking: Callable[..., Any],
+        run_call: Callable[[Callable[[], None], int], Awaitable[None]],
         counters: dict[str, int],
     ) -> None:
         self.config = config
         self.loop = loop
         self.transport = transport
-        self.run_blocking = run_blocking
+        self.run_call = run_call
         self.counters = counters
         self.remote: dict[str, dict[str, Announcement]] = {}
 
@@ -236,8 +237,8 @@ class ClusterJobs:
             self._mismatch(job, key, run, peer, header)
             return
         try:
-            run.deliver(formation.index_of(peer), int(header["step"]), int(header["start"]),
-                        int(header["stop"]), frames[0])
+            run.deliver(formation.index_of(peer), int(header["step"]), int(header["t"]),
+                        int(header["off"]), frames[0])
         except ProtocolError as exc:
             self.abort(job, key, CollectiveError(
                 f"key {key!r} of {job.describe()}: bad slice from peer {peer}: {exc}",
@@ -336,7 +337,36 @@ class ClusterJobs:
         self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
         count: int, requested_algorithm: str | None, fingerprint: tuple[Any, ...],
     ) -> None:
-        """The whole multi-node collective; raises the error the clients should get."""
+        """An allreduce across daemons: local reduce, the chosen algorithm, write-back."""
+        nbytes = count * (slots[0].itemsize if slots else 0)
+        divide = job.world_size if op is ReduceOp.AVG else 1
+
+        def plan_for(formation: Formation, me: int) -> Plan:
+            algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes)
+            work = slots[0] if slots else np.empty(0, dtype=np.uint8)
+
+            def before() -> None:
+                if len(slots) > 1:
+                    reduce_into_first(slots, 0, count, op)
+
+            def after() -> None:
+                if slots:
+                    broadcast_from_first(slots, 0, count, divide)
+
+            schedule = ALGORITHMS[algorithm](me, len(formation.daemons), count)
+            return Plan(work, schedule, before, after, algorithm)
+
+        await self.run_plan(job, ready, op, fingerprint, plan_for)
+
+    async def run_plan(
+        self,
+        job: Job,
+        ready: PendingCollective,
+        op: ReduceOp,
+        fingerprint: tuple[Any, ...],
+        plan_for: Callable[[Formation, int], Plan],
+    ) -> None:
+        """Any collective across daemons; raises the error the clients should get."""
         deadline = ready.first_seen + ready.deadline_s
         formation = job.formation
         if formation is None:
@@ -352,14 +382,11 @@ class ClusterJobs:
                     "join on any peer daemon",
                     {"job": job.name, "key": ready.key, "missing": missing},
                 ) from None
-        nbytes = count * (slots[0].itemsize if slots else 0)
-        algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes)
-        fp = (*fingerprint, algorithm)
-        if len(slots) > 1:
-            await self.run_blocking(reduce_into_first, slots, count, op)
-        buffer = slots[0] if slots else np.empty(0, dtype=np.uint8)
         me = formation.index_of(self.transport.endpoint)
-        schedule = ALGORITHMS[algorithm](me, len(formation.daemons), count)
+        plan = plan_for(formation, me)
+        algorithm = plan.algorithm
+        fp = (*fingerprint, algorithm)
+        await self.run_call(plan.before, plan.work.nbytes)
         base = {"kind": "slice", "job": job.name, "gen": formation.generation,
                 "key": ready.key, "fp": list(fp)}
 
@@ -369,8 +396,13 @@ class ClusterJobs:
             )
 
         run = ScheduleRun(
-            schedule, buffer, op, send, self.config.pipeline_slice_bytes, self.loop,
+            plan.schedule, plan.work, op, send, self.config.pipeline_slice_bytes, self.loop,
             fingerprint=fp, algorithm=algorithm,
+            # Where data flows one way some daemon receives nothing, and could not tell
+            # that the others disagree: those first swap fingerprints with everyone.
+            agree_with=[] if fingerprint[0] == "allreduce" else [
+                index for index in range(len(formation.daemons)) if index != me
+            ],
         )
         job.runs[ready.key] = run
         try:
@@ -394,15 +426,20 @@ class ClusterJobs:
             await run.wait_sent(max(1.0, deadline - time.monotonic()))
         finally:
             job.runs.pop(ready.key, None)
-        if slots:
-            divide = job.world_size if op is ReduceOp.AVG else 1
-            await self.run_blocking(broadcast_from_first, slots, count, divide)
+        await self.run_call(plan.after, plan.work.nbytes)
 
 
 def _describe_fp(fp: list[Any]) -> str:
-    if len(fp) >= 5:
-        return f"{fp[0]} {fp[1]}[{fp[2]}] op={fp[3]} algorithm={fp[4]}"
-    return repr(fp)
+    """(collective, dtype, count, op, root, algorithm) as a reader wants it."""
+    if len(fp) != 6:
+        return repr(fp)
+    collective, dtype, count, op, root, algorithm = fp
+    text = f"{collective} {dtype}[{count}]"
+    if op:
+        text += f" op={op}"
+    if root is not None:
+        text += f" root={root}"
+    return f"{text} algorithm={algorithm}"
 
 
 def _ranks_not_announced(remote: dict[str, Announcement], job: Job) -> list[int]:

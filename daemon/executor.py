@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,8 @@ SendSlice = Callable[[int, dict[str, Any], memoryview | bytes, bool], Any]
 
 @dataclasses.dataclass
 class _Expected:
+    """One receive of the current step: where it lands and what has arrived."""
+
     reduce: bool
     start: int
     stop: int
@@ -39,7 +41,14 @@ class _Expected:
 
 
 class ScheduleRun:
-    """One collective's inter-daemon phase on this daemon."""
+    """One collective's inter-daemon phase on this daemon.
+
+    Transfers are matched by order, not by address: the t-th send of a step to
+    a peer pairs with that peer's t-th receive from us in the same step (the
+    links are FIFO per peer).  Sender and receiver may place the data at
+    different offsets of their buffers, which is what gather, scatter and
+    all-to-all need; slices name (step, t, offset within the transfer).
+    """
 
     def __init__(
         self,
@@ -51,8 +60,11 @@ class ScheduleRun:
         loop: asyncio.AbstractEventLoop,
         fingerprint: tuple[Any, ...] = (),
         algorithm: str = "",
+        agree_with: Sequence[int] = (),
     ) -> None:
         self.schedule = schedule
+        self._agree_with = list(agree_with)
+        self._agreements_missing = set(agree_with)
         self.fingerprint = fingerprint
         self.algorithm = algorithm
         self.buffer = buffer
@@ -73,12 +85,16 @@ class ScheduleRun:
 
     def waiting_for(self) -> list[int]:
         """Peers (daemon indices) whose slices the current step still needs."""
+        if self.step == -1 and self._agreements_missing:
+            return sorted(self._agreements_missing)
         return sorted({peer for (peer, _), exp in self._expected.items() if _remaining(exp)})
 
     def needs_from(self, peer: int) -> bool:
         """Whether this run still expects a slice directly from daemon index `peer`."""
         if self.done.done():
             return False
+        if peer in self._agreements_missing:
+            return True
         for (source, _), expected in self._expected.items():
             if source == peer and _remaining(expected):
                 return True
@@ -89,48 +105,64 @@ class ScheduleRun:
         )
 
     def start(self) -> None:
-        self._advance()
+        """Begin; with `agree_with`, first a fingerprint-only message to each of those
+        daemons (step -1), and step 0 only once all of theirs have arrived."""
+        if not self._agree_with:
+            self._advance()
+            return
+        for peer in self._agree_with:
+            self._send(peer, {"step": -1, "t": 0, "off": 0}, b"", False)
+        self._check_agreed()
+
+    def _check_agreed(self) -> None:
+        if not self._agreements_missing and self.step == -1:
+            self._advance()
 
     def fail(self, error: GradsyncError) -> None:
         if not self.done.done():
             self.done.set_exception(error)
 
-    def deliver(self, peer: int, step: int, start: int, stop: int, payload: Any) -> None:
+    def deliver(self, peer: int, step: int, transfer: int, offset: int, payload: Any) -> None:
         """A slice from daemon index `peer`; raises ProtocolError if it does not fit."""
         if self.done.done():
             return
+        if step == -1:
+            if peer not in self._agreements_missing:
+                raise ProtocolError(f"a second agreement from daemon #{peer}")
+            self._agreements_missing.discard(peer)
+            self._check_agreed()
+            return
         if step > self.step:
-            self._early.setdefault(step, []).append((peer, start, stop, payload))
+            self._early.setdefault(step, []).append((peer, transfer, offset, payload))
             return
         if step < self.step:
             raise ProtocolError(f"slice for step {step} arrived at step {self.step}")
-        self._apply(peer, start, stop, payload)
+        self._apply(peer, transfer, offset, payload)
         if self._missing == 0:
             self._advance()
 
-    def _apply(self, peer: int, start: int, stop: int, payload: Any) -> None:
-        expected = None
-        for (source, _), candidate in self._expected.items():
-            if source == peer and candidate.start <= start < stop <= candidate.stop:
-                expected = candidate
-                break
-        if expected is None or start in expected.received:
-            raise ProtocolError(
-                f"unexpected slice [{start}, {stop}) from daemon #{peer} at step {self.step}"
-            )
+    def _apply(self, peer: int, transfer: int, offset: int, payload: Any) -> None:
+        expected = self._expected.get((peer, transfer))
         data = np.frombuffer(payload, dtype=self.buffer.dtype)
-        if data.size != stop - start:
+        if (
+            expected is None
+            or offset in expected.received
+            or offset < 0
+            or expected.start + offset + data.size > expected.stop
+        ):
             raise ProtocolError(
-                f"slice [{start}, {stop}) from daemon #{peer} carries {data.size} elements"
+                f"unexpected slice (transfer {transfer}, offset {offset}, {data.size} elements) "
+                f"from daemon #{peer} at step {self.step}"
             )
-        target = self.buffer[start:stop]
+        begin = expected.start + offset
+        target = self.buffer[begin : begin + data.size]
         if expected.reduce:
             combine_into(target, data, self.op)
         else:
             np.copyto(target, data)
-        expected.received.add(start)
-        expected.got += stop - start
-        self._missing -= stop - start
+        expected.received.add(offset)
+        expected.got += data.size
+        self._missing -= data.size
 
     def _advance(self) -> None:
         steps = self.schedule.steps
@@ -141,21 +173,27 @@ class ScheduleRun:
                     self.done.set_result(None)
                 return
             step = steps[self.step]
+            sent_to: dict[int, int] = {}
             for send in step.sends:
-                self._send_range(send.peer, send.start, send.stop)
+                transfer = sent_to.get(send.peer, 0)
+                sent_to[send.peer] = transfer + 1
+                self._send_range(send.peer, transfer, send.start, send.stop)
             self._expected = {}
             self._missing = 0
+            received_from: dict[int, int] = {}
             for recv in step.recvs:
-                self._expected[(recv.peer, recv.start)] = _Expected(
+                transfer = received_from.get(recv.peer, 0)
+                received_from[recv.peer] = transfer + 1
+                self._expected[(recv.peer, transfer)] = _Expected(
                     recv.reduce, recv.start, recv.stop
                 )
                 self._missing += recv.stop - recv.start
-            for peer, start, stop, payload in self._early.pop(self.step, []):
-                self._apply(peer, start, stop, payload)
+            for peer, transfer, offset, payload in self._early.pop(self.step, []):
+                self._apply(peer, transfer, offset, payload)
             if self._missing > 0:
                 return
 
-    def _send_range(self, peer: int, start: int, stop: int) -> None:
+    def _send_range(self, peer: int, transfer: int, start: int, stop: int) -> None:
         itemsize = self.buffer.itemsize
         # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
         as_bytes = self.buffer.view(np.uint8)
@@ -163,7 +201,7 @@ class ScheduleRun:
             end = min(begin + self._slice, stop)
             view = as_bytes[begin * itemsize : end * itemsize].data
             zero_copy = (end - begin) * itemsize >= ZERO_COPY_BYTES
-            header = {"step": self.step, "start": begin, "stop": end}
+            header = {"step": self.step, "t": transfer, "off": begin - start}
             tracker = self._send(peer, header, view if zero_copy else bytes(view), zero_copy)
             if tracker is not None:
                 self.trackers.append(tracker)

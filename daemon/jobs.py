@@ -42,12 +42,15 @@ class Fingerprint:
     collective: str
     dtype: str
     count: int
-    op: str
+    op: str | None
     algorithm: str | None = None
+    root: int | None = None
 
     def describe(self) -> str:
+        op = f" op={self.op}" if self.op else ""
         algorithm = f" algorithm={self.algorithm}" if self.algorithm else ""
-        return f"{self.collective} {self.dtype}[{self.count}] op={self.op}{algorithm}"
+        root = f" root={self.root}" if self.root is not None else ""
+        return f"{self.collective} {self.dtype}[{self.count}]{op}{root}{algorithm}"
 
 
 @dataclasses.dataclass
@@ -59,6 +62,7 @@ class Submission:
     view: np.ndarray | None
     respond: Callable[[GradsyncError | None], None]
     timeout_s: float
+    out: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -98,7 +98,7 @@ class Peering:
             on_peer_lost=self._peer_lost,
         )
         self.cluster = ClusterJobs(
-            config, service.loop, LinksTransport(self.links), service.run_ranges,
+            config, service.loop, LinksTransport(self.links), service.run_call,
             service.counters,
         )
         service.cluster = self.cluster

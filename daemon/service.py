@@ -19,8 +19,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradsync.daemon.cluster import ClusterJobs
+from gradsync.daemon.collectives import (
+    KINDS,
+    REDUCING,
+    ROOTED,
+    Plan,
+    chunk_count,
+    make_plan,
+    run_local,
+)
 from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
 from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Submission
+from gradsync.daemon.membership import Formation
 from gradsync.daemon.reduce import reduce_range, split_ranges
 from gradsync.daemon.shm_pool import ShmPool
 from gradsync.protocol import messages
@@ -121,8 +131,12 @@ class GradsyncService:
                 self._alloc(session, message)
             elif kind == "free":
                 self._free(session, message)
+            elif kind == "group_info":
+                self._group_info(session, message)
             elif kind == "allreduce":
                 self._allreduce(session, message)
+            elif kind == "collective":
+                self._collective(session, message)
         except GradsyncError as exc:
             session.reply_error(request_id, exc)
 
@@ -197,50 +211,166 @@ class GradsyncService:
             )
         )
 
+    def _group_info(self, session: ClientSession, message: Message) -> None:
+        """Which ranks of the caller's job are connected here (to size a sub-group)."""
+        job = self.jobs[session.job_name or ""]
+        session.reply(messages.ok_reply(
+            message["id"], members=sorted(job.members),
+            complete=len(job.members) == job.local_world_size,
+        ))
+
     def _free(self, session: ClientSession, message: Message) -> None:
         segment_id = message["segment"]
-        if segment_id not in session.segments:
+        owner = next(
+            (
+                other for other in [session, *self.sessions.values()]
+                if segment_id in other.segments
+                and (other is session or (other.pid is not None and other.pid == session.pid))
+            ),
+            None,
+        )
+        if owner is None:
             raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
-        session.segments.discard(segment_id)
+        owner.segments.discard(segment_id)
         self.pool.release(segment_id)
         session.reply(messages.ok_reply(message["id"]))
 
     # -- allreduce ----------------------------------------------------------
 
-    def _allreduce(self, session: ClientSession, message: Message) -> None:
-        job = self.jobs[session.job_name or ""]
-        dtype_name, count = message["dtype"], message["count"]
-        dtype = DTYPES.get(dtype_name)
+    @staticmethod
+    def _dtype(message: Message) -> np.dtype:
+        dtype = DTYPES.get(message["dtype"])
         if dtype is None:
             raise InvalidArgumentError(
-                f"unsupported dtype {messages.clip(dtype_name)}; supported: {', '.join(DTYPES)}"
+                f"unsupported dtype {messages.clip(message['dtype'])}; "
+                f"supported: {', '.join(DTYPES)}"
             )
+        return dtype
+
+    @staticmethod
+    def _op(name: str, dtype_name: str) -> ReduceOp:
         try:
-            op = parse_reduce_op(message["op"])
+            op = parse_reduce_op(name)
             check_op_for_dtype(op, dtype_name)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
+        return op
+
+    def _timeout(self, message: Message) -> float:
+        timeout_s = message.get("timeout_s") or self.config.collective_timeout_s
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise InvalidArgumentError(f"timeout_s must be positive and finite, got {timeout_s}")
+        return float(timeout_s)
+
+    def _allreduce(self, session: ClientSession, message: Message) -> None:
+        job = self.jobs[session.job_name or ""]
+        dtype_name, count = message["dtype"], message["count"]
+        dtype = self._dtype(message)
+        op = self._op(message["op"], dtype_name)
         algorithm = message.get("algorithm")
         if algorithm is not None and algorithm not in ALGORITHM_CHOICES:
             raise InvalidArgumentError(
                 f"unknown algorithm {messages.clip(algorithm)}; expected one of "
                 f"{', '.join(ALGORITHM_CHOICES)}"
             )
-        view = self._view(session, message, dtype, count)
-        timeout_s = message.get("timeout_s") or self.config.collective_timeout_s
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
-            raise InvalidArgumentError(f"timeout_s must be positive and finite, got {timeout_s}")
+        view = self._view(session, message["segment"], message["offset"], dtype, count)
         request_id = message["id"]
         submission = Submission(
             rank=session.rank or 0,
             fingerprint=Fingerprint("allreduce", dtype_name, count, op.value, algorithm),
             view=view,
             respond=lambda error: session.complete(request_id, error),
-            timeout_s=float(timeout_s),
+            timeout_s=self._timeout(message),
         )
-        ready = job.submit(message["key"], submission)
+        ready = self._submit(job, message["key"], submission)
         if ready is None:
-            pending = job.pending[message["key"]]
+            return
+        if job.multi_node:
+            self._start_multi_node(job, ready, op)
+        else:
+            self._start(job, ready, op)
+
+    def _collective(self, session: ClientSession, message: Message) -> None:
+        """broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all."""
+        job = self.jobs[session.job_name or ""]
+        kind = message["collective"]
+        if kind not in KINDS:
+            raise InvalidArgumentError(
+                f"unknown collective {messages.clip(kind)}; expected one of {', '.join(KINDS)}"
+            )
+        dtype_name = message["dtype"]
+        dtype = self._dtype(message)
+        op = self._op(message.get("op") or "", dtype_name) if kind in REDUCING else None
+        root = message.get("root")
+        if kind in ROOTED:
+            if root is None or not 0 <= root < job.world_size:
+                raise InvalidArgumentError(
+                    f"{kind} needs a root rank in [0, {job.world_size}), got {root}"
+                )
+        else:
+            root = None
+        rank = session.rank or 0
+        count, out_count = message["count"], message.get("out_count")
+        chunk = chunk_count(kind, rank, root, count, out_count, job.world_size)
+        view = self._view(session, message["segment"], message["offset"], dtype, count)
+        out = None
+        if out_count is not None:
+            out = self._view(session, message.get("out_segment"),
+                             message.get("out_offset", 0), dtype, out_count)
+        request_id = message["id"]
+        submission = Submission(
+            rank=rank,
+            fingerprint=Fingerprint(kind, dtype_name, chunk, op.value if op else None,
+                                    None, root),
+            view=view,
+            respond=lambda error: session.complete(request_id, error),
+            timeout_s=self._timeout(message),
+            out=out,
+        )
+        ready = self._submit(job, message["key"], submission)
+        if ready is None:
+            return
+        self._spawn(ready, self._run_collective(job, ready, kind, op, root, chunk, dtype))
+
+    async def _run_collective(
+        self, job: Job, ready: PendingCollective, kind: str, op: ReduceOp | None,
+        root: int | None, chunk: int, dtype: np.dtype,
+    ) -> None:
+        ins = {rank: sub.view for rank, sub in ready.submissions.items()}
+        outs = {rank: sub.out for rank, sub in ready.submissions.items()}
+        nbytes = chunk * dtype.itemsize * job.world_size * max(1, len(ins))
+        try:
+            if chunk == 0:
+                pass  # nothing to move; every rank agreed on the fingerprint locally
+            elif not job.multi_node:
+                await self.run_call(
+                    lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root), nbytes
+                )
+            else:
+                assert self.cluster is not None
+
+                def plan_for(formation: Formation, me: int) -> Plan:
+                    return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
+                                     job.world_size, chunk, op, root, dtype)
+
+                first = ready.submissions[min(ready.submissions)].fingerprint
+                await self.cluster.run_plan(
+                    job, ready, op or ReduceOp.SUM,
+                    (first.collective, first.dtype, first.count, first.op, first.root),
+                    plan_for,
+                )
+        except Exception as exc:
+            self._collective_failed(job, ready, exc)
+            return
+        finally:
+            self.in_flight.pop(id(ready), None)
+        self._succeed(job, ready)
+
+    def _submit(self, job: Job, key: Any, submission: Submission) -> PendingCollective | None:
+        """Match a submission; the collective once all local ranks are in and agree."""
+        ready = job.submit(key, submission)
+        if ready is None:
+            pending = job.pending[key]
             # The earliest deadline any submitter asked for wins.
             now = time.monotonic()
             deadline = now + submission.timeout_s
@@ -249,31 +379,39 @@ class GradsyncService:
                     pending.timer.cancel()
                 pending.deadline_s = deadline - pending.first_seen
                 pending.timer = self.loop.call_later(
-                    submission.timeout_s, self._expire, job.name, message["key"]
+                    submission.timeout_s, self._expire, job.name, key
                 )
-            return
+            return None
         if ready.timer is not None:
             ready.timer.cancel()
         mismatch = job.mismatch(ready)
         if mismatch is not None:
             log.warning("%s", mismatch.message)
             self._fail(ready, mismatch)
-            return
-        if job.multi_node:
-            self._start_multi_node(job, ready, op)
-        else:
-            self._start(job, ready, op)
+            return None
+        return ready
+
+    def _may_use(self, session: ClientSession, segment_id: int) -> bool:
+        """A client's own segments, or those of another connection of the same process
+        (a sub-group's connection uses its parent's `empty()` buffers)."""
+        if segment_id in session.segments:
+            return True
+        return any(
+            segment_id in other.segments
+            for other in self.sessions.values()
+            if other.pid is not None and other.pid == session.pid
+        )
 
     def _view(
-        self, session: ClientSession, message: Message, dtype: np.dtype, count: int
+        self, session: ClientSession, segment_id: int | None, offset: int, dtype: np.dtype,
+        count: int,
     ) -> np.ndarray | None:
         """The submitter's slot as a typed array, after checking its bounds."""
-        segment_id, offset = message["segment"], message["offset"]
         if count < 0 or offset < 0:
             raise InvalidArgumentError(f"negative count {count} or offset {offset}")
         if count == 0:
             return None
-        if segment_id is None or segment_id not in session.segments:
+        if segment_id is None or not self._may_use(session, segment_id):
             raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
         segment = self.pool.get(segment_id)
         if segment is None:
@@ -339,23 +477,37 @@ class GradsyncService:
         try:
             await self.cluster.run(
                 job, ready, op, slots, first.count, first.algorithm,
-                (first.collective, first.dtype, first.count, first.op),
+                (first.collective, first.dtype, first.count, first.op, None),
             )
         except Exception as exc:
-            error = exc if isinstance(exc, CollectiveError) else CollectiveError(
-                f"key {ready.key!r} of {job.describe()} failed in the daemon: {exc}"
-                if not isinstance(exc, GradsyncError) else exc.message,
-                exc.details if isinstance(exc, GradsyncError) else {},
-            )
-            if not isinstance(exc, GradsyncError):
-                log.error("multi-node collective failed", exc_info=exc)
-            # Tell the other daemons, so their clients do not wait for the deadline.
-            self.cluster.abort(job, ready.key, error)
-            self._fail(ready, exc if isinstance(exc, GradsyncError) else error)
+            self._collective_failed(job, ready, exc)
             return
         finally:
             self.in_flight.pop(id(ready), None)
         self._succeed(job, ready)
+
+    def _collective_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
+        """Answer every member with the error; tell peer daemons of a multi-node job."""
+        if isinstance(exc, GradsyncError):
+            error = exc
+        else:
+            log.error("collective %r of %s failed", ready.key, job.describe(), exc_info=exc)
+            error = GradsyncError(f"key {ready.key!r} of {job.describe()} failed in the "
+                                  f"daemon: {exc}")
+        if job.multi_node and self.cluster is not None:
+            # Tell the other daemons, so their clients do not wait for the deadline.
+            self.cluster.abort(job, ready.key, error if isinstance(error, CollectiveError)
+                               else CollectiveError(error.message, error.details))
+        else:
+            job.remember_failure(ready.key, error)
+        self._fail(ready, error)
+
+    async def run_call(self, work: Callable[[], None], nbytes: int) -> None:
+        """Run `work` inline when it touches little memory, else on the thread pool."""
+        if nbytes <= self.config.inline_reduce_bytes:
+            work()
+        else:
+            await self.loop.run_in_executor(self.executor, work)
 
     async def run_ranges(
         self, kernel: Any, slots: list[np.ndarray], count: int, *extra: Any

@@ -238,8 +238,14 @@ def collect(
         except subprocess.TimeoutExpired:
             for other in processes:
                 other.kill()
-            out, err = process.communicate()
-            raise AssertionError(f"rank {rank} hung past {timeout_s}s:\n{err}") from None
+            report = []
+            for index, other in enumerate(processes):
+                other_out, other_err = other.communicate()
+                report.append(f"--- rank {index} (exit {other.returncode}):\n"
+                              f"{other_out[-2000:]}\n{other_err[-3000:]}")
+            raise AssertionError(
+                f"rank {rank} hung past {timeout_s}s\n" + "\n".join(report)
+            ) from None
         results.append(RankResult(rank, process.returncode, out, err))
     return results
 

@@ -1,7 +1,8 @@
-"""Rank program: all-reduce a large buffer over and over until something fails.
+"""Rank program: run one collective on a large buffer over and over until it fails.
 
-Prints one JSON line per outcome: {"started": ...} after the first success, then
-{"error": type, "message": ...} when a collective fails (and exits 0).
+argv: [count] [marker folder] [collective].  Writes started-<rank> in the
+marker folder after the first success; prints {"error": type, "message", "at"}
+when a collective fails, and exits 0.
 """
 
 from __future__ import annotations
@@ -17,12 +18,27 @@ from gradsync.client import Client, GradsyncError
 
 def main() -> int:
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 4 * 1024 * 1024
+    kind = sys.argv[3] if len(sys.argv) > 3 else "all_reduce"
     with Client() as client:
-        buffer = client.empty(count, np.float32)
-        buffer[...] = 1
-        for attempt in range(100_000):
+        world = client.world_size
+        one = client.empty(count, np.float32)
+        many = client.empty(world * count, np.float32)
+        one[...] = 1
+        many[...] = 1
+        calls = {
+            "all_reduce": lambda: client.all_reduce(one),
+            "broadcast": lambda: client.broadcast(one, src=0),
+            "reduce": lambda: client.reduce(one, dst=0),
+            "all_gather": lambda: client.all_gather(many, one),
+            "reduce_scatter": lambda: client.reduce_scatter(one, many),
+            "gather": lambda: client.gather(many if client.rank == 0 else None, one, dst=0),
+            "scatter": lambda: client.scatter(one, many if client.rank == 0 else None, src=0),
+            "all_to_all": lambda: client.all_to_all(many, many.copy()),
+            "barrier": lambda: client.barrier(),
+        }
+        for attempt in range(1_000_000):
             try:
-                client.all_reduce(buffer)
+                calls[kind]()
             except GradsyncError as exc:
                 print(json.dumps({"error": type(exc).__name__, "message": exc.message,
                                   "at": time.monotonic()}), flush=True)
