@@ -96,3 +96,21 @@ def test_a_dead_peer_fails_every_collective(start_daemon: StartDaemon, short_tmp
         assert outcome["at"] - struck < 10, outcome
         collect(ranks[1:], timeout_s=30)
         daemons[0].stop()
+
+
+FSDP_EXAMPLE = "../../examples/fsdp_numpy.py"  # relative to tests/programs
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_example_matches_unsharded_training_on_one_node(daemon: DaemonProcess) -> None:
+    results = run_ranks(daemon.endpoint, FSDP_EXAMPLE, 3)
+    assert "MATCH" in results[0].stdout and "MISMATCH" not in results[0].stdout
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_example_matches_unsharded_training_across_daemons(
+    start_daemon: StartDaemon,
+) -> None:
+    daemons = start_cluster(start_daemon, 2)
+    results = run_spread(daemons, (2, 1), FSDP_EXAMPLE)
+    assert "MATCH" in results[0].stdout and "MISMATCH" not in results[0].stdout
