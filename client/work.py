@@ -32,6 +32,8 @@ class Work:
         self._lock = threading.Lock()
         self._done = False
         self._error: GradsyncError | None = None
+        #: The daemon's CLOCK_MONOTONIC times (submitted, matched, completed) once done.
+        self.timing: dict[str, float] = {}
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "completed" if self._done else "in flight"
@@ -94,6 +96,9 @@ class Work:
                 return
             try:
                 raise_for_error(reply)
+                timing = reply.get("timing")
+                if isinstance(timing, dict):
+                    self.timing = {str(k): float(v) for k, v in timing.items()}
                 if self._on_success is not None:
                     self._on_success()
             except GradsyncError as exc:

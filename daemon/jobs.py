@@ -60,9 +60,12 @@ class Submission:
     rank: int
     fingerprint: Fingerprint
     view: np.ndarray | None
-    respond: Callable[[GradsyncError | None], None]
+    #: respond(error, timing): timing holds the daemon's CLOCK_MONOTONIC times of
+    #: the collective (first submission, start, completion) on success.
+    respond: Callable[..., None]
     timeout_s: float
     out: np.ndarray | None = None
+    submitted_at: float = 0.0
 
 
 @dataclasses.dataclass
@@ -74,6 +77,7 @@ class PendingCollective:
     deadline_s: float
     submissions: dict[int, Submission] = dataclasses.field(default_factory=dict)
     timer: Any = None  # an asyncio.TimerHandle, owned by the daemon
+    matched_at: float = 0.0  # when the last local rank submitted
 
 
 @dataclasses.dataclass
@@ -188,10 +192,12 @@ class Job:
             raise InvalidArgumentError(
                 f"rank {submission.rank} submitted key {key!r} of {self.describe()} twice"
             )
+        submission.submitted_at = time.monotonic()
         pending.submissions[submission.rank] = submission
         if len(pending.submissions) < self.local_world_size:
             return None
         del self.pending[key]
+        pending.matched_at = submission.submitted_at
         return pending
 
     def mismatch(self, pending: PendingCollective) -> MismatchError | None:

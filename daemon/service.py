@@ -279,7 +279,7 @@ class GradsyncService:
             rank=session.rank or 0,
             fingerprint=Fingerprint("allreduce", dtype_name, count, op.value, algorithm),
             view=view,
-            respond=lambda error: session.complete(request_id, error),
+            respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=self._timeout(message),
         )
         ready = self._submit(job, message["key"], submission)
@@ -323,7 +323,7 @@ class GradsyncService:
             fingerprint=Fingerprint(kind, dtype_name, chunk, op.value if op else None,
                                     None, root),
             view=view,
-            respond=lambda error: session.complete(request_id, error),
+            respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=self._timeout(message),
             out=out,
         )
@@ -532,9 +532,13 @@ class GradsyncService:
             self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
             return
         job.completed += 1
+        now = time.monotonic()
         self.counters["collectives"] += 1
         for submission in ready.submissions.values():
-            submission.respond(None)
+            submission.respond(None, {
+                "submitted": submission.submitted_at, "matched": ready.matched_at,
+                "completed": now,
+            })
 
     def _kernel_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
         log.error("reduction of key %r of %s failed", ready.key, job.describe(), exc_info=exc)

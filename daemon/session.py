@@ -145,12 +145,18 @@ class ClientSession(asyncio.Protocol):
     def reply_error(self, request_id: int, error: GradsyncError) -> None:
         self.reply(messages.error_reply(request_id, error.code, error.message, error.details))
 
-    def complete(self, request_id: int, error: GradsyncError | None) -> None:
-        """Answer a collective once; later answers for the same id are dropped."""
+    def complete(
+        self, request_id: int, error: GradsyncError | None, timing: dict[str, float] | None = None
+    ) -> None:
+        """Answer a collective once; later answers for the same id are dropped.
+
+        `timing` (seconds of CLOCK_MONOTONIC, comparable across processes of this
+        machine) lets a client see when its collective really ran.
+        """
         if request_id not in self.outstanding:
             return
         if error is None:
-            self.reply(messages.ok_reply(request_id))
+            self.reply(messages.ok_reply(request_id, **({"timing": timing} if timing else {})))
         else:
             self.reply_error(request_id, error)
 
