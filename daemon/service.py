@@ -225,7 +225,8 @@ class GradsyncService:
             (
                 other for other in [session, *self.sessions.values()]
                 if segment_id in other.segments
-                and (other is session or (other.pid is not None and other.pid == session.pid))
+                and (other is session
+                     or (other.peer_pid is not None and other.peer_pid == session.peer_pid))
             ),
             None,
         )
@@ -399,7 +400,7 @@ class GradsyncService:
         return any(
             segment_id in other.segments
             for other in self.sessions.values()
-            if other.pid is not None and other.pid == session.pid
+            if other.peer_pid is not None and other.peer_pid == session.peer_pid
         )
 
     def _view(

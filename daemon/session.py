@@ -45,6 +45,8 @@ class ClientSession(asyncio.Protocol):
         self.outstanding: set[int] = set()
         self.closed_cleanly = False
         self.peer_pidfd: int | None = None
+        #: The client's pid as the kernel reports it (SO_PEERCRED), not as it claims.
+        self.peer_pid: int | None = None
 
     def describe(self) -> str:
         if self.job_name is None:
@@ -72,6 +74,7 @@ class ClientSession(asyncio.Protocol):
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
             pid = _CREDS.unpack(creds)[0]
+            self.peer_pid = pid
             self.peer_pidfd = os.pidfd_open(pid)
         except OSError:
             return

@@ -8,10 +8,13 @@ other clients' memory.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -256,6 +259,21 @@ def send_batched(conn: RawConnection, bodies: list[tuple[str, bytes]], batch: in
     return len(bodies)
 
 
+OWNER_PROGRAM = """
+import json, os, sys
+from gradsync.client.connection import Connection
+connection = Connection(sys.argv[1])
+connection.call("hello", job="garbage-owner", rank=0, world_size=1, local_rank=0,
+                local_world_size=1, pid=os.getpid())
+segment = connection.call("alloc", nbytes=8192)
+print(json.dumps(segment), flush=True)
+for line in sys.stdin:  # "allreduce": reduce over its own segment, print the reply
+    reply = connection.send("allreduce", key=json.loads(line), segment=segment["segment"],
+                            offset=0, count=2048, dtype="float32", op="sum")
+    print(json.dumps(connection.wait(reply, None)), flush=True)
+"""
+
+
 def fuzz_allreduce(rng: random.Random, own: int, other: int) -> Iterator[dict[str, Any]]:
     """Schema-valid allreduce requests with random, mostly wrong, values."""
     for index in range(150):
@@ -329,9 +347,14 @@ def test_a_thousand_garbage_frames_get_error_replies_and_daemon_keeps_serving(
     frames += 2
 
     # 3. After 'hello': other clients' memory, out-of-bounds views, absurd sizes.
-    owner = RawConnection(daemon.endpoint)
-    hello(owner, "garbage-owner")
-    theirs = owner.call("alloc", nbytes=8192)
+    # The other client is another process: connections of one process may share
+    # their segments (a sub-group uses its parent's buffers).
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_PROGRAM, daemon.endpoint],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert owner.stdout is not None
+    theirs = json.loads(owner.stdout.readline())
     assert theirs["kind"] == "ok", theirs
     conn = RawConnection(daemon.endpoint)
     hello(conn, "garbage-b")
@@ -370,7 +393,10 @@ def test_a_thousand_garbage_frames_get_error_replies_and_daemon_keeps_serving(
         assert reply["kind"] == "error" and reply["code"] == code, (kind, fields, reply)
     frames += len(refused)
     # The refused free did not free the owner's segment: it still reduces.
-    reply = owner.call("allreduce", **{**ar, "segment": other, "count": 2048})
+    assert owner.stdin is not None
+    owner.stdin.write("7\n")
+    owner.stdin.flush()
+    reply = json.loads(owner.stdout.readline())
     assert reply["kind"] == "ok", reply
     frames += 1
 
@@ -427,7 +453,8 @@ def test_a_thousand_garbage_frames_get_error_replies_and_daemon_keeps_serving(
         frames += 1
 
     assert frames >= 1000, frames
-    for raw in (stranger, owner, conn):
+    owner.communicate(timeout=30)  # closing its stdin lets it exit
+    for raw in (stranger, conn):
         raw.close()
     daemon.assert_alive()
     assert "Traceback" not in daemon.log(), daemon.log()  # nothing escaped a handler
