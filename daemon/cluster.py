@@ -103,15 +103,19 @@ class ClusterJobs:
             if job.announcement is not None and job.broken is None:
                 self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
 
-    def withdraw(self, job: Job, reason: str) -> None:
-        """The local job broke or ended: peers must stop counting on it."""
+    def withdraw(self, job: Job, error: GradsyncError) -> None:
+        """The local job broke or ended: peers must stop counting on it.
+
+        The reason travels with its error code, so a peer's clients see the
+        cause (a rank lost, a peer lost) rather than a generic failure.
+        """
         if job.announcement is None or job.withdrawn:
             return
         job.withdrawn = True
         for peer in self.transport.peers():
             self.transport.send(peer, {
                 "kind": "withdraw", "job": job.name, "incarnation": job.incarnation,
-                "reason": reason,
+                "reason": error.message, "code": error.code,
             })
 
     def _try_form(self, job: Job) -> None:
@@ -192,9 +196,13 @@ class ClusterJobs:
             del table[peer]
         if job is not None and job.formation is not None and peer in job.formation.daemons:
             reason = str(header.get("reason") or "its part of the job ended")
-            error = RankLostError(
-                f"{job.describe()} on peer daemon {peer}: {reason}", {"job": name, "peer": peer}
+            code = str(header.get("code") or RankLostError.code)
+            error = error_from_wire(
+                code, f"{job.describe()} on peer daemon {peer}: {reason}",
+                {"job": name, "peer": peer},
             )
+            if not isinstance(error, CollectiveError):
+                error = RankLostError(error.message, error.details)
             self._break(job, error, fail_runs=False)
             # Collectives that still wait for data from it cannot finish.
             index = job.formation.index_of(peer)
@@ -229,6 +237,8 @@ class ClusterJobs:
         if peer not in formation.daemons or len(frames) != 1:
             raise ProtocolError(f"slice from {peer}, not a member of {job.describe()}")
         key = header["key"]
+        if key in job.failed:
+            return  # that collective already failed here; its stragglers are moot
         run = job.runs.get(key)
         if run is None:
             job.early_by_key.setdefault(key, []).append((peer, header, frames))
@@ -264,6 +274,7 @@ class ClusterJobs:
         """Fail one collective here and on every member daemon (once per key)."""
         already_known = key in job.failed
         job.remember_failure(key, error)
+        job.early_by_key.pop(key, None)  # slices that can no longer be used
         run = job.runs.get(key)
         if run is not None:
             run.fail(error)
@@ -313,7 +324,7 @@ class ClusterJobs:
             job.pending.pop(pending.key, None)
             for submission in pending.submissions.values():
                 submission.respond(error)
-        self.withdraw(job, error.message)
+        self.withdraw(job, error)
 
     # -- running a collective -----------------------------------------------
 

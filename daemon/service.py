@@ -101,7 +101,7 @@ class GradsyncService:
             for key in list(job.runs):
                 self.cluster.abort(job, key, error if isinstance(error, CollectiveError)
                                    else CollectiveError(error.message, error.details))
-            self.cluster.withdraw(job, error.message)
+            self.cluster.withdraw(job, error)
         level = logging.INFO if session.closed_cleanly else logging.WARNING
         log.log(level, "rank %d (pid %s) of %s %s", session.rank, session.pid,
                 job.describe(), reason)
