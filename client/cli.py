@@ -1,4 +1,4 @@
-"""`gradsync`: the command line (launch, ping)."""
+"""`gradsync`: the command line (launch, demo, ping, keygen)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from gradsync.client.demo import add_demo_arguments, run_demo
 from gradsync.client.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.launch import add_launch_arguments, run_launch
 from gradsync.client.ping import ping
@@ -25,6 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
         "LOCAL_RANK, LOCAL_WORLD_SIZE, GRADSYNC_DAEMON and GRADSYNC_JOB set.",
     )
     add_launch_arguments(launch)
+
+    demo = commands.add_parser(
+        "demo",
+        help="train a small MLP on N data-parallel ranks and check it against one process",
+        description="Train an MLP on a generated spiral data set with --nproc ranks whose "
+        "gradients gradsync averages during backward (torch DDP if installed, else numpy), "
+        "then check that every rank holds the same parameters as single-process training "
+        "on the full batches; exit 1 if not.",
+    )
+    add_demo_arguments(demo)
 
     keygen = commands.add_parser(
         "keygen", help="create a CURVE keypair for a daemon's peer links",
@@ -46,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         return int(run_launch(args))
+    if args.command == "demo":
+        return int(run_demo(args))
     if args.command == "keygen":
         return int(run_keygen(args))
     if args.command == "ping":
