@@ -48,6 +48,10 @@ BACKENDS = ("auto", "torch", "numpy")
 # -- options --------------------------------------------------------------------
 
 
+
+def _note(message: str) -> None:
+    print(f"gradsync demo: {message}", file=sys.stderr, flush=True)
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, metavar="N",
                         help="data-parallel ranks on this node (default 2)")
@@ -113,7 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
         command.append("--_break")
     with SignalForwarder() as signals:
         try:
-            with daemon_for(args.daemon, signals=signals) as endpoint:
+            with daemon_for(args.daemon, signals=signals, report=_note) as endpoint:
                 return run_ranks(command, args.nproc, endpoint, f"demo-{os.getpid()}",
                                  signals=signals)
         except LaunchInterrupted as interrupted:

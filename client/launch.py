@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -63,6 +63,7 @@ def daemon_for(
     endpoint: str | None,
     daemon_args: list[str] | None = None,
     signals: SignalForwarder | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> Iterator[str]:
     """Yield an endpoint with a live daemon, starting a private one if needed."""
     candidate = endpoint or os.environ.get("GRADSYNC_DAEMON")
@@ -94,7 +95,7 @@ def daemon_for(
         if signals is not None:
             signals.raise_held()
         _wait_ready(candidate, process)
-        log(f"started a private gradsyncd (pid {process.pid}) at {candidate}")
+        (report or log)(f"started a private gradsyncd (pid {process.pid}) at {candidate}")
         yield candidate
     finally:
         if process.poll() is None:
