@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import statistics
 import time
 from typing import Any
 
@@ -106,9 +107,10 @@ def form(announcements: dict[str, Announcement], world_size: int) -> Formation |
         daemons=tuple(a.daemon for a in ordered),
         ranks_by_daemon=tuple(a.ranks for a in ordered),
         generation=int.from_bytes(digest.digest(), "big") >> 1,
-        # The slowest link sets the pace: every daemon uses the same, worst, figures.
-        alpha_s=max(a.alpha_s for a in ordered),
-        beta_s_per_byte=max(a.beta_s_per_byte for a in ordered),
+        # Every daemon derives the same figures from the same announcements: the
+        # median, so one daemon's probe taken under start-up load does not decide.
+        alpha_s=statistics.median(a.alpha_s for a in ordered),
+        beta_s_per_byte=statistics.median(a.beta_s_per_byte for a in ordered),
     )
 
 

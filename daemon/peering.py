@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,13 +52,18 @@ class LinksTransport:
         return sending
 
     def link_costs(self) -> tuple[float, float] | None:
-        """Worst latency (α = rtt/2) and inverse bandwidth (β) over measured links."""
+        """Median latency (α = rtt/2) and inverse bandwidth (β) over measured links.
+
+        The median, not the worst: links are probed once as they come up, often
+        while every daemon is starting and probing at once, and a single inflated
+        probe would otherwise steer every choice.
+        """
         stats = [self.links.link_stats(peer) for peer in self.links.peers]
         measured = [s for s in stats if s is not None]
         if not measured or len(measured) < len(stats):
             return None
-        alpha = max(s.rtt_s for s in measured) / 2
-        beta = max(1.0 / max(s.bytes_per_s, 1.0) for s in measured)
+        alpha = statistics.median(s.rtt_s for s in measured) / 2
+        beta = statistics.median(1.0 / max(s.bytes_per_s, 1.0) for s in measured)
         return alpha, beta
 
 
