@@ -19,13 +19,10 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from types import FrameType
 
 import machine
 import results_file
@@ -40,6 +37,15 @@ from plan import (
     parse_sizes,
 )
 from private_daemon import DaemonRun, private_daemon
+from processes import (
+    command_line,
+    log_tail,
+    rank_env,
+    signals_unwind,
+    start_group,
+    stop_group,
+    wait_all,
+)
 from rank_worker import result_path
 from report import (
     ContenderRun,
@@ -52,7 +58,6 @@ from report import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "rank_worker.py")
-_KILL_GRACE_S = 10.0
 
 
 def log(message: str) -> None:
@@ -153,57 +158,6 @@ def mpirun_prefix(nproc: int) -> list[str]:
     return [*prefix, "--oversubscribe", "-np", str(nproc), "-x", "OMP_NUM_THREADS"]
 
 
-def _rank_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _start_group(command: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
-    with open(log_path, "ab") as out:
-        return subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM this process's own session (it and the ranks it started), then SIGKILL."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        if process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(_KILL_GRACE_S)
-
-
-def _wait_all(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> str | None:
-    """None when all exit 0; else what went wrong (stopping the rest)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        codes = [p.poll() for p in processes]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            time.sleep(1.0)  # give the others a moment to record their own errors
-            for process in processes:
-                _stop_group(process)
-            return f"process {failed[0][0]} exited with status {failed[0][1]}"
-        if all(c == 0 for c in codes):
-            return None
-        if time.monotonic() > deadline:
-            for process in processes:
-                _stop_group(process)
-            return f"timed out after {timeout_s:g}s"
-        time.sleep(0.05)
-
-
-def _log_tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as source:
-            return "".join(source.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def run_contender(
     key: str, nproc: int, settings: Settings, daemon: DaemonRun | None
 ) -> ContenderRun:
@@ -229,24 +183,24 @@ def run_contender(
             "--nproc-per-node", str(nproc), "--daemon", daemon.endpoint,
             "--job", f"bench-{key}-n{nproc}", *worker[1:],
         ]
-        processes = [_start_group(command, _rank_env(), log_path)]
+        processes = [start_group(command, rank_env(), log_path)]
     elif key == "gloo":
         processes = [
-            _start_group(
+            start_group(
                 worker,
-                _rank_env(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                          LOCAL_WORLD_SIZE=str(nproc), GLOO_SOCKET_IFNAME="lo"),
+                rank_env(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                         LOCAL_WORLD_SIZE=str(nproc), GLOO_SOCKET_IFNAME="lo"),
                 log_path,
             )
             for r in range(nproc)
         ]
     else:
-        processes = [_start_group([*mpirun_prefix(nproc), *worker], _rank_env(), log_path)]
+        processes = [start_group([*mpirun_prefix(nproc), *worker], rank_env(), log_path)]
     try:
-        failure = _wait_all(processes, settings.timeout_s)
+        failure = wait_all(processes, settings.timeout_s)
     finally:  # an interrupt must not leave ranks behind in their own sessions
         for process in processes:
-            _stop_group(process)
+            stop_group(process)
     wall = time.perf_counter() - started
     background = meter.foreign_cores()
     paths = [result_path(settings.run_dir, key, nproc, r) for r in range(nproc)]
@@ -258,7 +212,7 @@ def run_contender(
         return run
     run.status = "failed"
     run.note = "; ".join([failure or "", *errors]).strip("; ")
-    tail = _log_tail(log_path)
+    tail = log_tail(log_path)
     if tail:
         log(f"{TITLES[key]}, N={nproc} failed; last lines of its output:\n{tail}")
     if daemon is not None and key.startswith("gradsync"):
@@ -271,19 +225,9 @@ def run_contender(
 # -- main -------------------------------------------------------------------
 
 
-def _command_line(argv: Sequence[str] | None) -> str:
-    args = list(sys.argv[1:] if argv is None else argv)
-    script = os.path.relpath(os.path.abspath(__file__))
-    return shlex.join(["python", script, *args])
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so ranks, daemon and scratch files are cleaned up.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signals_unwind()
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -388,7 +332,7 @@ def _main(argv: Sequence[str] | None) -> int:
         log(line)
     if args.out:
         description = results_file.RunDescription(
-            command=_command_line(argv),
+            command=command_line(__file__, argv),
             started=started_at.strftime("%Y-%m-%d %H:%M %Z"),
             duration_s=time.perf_counter() - started,
             machine=info,
@@ -407,8 +351,8 @@ def _main(argv: Sequence[str] | None) -> int:
         text = results_file.render(
             description, runs, all_runs, sizes, nprocs, results_file.existing_notes(args.out)
         )
-        with open(args.out, "w") as out:
-            out.write(text)
+        # The main body of the file; sections other benchmarks wrote are kept.
+        results_file.write_section(args.out, None, text)
         log(f"wrote {args.out}")
     failed = any(run.status == "failed" for run in all_runs)
     wrong = any(not cell.correct for run in all_runs for cell in run.cells.values())

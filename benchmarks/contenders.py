@@ -23,6 +23,8 @@ class Contender(Protocol):
 
     rank: int
     world_size: int
+    #: pid of the gradsync daemon this rank talks to; None where there is none.
+    daemon_pid: int | None
 
     def allocate(self, count: int) -> np.ndarray:
         """A float32 buffer of `count` elements, where this contender wants it."""
@@ -46,15 +48,21 @@ class Contender(Protocol):
 
 
 class GradsyncContender:
-    """gradsync through its public `Client`; `zero_copy` picks `empty()` or numpy buffers."""
+    """gradsync through its public `Client`; `zero_copy` picks `empty()` or numpy buffers.
 
-    def __init__(self, zero_copy: bool) -> None:
+    `algorithm` is passed to every timed `all_reduce` (None: the daemons' default);
+    it only matters between daemons, and may be changed between sizes.
+    """
+
+    def __init__(self, zero_copy: bool, algorithm: str | None = None) -> None:
         from gradsync.client import Client
 
         self.client = Client()
         self.zero_copy = zero_copy
+        self.algorithm = algorithm
         self.rank = self.client.rank
         self.world_size = self.client.world_size
+        self.daemon_pid: int | None = self.client.daemon_pid
         # There is no barrier collective yet: a one-element allreduce stands in for it.
         self._barrier_buffer = self.client.empty((1,), np.float32)
         self._agree_buffer = self.client.empty((1,), np.float64)
@@ -67,9 +75,10 @@ class GradsyncContender:
 
     def reducer(self, buffer: np.ndarray) -> Callable[[], None]:
         client = self.client
+        algorithm = self.algorithm
 
         def op() -> None:
-            client.all_reduce(buffer, op="sum")
+            client.all_reduce(buffer, op="sum", algorithm=algorithm)
 
         return op
 
@@ -99,6 +108,7 @@ class GlooContender:
         self._dist: Any = dist
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
+        self.daemon_pid: int | None = None
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",
@@ -145,6 +155,7 @@ class MpiContender:
         self.comm: Any = MPI.COMM_WORLD
         self.rank = int(self.comm.Get_rank())
         self.world_size = int(self.comm.Get_size())
+        self.daemon_pid: int | None = None
 
     def allocate(self, count: int) -> np.ndarray:
         return np.empty(count, dtype=np.float32)

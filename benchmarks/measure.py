@@ -5,17 +5,23 @@ back-to-back ops with a barrier before each; every rank keeps its own sample
 times and the driver takes the slowest rank per sample.  Sample counts come
 from a timed warm-up batch, agreed over ranks so every rank runs the same
 number of collectives.
+
+`measure_interleaved` does the same for several variants of one contender
+(gradsync's inter-daemon algorithms) on one buffer, taking turns sample by
+sample, so that a burst of load from elsewhere hits all variants alike and
+their comparison stays fair.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from contenders import Contender
-from plan import LATENCY_SIZE, SamplePolicy, ops_per_sample
+from contenders import Contender, GradsyncContender
+from plan import LATENCY_SIZE, SamplePolicy
 
 #: Inputs repeat with this period; chunks are a multiple of it, so one
 #: precomputed pattern serves every chunk of a buffer of any length.
@@ -34,6 +40,7 @@ class SizeRecord:
     cpu_s: float
     wall_s: float
     daemon_cpu_s: float | None
+    daemon_pid: int | None
     correct_before: bool
     correct_after: bool
     wrong_detail: str | None
@@ -87,7 +94,7 @@ def measure_size(
 ) -> SizeRecord:
     """Check, warm up and time allreduce of `nbytes` of float32 on this rank."""
     count = nbytes // 4
-    k = ops_per_sample(nbytes)
+    k = policy.ops_for(nbytes)
     buffer = contender.allocate(count)
     op = contender.reducer(buffer)
 
@@ -144,9 +151,100 @@ def measure_size(
         cpu_s=cpu_s,
         wall_s=wall_s,
         daemon_cpu_s=daemon_cpu,
+        daemon_pid=contender.daemon_pid,
         correct_before=wrong_before is None,
         correct_after=wrong_after is None,
         wrong_detail=wrong_before or wrong_after,
         latency_ns=latency_ns,
     )
 
+
+
+@dataclasses.dataclass
+class _Tally:
+    """One variant's samples and the CPU its timed batches used."""
+
+    samples_ns: list[int] = dataclasses.field(default_factory=list)
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    daemon_cpu_s: float | None = 0.0
+
+
+def _checked(
+    contender: Contender, buffer: np.ndarray, op: Callable[[], None], pattern: np.ndarray
+) -> str | None:
+    fill_input(buffer, contender.rank, pattern)
+    contender.barrier()
+    op()
+    return check_sum(buffer, contender.world_size, pattern)
+
+
+def measure_interleaved(
+    contender: GradsyncContender,
+    nbytes: int,
+    policy: SamplePolicy,
+    pattern: np.ndarray,
+    algorithms: Sequence[str],
+) -> dict[str, SizeRecord]:
+    """Check, warm up and time every algorithm on one buffer, taking turns per sample.
+
+    CPU and wall time are counted over each algorithm's timed batches only
+    (not the barriers between them).  No per-op latency runs here.
+    """
+    count = nbytes // 4
+    k = policy.ops_for(nbytes)
+    buffer = contender.allocate(count)
+    ops = {}
+    for algorithm in algorithms:
+        contender.algorithm = algorithm
+        ops[algorithm] = contender.reducer(buffer)
+    wrong_before = {a: _checked(contender, buffer, op, pattern) for a, op in ops.items()}
+
+    buffer.fill(0.0)  # timed data are zeros: sums stay zero (see measure_size)
+    warm_ns = {}
+    for algorithm, op in ops.items():
+        contender.barrier()
+        _timed_batch(op, k)
+        contender.barrier()
+        warm_ns[algorithm] = _timed_batch(op, k)
+    # One sample of every algorithm per turn: the budget covers each of them.
+    turn_s = sum(warm_ns.values()) / 1e9 / max(1, len(ops))
+    samples = policy.samples_for(contender.agree_max(turn_s))
+
+    tallies = {algorithm: _Tally() for algorithm in ops}
+    for _ in range(samples):
+        for algorithm, op in ops.items():
+            tally = tallies[algorithm]
+            contender.barrier()
+            daemon_before = contender.daemon_cpu_s()
+            cpu_before = time.process_time()
+            elapsed = _timed_batch(op, k)
+            tally.cpu_s += time.process_time() - cpu_before
+            daemon_after = contender.daemon_cpu_s()
+            tally.samples_ns.append(elapsed)
+            tally.wall_s += elapsed / 1e9
+            if daemon_before is None or daemon_after is None or tally.daemon_cpu_s is None:
+                tally.daemon_cpu_s = None
+            else:
+                tally.daemon_cpu_s += daemon_after - daemon_before
+
+    wrong_after = {a: _checked(contender, buffer, op, pattern) for a, op in ops.items()}
+    contender.barrier()
+    del ops, buffer
+    return {
+        algorithm: SizeRecord(
+            nbytes=nbytes,
+            ops_per_sample=k,
+            samples_ns=tally.samples_ns,
+            warmup_sample_ns=warm_ns[algorithm],
+            cpu_s=tally.cpu_s,
+            wall_s=tally.wall_s,
+            daemon_cpu_s=tally.daemon_cpu_s,
+            daemon_pid=contender.daemon_pid,
+            correct_before=wrong_before[algorithm] is None,
+            correct_after=wrong_after[algorithm] is None,
+            wrong_detail=wrong_before[algorithm] or wrong_after[algorithm],
+            latency_ns=None,
+        )
+        for algorithm, tally in tallies.items()
+    }

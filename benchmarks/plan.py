@@ -1,7 +1,8 @@
 """What to measure: message sizes, ops per sample, sample counts, contenders.
 
-Shared by the driver (`allreduce.py`) and the rank program (`rank_worker.py`),
-so both ends agree on the method without passing it all on command lines.
+Shared by the drivers (`allreduce.py`, `interdaemon.py`) and the rank program
+(`rank_worker.py`), so both ends agree on the method without passing it all on
+command lines.
 """
 
 from __future__ import annotations
@@ -24,7 +25,28 @@ CONTENDERS = (
     ("mpi", "Open MPI"),
 )
 CONTENDER_KEYS = tuple(key for key, _ in CONTENDERS)
-TITLES = dict(CONTENDERS)
+
+#: Algorithms between daemons, as `Client.all_reduce(algorithm=...)` names them.
+ALGORITHMS = ("ring", "tree", "rhd", "star", "auto")
+FIXED_ALGORITHMS = ALGORITHMS[:-1]
+
+
+def algorithm_key(algorithm: str, label: str = "gradsync") -> str:
+    """Contender key of gradsync with one inter-daemon algorithm: `gradsync-ring`."""
+    return f"{label}-{algorithm}"
+
+
+#: Inter-daemon contenders (`interdaemon.py`) in table order.
+INTERDAEMON_CONTENDERS = (
+    *((algorithm_key(a), f"gradsync {a}") for a in ALGORITHMS),
+    ("gloo", "torch gloo"),
+)
+#: gradsync ring over CURVE-encrypted links (`interdaemon.py`'s encryption row).
+CURVE_CONTENDERS = (
+    (algorithm_key("ring", "gradsync-insecure"), "gradsync ring, --insecure"),
+    (algorithm_key("ring", "gradsync-curve"), "gradsync ring, CURVE"),
+)
+TITLES = {**dict(CONTENDERS), **dict(INTERDAEMON_CONTENDERS), **dict(CURVE_CONTENDERS)}
 
 #: The size whose per-op latency distribution is also recorded.
 LATENCY_SIZE = 4 * KIB
@@ -59,12 +81,15 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def ops_per_sample(nbytes: int) -> int:
-    """k back-to-back ops per sample, as in BASELINES.md: 100 / 10 / 1."""
+def ops_per_sample(nbytes: int, small: int = 100, medium: int = 10) -> int:
+    """k back-to-back ops per sample, as in BASELINES.md: 100 / 10 / 1.
+
+    `small` up to 64 KiB, `medium` up to 1 MiB, 1 above.
+    """
     if nbytes <= 64 * KIB:
-        return 100
+        return small
     if nbytes <= MIB:
-        return 10
+        return medium
     return 1
 
 
@@ -78,6 +103,12 @@ class SamplePolicy:
     latency_budget_s: float = 1.0
     latency_min_ops: int = 200
     latency_max_ops: int = 2000
+    #: k (back-to-back ops per sample) up to 64 KiB and up to 1 MiB; 1 above.
+    ops_small: int = 100
+    ops_medium: int = 10
+
+    def ops_for(self, nbytes: int) -> int:
+        return ops_per_sample(nbytes, self.ops_small, self.ops_medium)
 
     def samples_for(self, sample_s: float) -> int:
         wanted = int(self.budget_s / max(sample_s, 1e-9))

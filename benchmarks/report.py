@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from plan import CONTENDERS, LATENCY_SIZE, TITLES, format_size
 
-CONTENDER_ORDER = {key: index for index, (key, _) in enumerate(CONTENDERS)}
+#: Every known contender key, in table order (single-node ones first).
+CONTENDER_ORDER = {key: index for index, key in enumerate(TITLES)}
 
 
 @dataclasses.dataclass
@@ -32,8 +33,8 @@ class Cell:
     p90_s: float
     correct: bool
     wrong_detail: str | None
-    cores_busy: float | None  # CPU seconds of all ranks (+ daemon) per wall second
-    daemon_cores: float | None
+    cores_busy: float | None  # CPU seconds of all ranks (+ daemons) per wall second
+    daemon_cores: float | None  # of which the daemons' (every distinct one, summed)
     latency_median_s: float | None
     latency_p99_s: float | None
     latency_ops: int
@@ -93,9 +94,7 @@ def merge_ranks(documents: Sequence[dict[str, Any]], nproc: int) -> dict[int, Ce
         samples = np.array([rec["samples_ns"] for rec in records], dtype=np.float64)
         per_op = samples.max(axis=0) / k / 1e9
         wall = max(rec["wall_s"] for rec in records)
-        daemon_cpu = next(
-            (rec["daemon_cpu_s"] for rec in records if rec["daemon_cpu_s"] is not None), None
-        )
+        daemon_cpu = _daemons_cpu_s(records)
         rank_cpu = sum(rec["cpu_s"] for rec in records)
         latency_median = latency_p99 = None
         latency_ops = 0
@@ -127,6 +126,22 @@ def merge_ranks(documents: Sequence[dict[str, Any]], nproc: int) -> dict[int, Ce
             latency_ops=latency_ops,
         )
     return cells
+
+
+def _daemons_cpu_s(records: Sequence[dict[str, Any]]) -> float | None:
+    """CPU seconds of the daemons the ranks used: each distinct daemon counted once.
+
+    Ranks of one node share a daemon; ranks of a multi-daemon job each name
+    theirs by pid.  Records without a pid (older files) count the first only.
+    """
+    by_daemon: dict[Any, float] = {}
+    for rec in records:
+        cpu = rec.get("daemon_cpu_s")
+        if cpu is None:
+            continue
+        pid = rec.get("daemon_pid")
+        by_daemon.setdefault(pid if pid is not None else "unknown", float(cpu))
+    return sum(by_daemon.values()) if by_daemon else None
 
 
 def load_rank_files(paths: Sequence[str]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -172,10 +187,15 @@ def _cell_text(run: ContenderRun | None, nbytes: int) -> tuple[str, str]:
     return format_time(cell.time_s), format_bw(cell.busbw)
 
 
-def results_table(runs: Sequence[ContenderRun], sizes: Sequence[int], nproc: int) -> str:
-    """size | per contender: time, busbw."""
+def results_table(
+    runs: Sequence[ContenderRun],
+    sizes: Sequence[int],
+    nproc: int,
+    order: Sequence[tuple[str, str]] = CONTENDERS,
+) -> str:
+    """size | per contender (in `order`, those that ran): time, busbw."""
     by_key = {run.key: run for run in runs if run.nproc == nproc}
-    keys = [key for key, _ in CONTENDERS if key in by_key]
+    keys = [key for key, _ in order if key in by_key]
     header = ["size"]
     align = ["---"]
     for key in keys:

@@ -3,12 +3,17 @@
 The "what limits it" notes are written by a person from the numbers; a rerun
 keeps whatever stands between the notes markers of the existing file, so
 regenerating the tables never loses them (check they still match, though).
+
+The file holds the single-node report (`allreduce.py`) as its main body, and
+further reports in marked sections (`interdaemon.py`: section "interdaemon").
+`write_section` rewrites one of them and keeps the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 
 from plan import SamplePolicy, format_size
@@ -46,16 +51,79 @@ class RunDescription:
     policy: SamplePolicy
 
 
-def existing_notes(path: str) -> str | None:
+def existing_notes(
+    path: str, begin_marker: str = NOTES_BEGIN, end_marker: str = NOTES_END
+) -> str | None:
     """The notes block of an existing RESULTS.md, without its markers."""
     if not os.path.exists(path):
         return None
     with open(path) as source:
         text = source.read()
-    begin, end = text.find(NOTES_BEGIN), text.find(NOTES_END)
+    begin, end = text.find(begin_marker), text.find(end_marker)
     if begin < 0 or end < begin:
         return None
-    return text[begin + len(NOTES_BEGIN) : end].strip("\n")
+    return text[begin + len(begin_marker) : end].strip("\n")
+
+
+# -- sections -----------------------------------------------------------------
+
+_SECTION = re.compile(
+    r"<!-- section:(?P<name>[A-Za-z0-9_-]+):begin[^>]*-->\n?(?P<body>.*?)"
+    r"<!-- section:(?P=name):end -->\n?",
+    re.DOTALL,
+)
+
+
+def section_markers(name: str, writer: str) -> tuple[str, str]:
+    return (
+        f"<!-- section:{name}:begin (written by {writer}; the rest of this file is kept "
+        "when this section is rewritten) -->",
+        f"<!-- section:{name}:end -->",
+    )
+
+
+def split_sections(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """The main body (text outside any section) and the marked sections, in file order."""
+    sections = [(m.group("name"), m.group(0)) for m in _SECTION.finditer(text)]
+    return _SECTION.sub("", text), sections
+
+
+def write_section(path: str, name: str | None, text: str, writer: str = "") -> None:
+    """Write `text` as section `name` of `path` (None: the main body); keep the rest.
+
+    A section is replaced where it stands, or appended at the end; the main
+    body stays first.
+    """
+    existing = ""
+    if os.path.exists(path):
+        with open(path) as source:
+            existing = source.read()
+    body, sections = split_sections(existing)
+    if name is None:
+        body = text
+    else:
+        begin, end = section_markers(name, writer or "a benchmark")
+        block = f"{begin}\n{text.strip(chr(10))}\n{end}\n"
+        for index, (other, _) in enumerate(sections):
+            if other == name:
+                sections[index] = (name, block)
+                break
+        else:
+            sections.append((name, block))
+    parts = [body.rstrip("\n") + "\n"] if body.strip() else []
+    parts += [block for _, block in sections]
+    with open(path + ".tmp", "w") as out:
+        out.write("\n".join(parts))
+    os.replace(path + ".tmp", path)
+
+
+def section_text(path: str, name: str) -> str | None:
+    """The current text of section `name` of `path` (with its markers), or None."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as source:
+        _, sections = split_sections(source.read())
+    return next((block for other, block in sections if other == name), None)
 
 
 def render(

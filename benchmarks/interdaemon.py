@@ -1,0 +1,590 @@
+"""Allreduce between daemons, nccl-tests style: every algorithm, torch gloo, raw pyzmq.
+
+    python benchmarks/interdaemon.py [--nproc 2,4] [--placements loopback,netns]
+                                     [--out benchmarks/RESULTS.md]
+
+For every placement (127.0.0.1, or one network namespace per node) and every
+number of nodes M, it starts M `gradsyncd`s that peer over TCP, one rank per
+daemon, and measures float32 sum allreduce with `ring`, `tree`, `rhd`, `star`
+and `auto` side by side (the algorithms take turns at each size); then torch
+gloo with one process per node over the same network, and raw pyzmq TCP
+throughput between the same addresses (one way, and a ring exchange).  On
+127.0.0.1 with M = 2 it also times `ring` at 16 MiB over CURVE-encrypted links
+against --insecure ones.  `auto`'s choices are read from the daemons' debug
+logs.  Prints the tables; with --out, writes them as the "interdaemon" section
+of RESULTS.md (the rest of the file is kept).  See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+
+import interdaemon_report as report_mod
+import machine
+import topology
+from daemon_logs import AutoPicks, LinkProbe, infer_picks, parse_links, parse_picks
+from plan import (
+    ALGORITHMS,
+    MIB,
+    SamplePolicy,
+    algorithm_key,
+    format_size,
+    parse_sizes,
+)
+from private_daemon import DaemonRun, daemon_cluster
+from processes import clean_env, log_tail, rank_env, run_all, signals_unwind
+from rank_worker import result_path
+from report import ContenderRun, load_rank_files, merge_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "rank_worker.py")
+RAW = os.path.join(HERE, "raw_zmq.py")
+DEFAULT_SIZES = (4 << 10, 64 << 10, MIB, 16 * MIB, 64 * MIB)
+CURVE_SIZE = 16 * MIB
+#: One short sample per size: enough for the daemons to log auto's pick.
+CHECK_POLICY = SamplePolicy(budget_s=0.0, min_samples=1, max_samples=1, latency_budget_s=0.0,
+                            latency_min_ops=0, ops_small=1, ops_medium=1)
+PLACEMENTS = ("loopback", "netns")
+
+
+def log(message: str) -> None:
+    print(f"[interdaemon] {message}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    sizes: tuple[int, ...]
+    nprocs: tuple[int, ...]
+    placements: tuple[str, ...]
+    algorithms: tuple[str, ...]
+    policy: SamplePolicy
+    timeout_s: float
+    quiet_wait_s: float
+    daemon_args: tuple[str, ...]
+    gloo: bool
+    raw: bool
+    curve: bool
+    pick_check: bool
+    raw_stream_bytes: tuple[int, ...]
+    raw_ring_bytes: tuple[int, ...]
+    raw_rounds: int
+    repeat: int
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="float32 sum allreduce between gradsync daemons (ring, tree, rhd, star, "
+        "auto) vs torch gloo vs raw pyzmq TCP, on 127.0.0.1 and across network namespaces.",
+    )
+    parser.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES),
+                        help="message sizes, comma-separated (default 4KiB,64KiB,1MiB,16MiB,"
+                        "64MiB; add 256MiB if time allows)")
+    parser.add_argument("--nproc", default="2,4",
+                        help="numbers of nodes M (daemons, one rank each), comma-separated "
+                        "(default 2,4)")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS),
+                        help="loopback (127.0.0.1) and/or netns (a network namespace per node; "
+                        "needs root and iproute2); default both")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                        help=f"subset of {','.join(ALGORITHMS)} (default: all)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip torch gloo")
+    parser.add_argument("--no-raw", action="store_true", help="skip the raw pyzmq probes")
+    parser.add_argument("--no-curve", action="store_true",
+                        help="skip the CURVE vs --insecure comparison")
+    parser.add_argument("--no-pick-check", action="store_true",
+                        help="skip the untimed debug-level cluster that checks auto's picks")
+    parser.add_argument("--out", metavar="RESULTS.md",
+                        help="also write the report as the 'interdaemon' section of this file")
+    parser.add_argument("--budget-s", type=float, default=0.6,
+                        help="timed seconds per algorithm and size (default %(default)s)")
+    parser.add_argument("--min-samples", type=int, default=5)
+    parser.add_argument("--max-samples", type=int, default=50)
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="give up on one contender at one placement and M after this long")
+    parser.add_argument("--quiet-wait-s", type=float, default=10.0,
+                        help="before each placement and M, wait up to this long for other "
+                        "processes to drop below 0.25 cores (0: don't wait; default %(default)s)")
+    parser.add_argument("--daemon-args", default="", metavar="ARGS",
+                        help="extra gradsyncd flags for every daemon, e.g. "
+                        "'--pipeline-slice-bytes 4MiB'")
+    parser.add_argument("--raw-rounds", type=int, default=8,
+                        help="timed rounds per raw pyzmq pattern and volume (default 8)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run everything R times; tables show, per placement, contender "
+                        "and M, the repeat other processes disturbed least (default 1)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep per-rank JSON, logs and daemon logs (path printed)")
+    return parser.parse_args(argv)
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+# -- results of one placement and M -----------------------------------------
+
+
+@dataclasses.dataclass
+class RawResult:
+    """Raw pyzmq: seconds per round (slowest node) per pattern and volume."""
+
+    stream_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    ring_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    status: str = "ok"
+    note: str = ""
+
+    def stream_gbps(self, volume: int) -> float | None:
+        times = self.stream_s.get(volume)
+        return volume / statistics.median(times) / 1e9 if times else None
+
+    def ring_gbps(self, volume: int) -> float | None:
+        """Bytes each node sent (and received) per second, median round."""
+        times = self.ring_s.get(volume)
+        return volume / statistics.median(times) / 1e9 if times else None
+
+    def best_gbps(self) -> tuple[float | None, float | None]:
+        """Best over volumes of 1 MiB and more: (one way, ring exchange)."""
+        streams = [v for x in self.stream_s if x >= MIB and (v := self.stream_gbps(x))]
+        rings = [v for x in self.ring_s if x >= MIB and (v := self.ring_gbps(x))]
+        return (max(streams) if streams else None, max(rings) if rings else None)
+
+
+@dataclasses.dataclass
+class ClusterInfo:
+    """What the daemons of one gradsync run did besides the numbers."""
+
+    label: str = ""
+    commands: list[str] = dataclasses.field(default_factory=list)
+    #: auto's picks as inferred from the link probes, and as logged (debug level only).
+    picks: AutoPicks = dataclasses.field(default_factory=AutoPicks)
+    logged_picks: AutoPicks = dataclasses.field(default_factory=AutoPicks)
+    links: list[LinkProbe] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Group:
+    """One placement, one M, one repeat: every contender's run and the daemons' story."""
+
+    placement: str
+    nproc: int
+    repeat: int
+    description: str = ""
+    runs: list[ContenderRun] = dataclasses.field(default_factory=list)
+    cluster: ClusterInfo = dataclasses.field(default_factory=ClusterInfo)
+    raw: RawResult | None = None
+    curve_runs: list[ContenderRun] = dataclasses.field(default_factory=list)
+    curve_cluster: list[ClusterInfo] = dataclasses.field(default_factory=list)
+    #: The untimed cluster at --log-level debug that checks the inferred picks.
+    check_runs: list[ContenderRun] = dataclasses.field(default_factory=list)
+    check_cluster: ClusterInfo | None = None
+    background_cores: float | None = None
+    quiet_wait_s: float = 0.0
+
+
+# -- running ----------------------------------------------------------------
+
+
+def _policy_json(policy: SamplePolicy) -> str:
+    return json.dumps(dataclasses.asdict(policy))
+
+
+def _collect(
+    keys: Sequence[str], nproc: int, out_dir: str, failure: str | None, wall: float,
+    background: float | None, log_path: str,
+) -> list[ContenderRun]:
+    runs = []
+    for key in keys:
+        paths = [result_path(out_dir, key, nproc, r) for r in range(nproc)]
+        documents, errors = load_rank_files(paths)
+        cells = merge_ranks(documents, nproc) if len(documents) == nproc else {}
+        run = ContenderRun(key, nproc, "ok", cells=cells, wall_s=wall,
+                           background_cores=background)
+        if failure is not None or errors:
+            run.status = "failed"
+            run.note = "; ".join([failure or "", *errors]).strip("; ")
+        runs.append(run)
+    if any(run.status == "failed" for run in runs):
+        tail = log_tail(log_path)
+        log(f"{', '.join(keys)} at M={nproc} failed: {runs[0].note}\n{tail}")
+    return runs
+
+
+def _daemon_flags(
+    endpoints: Sequence[str], index: int, settings: Settings, keys: tuple[str, str] | None,
+    log_level: str,
+) -> list[str]:
+    flags = ["--listen", endpoints[index], "--peers", ",".join(endpoints),
+             "--log-level", log_level]
+    if keys is None:
+        flags.append("--insecure")
+    else:
+        flags += ["--curve-secret", keys[0], "--curve-authorized", keys[1]]
+    return [*flags, *settings.daemon_args]
+
+
+def _make_keys(folder: str, endpoints: Sequence[str]) -> list[tuple[str, str]]:
+    """A CURVE keypair per daemon (`gradsync keygen`), every public key authorised."""
+    from gradsync.client.keygen import generate_keypair
+
+    authorized = os.path.join(folder, "authorized")
+    os.makedirs(authorized, mode=0o700)
+    pairs = []
+    for index, endpoint in enumerate(endpoints):
+        public, secret = generate_keypair(os.path.join(folder, f"n{index}"), f"n{index}",
+                                          endpoint)
+        shutil.copy(public, authorized)
+        pairs.append((secret, authorized))
+    return pairs
+
+
+def run_gradsync(
+    topo: topology.Topology, settings: Settings, out_dir: str, *, algorithms: Sequence[str],
+    sizes: Sequence[int], label: str, policy: SamplePolicy, curve: bool = False,
+    log_level: str = "info",
+) -> tuple[list[ContenderRun], ClusterInfo]:
+    """M daemons peering over `topo`, one rank each, every algorithm at every size."""
+    nproc = topo.size
+    info = ClusterInfo(label)
+    endpoints = topo.endpoints()[0]
+    keys: list[tuple[str, str]] | None = None
+    if curve:
+        keys = _make_keys(tempfile.mkdtemp(prefix=f"keys-{label}-", dir=out_dir), endpoints)
+    flags = [
+        _daemon_flags(endpoints, i, settings, keys[i] if keys else None, log_level)
+        for i in range(nproc)
+    ]
+    log_path = os.path.join(out_dir, f"{label}.log")
+    keys_out = [algorithm_key(a, label) for a in algorithms]
+    job = f"bench-{label}-{topo.kind}-m{nproc}-{os.getpid()}"
+    with daemon_cluster(flags, [topo.prefix(i) for i in range(nproc)]) as daemons:
+        info.commands = [d.shown_command() for d in daemons]
+        pids = [d.pid for d in daemons]
+        meter = machine.LoadMeter(pids)
+        started = time.perf_counter()
+        commands = []
+        for rank, daemon in enumerate(daemons):
+            command = [
+                *topo.prefix(rank), sys.executable, WORKER,
+                "--contender", "gradsync-empty", "--algorithms", ",".join(algorithms),
+                "--label", label, "--sizes", ",".join(map(str, sizes)), "--out-dir", out_dir,
+                "--policy", _policy_json(policy), "--timeout-s", str(settings.timeout_s),
+            ]
+            env = rank_env(clean_env(), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0",
+                           LOCAL_WORLD_SIZE="1", GRADSYNC_DAEMON=daemon.endpoint,
+                           GRADSYNC_JOB=job)
+            commands.append((command, env))
+        failure = run_all(commands, log_path, settings.timeout_s)
+        wall = time.perf_counter() - started
+        background = meter.foreign_cores()
+        logs = [_read(d.log_path) for d in daemons]
+        info.links = parse_links(logs)
+        info.picks = infer_picks(nproc, sizes, info.links)
+        info.logged_picks = parse_picks(logs)
+        if failure is not None:
+            for index, daemon in enumerate(daemons):
+                log(f"daemon {index} log tail:\n{daemon.log_tail()}")
+    info.problems += _daemon_problems(daemons, label)
+    runs = _collect(keys_out, nproc, out_dir, failure, wall, background, log_path)
+    return runs, info
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as source:
+            return source.read()
+    except OSError:
+        return ""
+
+
+def _daemon_problems(daemons: Sequence[DaemonRun], label: str) -> list[str]:
+    problems = []
+    for index, daemon in enumerate(daemons):
+        if daemon.exit_code != 0:
+            problems.append(f"{label}: daemon {index} exited with status {daemon.exit_code} "
+                            "on SIGTERM")
+        if daemon.leaked_segments:
+            problems.append(
+                f"{label}: daemon {index} left {len(daemon.leaked_segments)} /dev/shm segments "
+                f"(removed by the benchmark): {', '.join(daemon.leaked_segments[:5])}"
+            )
+    return problems
+
+
+def run_gloo(topo: topology.Topology, settings: Settings, out_dir: str) -> ContenderRun:
+    """torch.distributed gloo, one process per node, over the nodes' interfaces."""
+    nproc = topo.size
+    if _missing("torch"):
+        return ContenderRun("gloo", nproc, "skipped", "torch is not installed")
+    log_path = os.path.join(out_dir, "gloo.log")
+    store = os.path.join(out_dir, "gloo.store")
+    meter = machine.LoadMeter()
+    started = time.perf_counter()
+    commands = []
+    for rank in range(nproc):
+        command = [
+            *topo.prefix(rank), sys.executable, WORKER, "--contender", "gloo",
+            "--sizes", ",".join(map(str, settings.sizes)), "--out-dir", out_dir,
+            "--policy", _policy_json(settings.policy), "--init-file", store,
+            "--timeout-s", str(settings.timeout_s),
+        ]
+        env = rank_env(clean_env(), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0",
+                       LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=topo.interfaces[rank])
+        commands.append((command, env))
+    failure = run_all(commands, log_path, settings.timeout_s)
+    wall = time.perf_counter() - started
+    return _collect(["gloo"], nproc, out_dir, failure, wall, meter.foreign_cores(),
+                    log_path)[0]
+
+
+def run_raw(topo: topology.Topology, settings: Settings, out_dir: str) -> RawResult:
+    """Raw pyzmq between the same addresses (other ports): one way and ring exchange."""
+    nproc = topo.size
+    endpoints = topo.endpoints()[0]
+    log_path = os.path.join(out_dir, "raw.log")
+    outs = [os.path.join(out_dir, f"raw-{i}.json") for i in range(nproc)]
+    commands = [
+        ([*topo.prefix(i), sys.executable, RAW, "--index", str(i),
+          "--endpoints", ",".join(endpoints),
+          "--stream-bytes", ",".join(map(str, settings.raw_stream_bytes)),
+          "--ring-bytes", ",".join(map(str, settings.raw_ring_bytes)),
+          "--rounds", str(settings.raw_rounds), "--out", outs[i]],
+         rank_env(clean_env()))
+        for i in range(nproc)
+    ]
+    failure = run_all(commands, log_path, min(settings.timeout_s, 120.0))
+    result = RawResult()
+    if failure is not None:
+        result.status, result.note = "failed", failure
+        log(f"raw pyzmq at M={nproc} failed: {failure}\n{log_tail(log_path)}")
+        return result
+    documents = []
+    for path in outs:
+        with open(path) as source:
+            documents.append(json.load(source))
+    for volume in settings.raw_stream_bytes:
+        result.stream_s[volume] = documents[0]["stream_s"][str(volume)]
+    for volume in settings.raw_ring_bytes:
+        per_node = [doc["ring_s"][str(volume)] for doc in documents]
+        result.ring_s[volume] = [max(times) for times in zip(*per_node, strict=True)]
+    return result
+
+
+@contextlib.contextmanager
+def _placement(kind: str, size: int) -> Iterator[topology.Topology]:
+    if kind == "loopback":
+        with topology.loopback(size) as topo:
+            yield topo
+    else:
+        with topology.namespaces(size) as topo:
+            yield topo
+
+
+def run_group(
+    placement: str, nproc: int, repeat: int, settings: Settings, run_dir: str
+) -> Group:
+    group = Group(placement, nproc, repeat)
+    out_dir = os.path.join(run_dir, f"{placement}-m{nproc}-r{repeat}")
+    os.makedirs(out_dir)
+    if settings.quiet_wait_s > 0:
+        waited, load = machine.wait_for_quiet(settings.quiet_wait_s, 0.25)
+        group.quiet_wait_s = waited
+        if waited > 1.5:
+            log(f"waited {waited:.0f}s for other processes to quieten (now {load:.2f} cores)")
+    meter = machine.LoadMeter()
+    with _placement(placement, nproc) as topo:
+        group.description = topo.description
+        title = f"{placement}, M={nproc}" + (f", repeat {repeat}" if settings.repeat > 1 else "")
+        log(f"{title}: gradsync {', '.join(settings.algorithms)} ...")
+        runs, group.cluster = run_gradsync(
+            topo, settings, out_dir, algorithms=settings.algorithms, sizes=settings.sizes,
+            label="gradsync", policy=settings.policy,
+        )
+        group.runs += runs
+        _report_progress(title, runs)
+        if settings.pick_check and "auto" in settings.algorithms:
+            log(f"{title}: auto at --log-level debug (untimed: checks the inferred picks) ...")
+            group.check_runs, group.check_cluster = run_gradsync(
+                topo, settings, out_dir, algorithms=("auto",), sizes=settings.sizes,
+                label="gradsync-check", policy=CHECK_POLICY, log_level="debug",
+            )
+        if settings.gloo:
+            log(f"{title}: torch gloo ...")
+            group.runs.append(run_gloo(topo, settings, out_dir))
+            _report_progress(title, group.runs[-1:])
+        if settings.raw:
+            log(f"{title}: raw pyzmq ...")
+            group.raw = run_raw(topo, settings, out_dir)
+        if settings.curve and placement == "loopback" and nproc == 2:
+            curve_policy = dataclasses.replace(
+                settings.policy, budget_s=2 * settings.policy.budget_s,
+                min_samples=max(10, settings.policy.min_samples),
+            )
+            for label, curve in (("gradsync-insecure", False), ("gradsync-curve", True)):
+                log(f"{title}: ring at {format_size(CURVE_SIZE)}, {label} ...")
+                runs, info = run_gradsync(
+                    topo, settings, out_dir, algorithms=("ring",), sizes=(CURVE_SIZE,),
+                    label=label, policy=curve_policy, curve=curve,
+                )
+                group.curve_runs += runs
+                group.curve_cluster.append(info)
+                _report_progress(title, runs)
+    group.background_cores = meter.foreign_cores()
+    return group
+
+
+def _report_progress(title: str, runs: Sequence[ContenderRun]) -> None:
+    for run in runs:
+        load = run.background_cores
+        log(f"{title}: {run.key} {run.status} in {run.wall_s:.0f}s"
+            + (f", background load {load:.2f} cores" if load is not None else "")
+            + (f" ({run.note})" if run.note else ""))
+
+
+# -- main -------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signals_unwind()  # SIGTERM/SIGHUP unwind like Ctrl-C: every finally block runs
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        log("interrupted; ranks, daemons and namespaces removed")
+        return 130
+
+
+def _settings(args: argparse.Namespace) -> Settings | str:
+    try:
+        sizes = parse_sizes(args.sizes)
+        nprocs = tuple(int(n) for n in args.nproc.split(",") if n.strip())
+    except ValueError as exc:
+        return str(exc)
+    placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+    if not nprocs or any(n < 2 for n in nprocs):
+        return f"every M must be at least 2, got {nprocs}"
+    if not placements or any(p not in PLACEMENTS for p in placements):
+        return f"placements must come from {PLACEMENTS}, got {placements}"
+    if not algorithms or any(a not in ALGORITHMS for a in algorithms):
+        return f"algorithms must come from {ALGORITHMS}, got {algorithms}"
+    if args.repeat < 1:
+        return "--repeat must be at least 1"
+    policy = SamplePolicy(
+        budget_s=args.budget_s, min_samples=args.min_samples, max_samples=args.max_samples,
+        latency_budget_s=0.0, latency_min_ops=0, ops_small=10, ops_medium=3,
+    )
+    return Settings(
+        sizes=sizes, nprocs=nprocs, placements=placements, algorithms=algorithms,
+        policy=policy, timeout_s=args.timeout_s, quiet_wait_s=args.quiet_wait_s,
+        daemon_args=tuple(shlex.split(args.daemon_args)), gloo=not args.no_gloo,
+        raw=not args.no_raw, curve=not args.no_curve, pick_check=not args.no_pick_check,
+        raw_stream_bytes=(16 * MIB, 64 * MIB), raw_ring_bytes=(4 << 10, 16 * MIB, 64 * MIB),
+        raw_rounds=args.raw_rounds, repeat=args.repeat,
+    )
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = parse_args(argv)
+    settings = _settings(args)
+    if isinstance(settings, str):
+        print(f"interdaemon: {settings}", file=sys.stderr)
+        return 2
+    if _missing("gradsync.client"):
+        print("interdaemon: gradsync is not installed in this interpreter", file=sys.stderr)
+        return 2
+    started_at = datetime.datetime.now().astimezone()
+    started = time.perf_counter()
+    notes: list[str] = []
+    placements = settings.placements
+    if "netns" in placements:
+        reason = topology.namespaces_unavailable()
+        if reason:
+            notes.append(f"network namespaces skipped: {reason}")
+            placements = tuple(p for p in placements if p != "netns")
+        else:
+            stale = topology.sweep_stale()
+            if stale:
+                notes.append(f"deleted namespaces an interrupted earlier run left: {stale}")
+    if settings.gloo and _missing("torch"):
+        notes.append("torch gloo skipped: torch is not installed (pip install torch)")
+    info = machine.describe()
+    load_average = machine.load_average()
+    run_dir = tempfile.mkdtemp(prefix="gsb-inter-", dir="/tmp")
+    log(f"sizes {', '.join(format_size(s) for s in settings.sizes)}; M = {settings.nprocs}; "
+        f"placements {', '.join(placements)}; scratch {run_dir}")
+    groups: list[Group] = []
+    try:
+        for repeat in range(1, settings.repeat + 1):
+            for placement in placements:
+                for nproc in settings.nprocs:
+                    groups.append(run_group(placement, nproc, repeat, settings, run_dir))
+    finally:
+        if args.keep:
+            log(f"per-rank results and logs kept in {run_dir}")
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    description = report_mod.RunDescription(
+        command=_command(argv),
+        started=started_at.strftime("%Y-%m-%d %H:%M %Z"),
+        duration_s=time.perf_counter() - started,
+        machine=info,
+        load_average=load_average,
+        settings_text=_settings_text(settings),
+        notes=notes,
+    )
+    selected = report_mod.select_groups(groups)
+    print(report_mod.console(selected, settings.sizes, settings.algorithms))
+    if args.out:
+        import results_file
+
+        notes_text = results_file.existing_notes(
+            args.out, report_mod.NOTES_BEGIN, report_mod.NOTES_END
+        )
+        text = report_mod.render(description, selected, groups, settings.sizes,
+                                 settings.algorithms, notes_text)
+        results_file.write_section(args.out, "interdaemon", text, "benchmarks/interdaemon.py")
+        log(f"wrote the interdaemon section of {args.out}")
+    for line in notes:
+        log(line)
+    bad = report_mod.failures(groups)
+    for line in bad:
+        log(line)
+    return 1 if bad else 0
+
+
+def _command(argv: Sequence[str] | None) -> str:
+    from processes import command_line
+
+    return command_line(__file__, argv)
+
+
+def _settings_text(settings: Settings) -> str:
+    policy = settings.policy
+    return (
+        f"k = {policy.ops_small} ops per sample up to 64 KiB, {policy.ops_medium} up to 1 MiB, "
+        f"1 above; samples for about {policy.budget_s:g} s per algorithm and size (at least "
+        f"{policy.min_samples}, at most {policy.max_samples}); raw pyzmq: "
+        f"{settings.raw_rounds} timed rounds per volume"
+        + (f"; extra daemon flags `{' '.join(settings.daemon_args)}`"
+           if settings.daemon_args else "")
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
