@@ -68,6 +68,8 @@ class PeerTransport(Protocol):
 
     def link_costs(self) -> tuple[float, float] | None: ...
 
+    def is_up(self, peer: str) -> bool: ...
+
 
 class ClusterJobs:
     """Cross-daemon state of every multi-node job on this daemon."""
@@ -103,9 +105,10 @@ class ClusterJobs:
 
     def peer_up(self, peer: str, jobs: dict[str, Job]) -> None:
         """A link (re)connected: tell it about every job we hold."""
-        for job in jobs.values():
+        for job in list(jobs.values()):
             if job.announcement is not None and job.broken is None:
                 self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
+                self._try_form(job)  # it may have waited for this very link
 
     def withdraw(self, job: Job, error: GradsyncError) -> None:
         """The local job broke or ended: peers must stop counting on it.
@@ -133,6 +136,13 @@ class ClusterJobs:
             return
         formation = form(announcements, job.world_size)
         if formation is None:
+            return
+        down = [d for d in formation.daemons
+                if d != self.transport.endpoint and not self.transport.is_up(d)]
+        if down:
+            # Announcements can arrive over a peer's link before ours to it is up; the
+            # job forms once this daemon can send to every member (see peer_up).
+            log.debug("%s waits for links to %s before forming", job.describe(), down)
             return
         job.formation = formation
         log.info(

@@ -51,6 +51,9 @@ class LinksTransport:
             return None
         return sending
 
+    def is_up(self, peer: str) -> bool:
+        return self.links.peer_state(peer) == "up"
+
     def link_costs(self) -> tuple[float, float] | None:
         """Median latency (α = rtt/2) and inverse bandwidth (β) over measured links.
 

@@ -43,8 +43,8 @@ def test_collectives_on_one_node(daemon: DaemonProcess, nranks: int) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("ranks_per_daemon", "groups"),
-    [((1, 1), ""), ((1, 2, 1), "group"), ((2, 1), "group")],
-    ids=["2d-1+1", "3d-1+2+1-groups", "2d-2+1-groups"],
+    [((1, 1), ""), ((1, 2, 1), "group"), ((2, 1), "group"), ((1, 1, 2, 1), "group")],
+    ids=["2d-1+1", "3d-1+2+1-groups", "2d-2+1-groups", "4d-1+1+2+1-groups"],
 )
 def test_collectives_across_daemons(
     start_daemon: StartDaemon, ranks_per_daemon: tuple[int, ...], groups: str
