@@ -38,6 +38,9 @@ class DaemonConfig:
     max_shm_bytes: int = 8 * 1024**3
     inline_reduce_bytes: int = 4 * 1024**2
     log_level: str = "info"
+    #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group
+    #: may use it (the systemd unit runs it as user and group gradsync).
+    group_access: bool = False
     # Peers (multi-node jobs).
     listen: str | None = None
     peers: tuple[str, ...] = ()
@@ -163,6 +166,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_shm_bytes": _positive_size,
     "inline_reduce_bytes": _positive_size,
     "log_level": _log_level,
+    "group_access": _boolean,
     "listen": _tcp_endpoint,
     "peers": _endpoint_list,
     "peers_file": _optional_path,

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from gradsync.daemon.config import ConfigError, DaemonConfig, load_config
+from gradsync.daemon.journal_logging import setup_logging
 from gradsync.daemon.server import StartupError, serve
 from gradsync.protocol.version import __version__
 
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level", metavar="LEVEL", help="debug, info (default), warning, error"
+    )
+    parser.add_argument(
+        "--group-access", action="store_true", default=None,
+        help="let the daemon's group use it: socket 0660, segments 0660 (default: owner only)",
     )
     peers = parser.add_argument_group("peers", "multi-node jobs: links to other daemons")
     peers.add_argument("--listen", metavar="tcp://HOST:PORT", help="endpoint peers connect to")
@@ -86,10 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"gradsyncd: configuration error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s gradsyncd[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config.log_level)
     try:
         _run(config)
     except StartupError as exc:

@@ -23,6 +23,7 @@ import zmq
 
 from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.peering import Peering, wants_peers
+from gradsync.daemon.sd_notify import Notifier
 from gradsync.daemon.service import GradsyncService
 from gradsync.daemon.session import ClientSession
 from gradsync.daemon.shm_pool import sweep_dead_segments
@@ -37,12 +38,13 @@ class StartupError(RuntimeError):
 
 
 @contextlib.contextmanager
-def claim_socket(path: str) -> Iterator[None]:
+def claim_socket(path: str, group_access: bool = False) -> Iterator[None]:
     """Hold `PATH.lock` for the daemon's lifetime; remove a stale socket file."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        os.chmod(folder, 0o700)
+        mode = 0o750 if group_access else 0o700
+        os.makedirs(folder, mode=mode, exist_ok=True)
+        os.chmod(folder, mode)
     elif os.stat(folder).st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (
         os.stat(folder).st_mode & stat.S_ISVTX
     ):
@@ -77,10 +79,10 @@ def claim_socket(path: str) -> Iterator[None]:
         os.close(lock_fd)
 
 
-def _bind_unix(path: str) -> socket.socket:
-    """Bind the client socket with mode 0600 (umask applies at bind time)."""
+def _bind_unix(path: str, group_access: bool = False) -> socket.socket:
+    """Bind the client socket with mode 0600, or 0660 (umask applies at bind time)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)
+    old_umask = os.umask(0o117 if group_access else 0o177)
     try:
         sock.bind(path)
     finally:
@@ -98,7 +100,7 @@ async def serve(config: DaemonConfig) -> None:
     if removed:
         log.info("removed %d segments left by dead daemons", len(removed))
     use_peers = wants_peers(config)
-    with claim_socket(path):
+    with claim_socket(path, config.group_access):
         service = GradsyncService(config, loop)
         peering = Peering(config, service) if use_peers else None
         if peering is not None:
@@ -110,7 +112,7 @@ async def serve(config: DaemonConfig) -> None:
                     f"cannot bind the peer endpoint {config.listen}: {exc}"
                 ) from None
         server = await loop.create_unix_server(
-            lambda: ClientSession(service), sock=_bind_unix(path)
+            lambda: ClientSession(service), sock=_bind_unix(path, config.group_access)
         )
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -121,7 +123,13 @@ async def serve(config: DaemonConfig) -> None:
             __version__, os.getpid(), path, config.threads,
             config.collective_timeout_s, config.max_shm_bytes,
         )
+        notifier = Notifier()
+        # Sockets are bound and peers configured: clients can connect from now on.
+        notifier.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={_status(service)}")
+        heartbeat = loop.create_task(_keep_systemd_informed(notifier, service))
         await stop.wait()
+        notifier.notify("STOPPING=1", "STATUS=shutting down")
+        heartbeat.cancel()
         log.info("shutting down: failing in-flight collectives, unlinking segments")
         server.close()
         service.shut_down()
@@ -130,4 +138,31 @@ async def serve(config: DaemonConfig) -> None:
         await server.wait_closed()
         # Let the transports flush the error replies before the process exits.
         await asyncio.sleep(0)
+        notifier.close()
     log.info("gradsyncd stopped")
+
+
+def _status(service: GradsyncService) -> str:
+    counters = service.counters
+    return (
+        f"{len(service.jobs)} jobs, {len(service.sessions)} clients, "
+        f"{counters['collectives']} collectives done, {counters['failed']} failed, "
+        f"{service.pool.in_use} bytes of shared memory"
+    )
+
+
+async def _keep_systemd_informed(notifier: Notifier, service: GradsyncService) -> None:
+    """WATCHDOG=1 from the event loop itself (a stuck loop stops it), and STATUS= lines."""
+    if not notifier.enabled:
+        return
+    interval = notifier.watchdog_s or 5.0
+    last_status = ""
+    while True:
+        lines = ["WATCHDOG=1"] if notifier.watchdog_s else []
+        status = _status(service)
+        if status != last_status:
+            lines.append(f"STATUS={status}")
+            last_status = status
+        if lines:
+            notifier.notify(*lines)
+        await asyncio.sleep(interval)

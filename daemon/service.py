@@ -62,7 +62,7 @@ class GradsyncService:
     def __init__(self, config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
         self.loop = loop
-        self.pool = ShmPool(config.max_shm_bytes)
+        self.pool = ShmPool(config.max_shm_bytes, mode=0o660 if config.group_access else 0o600)
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="gradsync-reduce"
         )

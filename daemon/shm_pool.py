@@ -42,8 +42,9 @@ class Segment:
 class ShmPool:
     """All segments of one daemon, with a byte budget."""
 
-    def __init__(self, max_bytes: int, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, max_bytes: int, shm_dir: str = SHM_DIR, mode: int = 0o600) -> None:
         self.max_bytes = max_bytes
+        self.mode = mode
         self.shm_dir = shm_dir
         self.in_use = 0
         self._ids = itertools.count(1)
@@ -79,6 +80,8 @@ class ShmPool:
         path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            if self.mode != 0o600:
+                os.fchmod(fd, self.mode)  # exact mode, whatever the umask
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
