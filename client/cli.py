@@ -10,6 +10,7 @@ from gradsync.client.demo import add_demo_arguments, run_demo
 from gradsync.client.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.launch import add_launch_arguments, run_launch
 from gradsync.client.ping import ping
+from gradsync.client.stats_cli import add_stats_arguments, run_stats, run_top
 from gradsync.protocol.endpoint import default_endpoint
 from gradsync.protocol.version import __version__
 
@@ -44,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_keygen_arguments(keygen)
 
+    stats = commands.add_parser(
+        "stats", help="a daemon's live statistics (table, JSON, Prometheus)"
+    )
+    add_stats_arguments(stats)
+    top = commands.add_parser("top", help="a live, refreshing view of a daemon's statistics")
+    add_stats_arguments(top, live=True)
+
     ping_parser = commands.add_parser("ping", help="check that a daemon answers")
     ping_parser.add_argument(
         "--daemon", default=None, metavar="ENDPOINT",
@@ -59,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run_launch(args))
     if args.command == "demo":
         return int(run_demo(args))
+    if args.command == "stats":
+        return int(run_stats(args))
+    if args.command == "top":
+        return int(run_top(args))
     if args.command == "keygen":
         return int(run_keygen(args))
     if args.command == "ping":

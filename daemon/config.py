@@ -41,6 +41,9 @@ class DaemonConfig:
     #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group
     #: may use it (the systemd unit runs it as user and group gradsync).
     group_access: bool = False
+    #: Statistics endpoint (REP; the PUB stream is the same + ".pub").  Default:
+    #: the client socket's path + ".stats".
+    stats: str | None = None
     # Peers (multi-node jobs).
     listen: str | None = None
     peers: tuple[str, ...] = ()
@@ -121,6 +124,12 @@ def _endpoint(value: Any) -> str:
     return value
 
 
+def _stats_endpoint(value: Any) -> str:
+    if isinstance(value, str) and value.startswith("tcp://"):
+        return _tcp_endpoint(value)
+    return _endpoint(value)
+
+
 def _tcp_endpoint(value: Any) -> str:
     if not isinstance(value, str) or not _TCP.match(value):
         raise ValueError(f"expected tcp://HOST:PORT, got {value!r}")
@@ -167,6 +176,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "inline_reduce_bytes": _positive_size,
     "log_level": _log_level,
     "group_access": _boolean,
+    "stats": _stats_endpoint,
     "listen": _tcp_endpoint,
     "peers": _endpoint_list,
     "peers_file": _optional_path,

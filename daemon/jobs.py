@@ -78,6 +78,7 @@ class PendingCollective:
     submissions: dict[int, Submission] = dataclasses.field(default_factory=dict)
     timer: Any = None  # an asyncio.TimerHandle, owned by the daemon
     matched_at: float = 0.0  # when the last local rank submitted
+    job_name: str = ""
 
 
 @dataclasses.dataclass
@@ -186,7 +187,7 @@ class Job:
         pending = self.pending.get(key)
         if pending is None:
             now = time.monotonic()
-            pending = PendingCollective(key, now, submission.timeout_s)
+            pending = PendingCollective(key, now, submission.timeout_s, job_name=self.name)
             self.pending[key] = pending
         if submission.rank in pending.submissions:
             raise InvalidArgumentError(

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", metavar="LEVEL", help="debug, info (default), warning, error"
     )
     parser.add_argument(
+        "--stats", metavar="ENDPOINT",
+        help="read-only statistics endpoint (default: the socket path + .stats)",
+    )
+    parser.add_argument(
         "--group-access", action="store_true", default=None,
         help="let the daemon's group use it: socket 0660, segments 0660 (default: owner only)",
     )

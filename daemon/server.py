@@ -27,6 +27,7 @@ from gradsync.daemon.sd_notify import Notifier
 from gradsync.daemon.service import GradsyncService
 from gradsync.daemon.session import ClientSession
 from gradsync.daemon.shm_pool import sweep_dead_segments
+from gradsync.daemon.stats_server import StatsServer, stats_endpoints
 from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.version import __version__
 
@@ -123,6 +124,22 @@ async def serve(config: DaemonConfig) -> None:
             __version__, os.getpid(), path, config.threads,
             config.collective_timeout_s, config.max_shm_bytes,
         )
+        stats_server = None
+        endpoints = stats_endpoints(config.stats, config.socket)
+        if endpoints is None:
+            log.warning("statistics endpoint disabled: %s.stats.pub would exceed the Unix "
+                        "socket path limit; pass --stats", config.socket)
+        else:
+            stats_server = StatsServer(
+                endpoints, service, peering.links if peering is not None else None
+            )
+            try:
+                await stats_server.start(config.group_access)
+            except zmq.ZMQError as exc:
+                await stats_server.close()
+                raise StartupError(
+                    f"cannot bind the stats endpoint {endpoints[0]}: {exc}"
+                ) from None
         notifier = Notifier()
         # Sockets are bound and peers configured: clients can connect from now on.
         notifier.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={_status(service)}")
@@ -132,6 +149,8 @@ async def serve(config: DaemonConfig) -> None:
         heartbeat.cancel()
         log.info("shutting down: failing in-flight collectives, unlinking segments")
         server.close()
+        if stats_server is not None:
+            await stats_server.close()
         service.shut_down()
         if peering is not None:
             await peering.close()

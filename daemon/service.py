@@ -33,6 +33,7 @@ from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Su
 from gradsync.daemon.membership import Formation
 from gradsync.daemon.reduce import reduce_range, split_ranges
 from gradsync.daemon.shm_pool import ShmPool
+from gradsync.daemon.stats import StatsRecorder
 from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
 from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
@@ -76,6 +77,7 @@ class GradsyncService:
             "dropped_unknown_job": 0, "rejected_keys": 0,
         }
         self.cluster: ClusterJobs | None = None
+        self.stats = StatsRecorder()
         #: More counters for `ping` (the peer links add theirs).
         self.extra_counters: Callable[[], dict[str, int]] = dict
 
@@ -535,6 +537,12 @@ class GradsyncService:
         job.completed += 1
         now = time.monotonic()
         self.counters["collectives"] += 1
+        first = ready.submissions[min(ready.submissions)]
+        itemsize = DTYPES[first.fingerprint.dtype].itemsize
+        self.stats.collective_done(
+            job.name, first.fingerprint.collective, first.fingerprint.algorithm,
+            first.fingerprint.count * itemsize, job.world_size, now - ready.first_seen,
+        )
         for submission in ready.submissions.values():
             submission.respond(None, {
                 "submitted": submission.submitted_at, "matched": ready.matched_at,
@@ -557,6 +565,7 @@ class GradsyncService:
         if pending.timer is not None:
             pending.timer.cancel()
         self.counters["failed"] += 1
+        self.stats.collective_failed(pending.job_name or None, error.code)
         for submission in pending.submissions.values():
             submission.respond(error)
 

@@ -1,0 +1,221 @@
+"""`gradsync stats` and `gradsync top`: read a daemon's statistics endpoint.
+
+The endpoint is the daemon's client socket path + `.stats` unless given;
+`--json` prints the raw snapshot, `--prometheus` the Prometheus text
+exposition format (for node exporters' textfile collectors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from gradsync.protocol import messages
+from gradsync.protocol.codec import decode_body
+from gradsync.protocol.endpoint import default_endpoint
+from gradsync.protocol.errors import DaemonUnavailableError, GradsyncError, ProtocolError
+
+
+def add_stats_arguments(parser: argparse.ArgumentParser, live: bool = False) -> None:
+    parser.add_argument("--daemon", default=None, metavar="ENDPOINT",
+                        help="the daemon's client endpoint (default: $GRADSYNC_DAEMON)")
+    parser.add_argument("--stats", default=None, metavar="ENDPOINT",
+                        help="its statistics endpoint (default: the socket path + .stats)")
+    parser.add_argument("--timeout-s", type=float, default=5.0)
+    if live:
+        parser.add_argument("--iterations", type=int, default=0,
+                            help="stop after this many snapshots (default: run until Ctrl-C)")
+    else:
+        form = parser.add_mutually_exclusive_group()
+        form.add_argument("--json", action="store_true", help="the raw snapshot as JSON")
+        form.add_argument("--prometheus", action="store_true",
+                          help="Prometheus text exposition format")
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.stats:
+        return str(args.stats)
+    daemon = args.daemon or os.environ.get("GRADSYNC_DAEMON") or default_endpoint()
+    return f"{daemon}.stats"
+
+
+def fetch_snapshot(endpoint: str, timeout_s: float) -> dict[str, Any]:
+    """One snapshot over REQ/REP; DaemonUnavailableError when nobody answers in time."""
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        sock.connect(endpoint)
+        sock.send(msgpack.packb(messages.request("stats", 1), use_bin_type=True))
+        try:
+            body = sock.recv()
+        except zmq.Again:
+            raise DaemonUnavailableError(
+                f"no statistics from {endpoint} within {timeout_s:g}s (is gradsyncd running?)"
+            ) from None
+    finally:
+        context.destroy(linger=0)
+    reply = messages.decode_reply(body)
+    if reply["kind"] == "error":
+        raise ProtocolError(str(reply["message"]))
+    snapshot = reply.get("snapshot")
+    if not isinstance(snapshot, dict):
+        raise ProtocolError("the stats reply holds no snapshot")
+    return snapshot
+
+
+def _bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return str(value)
+
+
+def render_table(snapshot: dict[str, Any]) -> str:
+    """A readable summary of one snapshot."""
+    lines = [
+        f"gradsyncd {snapshot['version']} pid {snapshot['pid']}  up {snapshot['uptime_s']:.0f}s  "
+        f"shm {_bytes(snapshot['shm']['in_use'])} in {snapshot['shm']['segments']} segments",
+    ]
+    counters = snapshot.get("counters", {})
+    dropped = {k: v for k, v in counters.items()
+               if v and k in ("malformed", "stale_generation", "links_rejected_keys",
+                              "links_malformed", "dropped_unknown_job")}
+    lines.append(f"collectives {counters.get('collectives', 0)}  failed "
+                 f"{counters.get('failed', 0)}  dropped {dropped or 0}")
+    for name, job in snapshot.get("jobs", {}).items():
+        state = "active" if job.get("active") else "ended"
+        members = ",".join(job.get("members", {})) or "-"
+        lines.append(f"job {name!r} ({state}) ranks here: {members}  "
+                     f"done {sum(job['done'].values())}  errors {dict(job['errors']) or 0}")
+        for size, figures in sorted(job.get("latency", {}).items()):
+            if figures:
+                lines.append(
+                    f"    {size:>14}  n={figures['count']:<6} p50 {figures['p50_s'] * 1e3:8.3f} ms"
+                    f"  p99 {figures['p99_s'] * 1e3:8.3f} ms  busbw "
+                    f"{figures['busbw_Bps'] / 1e9:6.2f} GB/s"
+                )
+        for flight in job.get("in_flight", []):
+            lines.append(f"    in flight: {flight}")
+    for peer, link in snapshot.get("peers", {}).items():
+        rtt = f"{link['rtt_s'] * 1e6:.0f} µs" if link.get("rtt_s") else "-"
+        lines.append(f"peer {peer}: {link['state']}  rtt {rtt}")
+    return "\n".join(lines)
+
+
+def _label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_prometheus(snapshot: dict[str, Any]) -> str:
+    """The snapshot as Prometheus text exposition format (version 0.0.4)."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, Any], float]]
+               ) -> None:
+        out.append(f"# HELP gradsync_{name} {help_text}")
+        out.append(f"# TYPE gradsync_{name} {kind}")
+        for labels, value in samples:
+            text = ",".join(f'{key}="{_label(val)}"' for key, val in labels.items())
+            out.append(f"gradsync_{name}{{{text}}} {float(value)!r}" if text
+                       else f"gradsync_{name} {float(value)!r}")
+
+    metric("uptime_seconds", "gauge", "Seconds since the daemon started.",
+           [({}, snapshot["uptime_s"])])
+    metric("shm_bytes", "gauge", "Shared memory in use.", [({}, snapshot["shm"]["in_use"])])
+    metric("counter_total", "counter", "Daemon-wide counters (drops, collectives, ...).",
+           [({"name": k}, v) for k, v in sorted(snapshot.get("counters", {}).items())])
+    metric("errors_total", "counter", "Failed collectives by error type.",
+           [({"code": k}, v) for k, v in sorted(snapshot.get("errors", {}).items())])
+    done, latency = [], []
+    for job, entry in snapshot.get("jobs", {}).items():
+        for kind, count in entry.get("done", {}).items():
+            done.append(({"job": job, "collective": kind}, count))
+        for size, figures in entry.get("latency", {}).items():
+            for quantile in ("p50", "p90", "p99"):
+                if figures:
+                    latency.append(({"job": job, "size_class": size,
+                                     "quantile": quantile[1:]}, figures[f"{quantile}_s"]))
+    metric("collectives_total", "counter", "Collectives completed, by job and kind/algorithm.",
+           done)
+    metric("latency_seconds", "gauge", "Recent collective latency percentiles.", latency)
+    metric("peer_rtt_seconds", "gauge", "Round trip to each peer daemon, measured at link-up.",
+           [({"peer": p}, link["rtt_s"]) for p, link in snapshot.get("peers", {}).items()
+            if link.get("rtt_s") is not None])
+    metric("peer_up", "gauge", "1 when the link to the peer is up.",
+           [({"peer": p}, 1.0 if link["state"] == "up" else 0.0)
+            for p, link in snapshot.get("peers", {}).items()])
+    return "\n".join(out) + "\n"
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    try:
+        snapshot = fetch_snapshot(_endpoint(args), args.timeout_s)
+    except GradsyncError as exc:
+        print(f"gradsync stats: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(snapshot, indent=2, sort_keys=True))
+    elif args.prometheus:
+        sys.stdout.write(render_prometheus(snapshot))
+    else:
+        print(render_table(snapshot))
+    return 0
+
+
+def run_top(args: argparse.Namespace) -> int:
+    """A live view of the PUB stream (rich when available, plain text otherwise)."""
+    endpoint = _endpoint(args) + ".pub"
+    context = zmq.Context()
+    sock = context.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.RCVTIMEO, int(max(args.timeout_s, 2.0) * 1000))
+    sock.connect(endpoint)
+    try:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+    except ImportError:  # pragma: no cover - rich is a dependency, but keep top usable
+        Live = None  # type: ignore[assignment,misc]
+    shown = 0
+    try:
+        if Live is not None and sys.stdout.isatty():
+            with Live(Text("waiting for the first snapshot…"), console=Console(),
+                      refresh_per_second=4) as live:
+                while not args.iterations or shown < args.iterations:
+                    live.update(Text(render_table(_next(sock, endpoint))))
+                    shown += 1
+        else:
+            while not args.iterations or shown < args.iterations:
+                print(render_table(_next(sock, endpoint)), flush=True)
+                print(f"--- {time.strftime('%H:%M:%S')}", flush=True)
+                shown += 1
+    except GradsyncError as exc:
+        print(f"gradsync top: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        context.destroy(linger=0)
+    return 0
+
+
+def _next(sock: zmq.Socket[bytes], endpoint: str) -> dict[str, Any]:
+    try:
+        body = sock.recv()
+    except zmq.Again:
+        raise DaemonUnavailableError(f"no snapshot published at {endpoint}") from None
+    snapshot = decode_body(body)
+    if not isinstance(snapshot, dict):
+        raise ProtocolError("a published snapshot must be a map")
+    return snapshot

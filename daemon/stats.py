@@ -1,0 +1,163 @@
+"""Live statistics of a daemon: what it did, how fast, what it is waiting for.
+
+`StatsRecorder` is fed by the service as collectives finish or fail and
+builds plain-data snapshots (msgpack/JSON-ready) on request.  Latencies are
+kept per job and size class in bounded windows, so percentiles reflect recent
+behaviour and memory stays flat however long the daemon runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from gradsync.protocol.version import PROTOCOL_VERSION, __version__
+
+if TYPE_CHECKING:
+    from gradsync.daemon.service import GradsyncService
+
+#: Size classes (upper bounds, bytes) for latency and bandwidth figures.
+SIZE_CLASSES = (4 * 1024, 64 * 1024, 1024**2, 16 * 1024**2, 256 * 1024**2, float("inf"))
+_WINDOW = 1024
+
+
+def size_class(nbytes: int) -> str:
+    for bound in SIZE_CLASSES:
+        if nbytes <= bound:
+            return "inf" if bound == float("inf") else f"<={int(bound)}"
+    return "inf"
+
+
+def _bus_factor(kind: str, ranks: int) -> float:
+    """nccl-tests' busbw/algbw factor for a collective over `ranks` ranks."""
+    if ranks <= 1:
+        return 1.0
+    if kind == "allreduce":
+        return 2 * (ranks - 1) / ranks
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+@dataclasses.dataclass
+class JobStats:
+    done: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    bytes_reduced: int = 0
+    latencies: dict[str, collections.deque[tuple[float, int, float]]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+class StatsRecorder:
+    """Counts and timings per job, plus the daemon-wide view for snapshots."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.jobs: dict[str, JobStats] = collections.defaultdict(JobStats)
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    def collective_done(
+        self, job: str, kind: str, algorithm: str | None, nbytes: int, ranks: int,
+        seconds: float,
+    ) -> None:
+        stats = self.jobs[job]
+        stats.done[f"{kind}/{algorithm or 'local'}"] += 1
+        stats.bytes_reduced += nbytes * max(1, ranks)
+        window = stats.latencies.setdefault(size_class(nbytes), collections.deque(maxlen=_WINDOW))
+        window.append((seconds, nbytes, _bus_factor(kind, ranks)))
+
+    def collective_failed(self, job: str | None, code: str) -> None:
+        self.errors[code] += 1
+        if job is not None:
+            self.jobs[job].errors[code] += 1
+
+    def snapshot(self, service: GradsyncService, links: Any = None) -> dict[str, Any]:
+        """One plain-data picture of the daemon (see README, "Statistics")."""
+        now = time.monotonic()
+        config = service.config
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "uptime_s": now - self.started,
+            "config": {
+                "socket": config.socket, "threads": config.threads,
+                "collective_timeout_s": config.collective_timeout_s,
+                "max_shm_bytes": config.max_shm_bytes, "listen": config.listen,
+                "peers": list(config.all_peers()), "algorithm": config.algorithm,
+            },
+            "shm": {"in_use": service.pool.in_use, "segments": len(service.pool),
+                    "limit": config.max_shm_bytes},
+            "counters": {**service.counters, **service.extra_counters()},
+            "errors": dict(self.errors),
+            "jobs": {name: self._job(service, name, now) for name in
+                     sorted(set(service.jobs) | set(self.jobs))},
+            "peers": _peers(links),
+        }
+
+    def _job(self, service: GradsyncService, name: str, now: float) -> dict[str, Any]:
+        job = service.jobs.get(name)
+        stats = self.jobs.get(name, JobStats())
+        entry: dict[str, Any] = {
+            "active": job is not None,
+            "done": dict(stats.done),
+            "errors": dict(stats.errors),
+            "bytes_reduced": stats.bytes_reduced,
+            "latency": {cls: _percentiles(window) for cls, window in stats.latencies.items()},
+        }
+        if job is not None:
+            entry.update({
+                "world_size": job.world_size,
+                "local_world_size": job.local_world_size,
+                "members": {str(rank): {"pid": m.pid, "state": "connected"}
+                            for rank, m in sorted(job.members.items())},
+                "broken": job.broken.message if job.broken else None,
+                "generation": job.formation.generation if job.formation else None,
+                "daemons": list(job.formation.daemons) if job.formation else None,
+                "in_flight": [
+                    {"key": pending.key, "age_s": now - pending.first_seen,
+                     "waiting_for_ranks": sorted(set(job.members) - set(pending.submissions))}
+                    for pending in job.pending.values()
+                ] + [
+                    {"key": key, "step": run.step + 1, "steps": run.steps,
+                     "algorithm": run.algorithm,
+                     "waiting_for_peers": [job.formation.daemons[i] for i in run.waiting_for()]
+                     if job.formation else []}
+                    for key, run in job.runs.items()
+                ],
+            })
+        return entry
+
+
+def _percentiles(window: collections.deque[tuple[float, int, float]]) -> dict[str, float]:
+    times = sorted(seconds for seconds, _, _ in window)
+    if not times:
+        return {}
+
+    def at(q: float) -> float:
+        return times[min(len(times) - 1, int(q * len(times)))]
+
+    median = at(0.5)
+    nbytes = sorted(n for _, n, _ in window)[len(window) // 2]
+    factor = window[-1][2]
+    algbw = nbytes / median if median > 0 else 0.0
+    return {"count": len(times), "p50_s": median, "p90_s": at(0.9), "p99_s": at(0.99),
+            "algbw_Bps": algbw, "busbw_Bps": algbw * factor}
+
+
+def _peers(links: Any) -> dict[str, Any]:
+    if links is None:
+        return {}
+    peers = {}
+    for peer in links.peers:
+        stats = links.link_stats(peer)
+        peers[peer] = {
+            "state": links.peer_state(peer),
+            "rtt_s": stats.rtt_s if stats else None,
+            "bandwidth_Bps": stats.bytes_per_s if stats else None,
+        }
+    return peers

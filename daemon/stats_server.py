@@ -1,0 +1,101 @@
+"""The read-only statistics endpoint: REQ/REP snapshots and a PUB stream.
+
+`--stats ipc://PATH` (default: the client socket's path + `.stats`) answers a
+msgpack request `{"v": 1, "kind": "stats"}` with one snapshot and anything
+else with an error; PATH + `.pub` publishes a snapshot every second for
+`gradsync top`.  Nothing received here can change the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from gradsync.protocol import messages
+from gradsync.protocol.codec import decode_body
+from gradsync.protocol.endpoint import MAX_SOCKET_PATH
+from gradsync.protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from gradsync.daemon.service import GradsyncService
+
+log = logging.getLogger("gradsync.daemon.stats")
+
+PUBLISH_INTERVAL_S = 1.0
+
+
+def stats_endpoints(stats: str | None, socket_endpoint: str) -> tuple[str, str] | None:
+    """(REP endpoint, PUB endpoint), or None when the default path would be too long."""
+    base = stats or socket_endpoint + ".stats"
+    if base.startswith("ipc://") and len(base) - len("ipc://") + len(".pub") > MAX_SOCKET_PATH:
+        return None
+    return base, base + ".pub"
+
+
+class StatsServer:
+    """Serves snapshots of `service` (and its peer links, if any)."""
+
+    def __init__(self, endpoints: tuple[str, str], service: GradsyncService, links: Any) -> None:
+        self.endpoints = endpoints
+        self.service = service
+        self.links = links
+        self._context = zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.service.stats.snapshot(self.service, self.links)
+
+    async def start(self, group_access: bool) -> None:
+        self._rep = self._context.socket(zmq.REP)
+        self._pub = self._context.socket(zmq.PUB)
+        for sock in (self._rep, self._pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        old_umask = os.umask(0o117 if group_access else 0o177)
+        try:
+            self._rep.bind(self.endpoints[0])
+            self._pub.bind(self.endpoints[1])
+        finally:
+            os.umask(old_umask)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._serve()), loop.create_task(self._publish())]
+        log.info("statistics at %s (requests) and %s (stream)", *self.endpoints)
+
+    async def _serve(self) -> None:
+        while True:
+            body = await self._rep.recv()
+            try:
+                request = messages.check_header(decode_body(body))
+                if request["kind"] != "stats":
+                    raise ProtocolError(
+                        f"the stats endpoint is read-only: it answers 'stats', "
+                        f"not {messages.clip(request['kind'])}"
+                    )
+                reply = messages.ok_reply(request["id"], snapshot=self.snapshot())
+            except ProtocolError as exc:
+                self.service.counters["malformed"] += 1
+                reply = messages.error_reply(-1, exc.code, exc.message)
+            await self._rep.send(msgpack.packb(reply, use_bin_type=True))
+
+    async def _publish(self) -> None:
+        while True:
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+            await self._pub.send(msgpack.packb(self.snapshot(), use_bin_type=True))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._context.destroy(linger=0)
+        for endpoint in self.endpoints:
+            if endpoint.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(endpoint[len("ipc://"):])

@@ -1,0 +1,84 @@
+"""The statistics endpoint: snapshots that match what was done, the PUB stream,
+JSON and Prometheus output, and read-only behaviour."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import DaemonProcess, collect, poll_until, spawn_ranks
+from gradsync.client.stats_cli import fetch_snapshot
+from gradsync.protocol import messages
+
+CLI = [sys.executable, "-m", "gradsync.client.cli"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_matches_a_known_workload(daemon: DaemonProcess, short_tmp: str) -> None:
+    folder = Path(short_tmp) / "work"
+    folder.mkdir()
+    ranks = spawn_ranks(daemon.endpoint, "stats_workload.py", 2, [str(folder)], job="known")
+    try:
+        poll_until(lambda: len(list(folder.glob("ready-*"))) == 2, 60, "the workload")
+        snapshot = json.loads(cli("stats", "--daemon", daemon.endpoint, "--json").stdout)
+        job = snapshot["jobs"]["known"]
+        assert job["active"] is True
+        assert job["done"] == {"allreduce/local": 5, "broadcast/local": 3}, job["done"]
+        assert job["bytes_reduced"] == 5 * 4096 * 2 + 3 * 2048 * 2
+        assert set(job["members"]) == {"0", "1"}
+        assert all(m["state"] == "connected" for m in job["members"].values())
+        assert job["in_flight"] == []
+        assert job["latency"]["<=4096"]["count"] == 8  # 4 KiB and 2 KiB: one size class
+        assert snapshot["pid"] == daemon.pid and snapshot["shm"]["in_use"] > 0
+        table = cli("stats", "--daemon", daemon.endpoint)
+        assert table.returncode == 0 and "job 'known' (active)" in table.stdout, table.stdout
+        prometheus = cli("stats", "--daemon", daemon.endpoint, "--prometheus").stdout
+        families = {f.name: f for f in text_string_to_metric_families(prometheus)}
+        done = {s.labels["collective"]: s.value
+                for s in families["gradsync_collectives"].samples}
+        assert done == {"allreduce/local": 5.0, "broadcast/local": 3.0}, done
+        live = cli("top", "--daemon", daemon.endpoint, "--iterations", "2")
+        assert live.returncode == 0 and live.stdout.count("job 'known'") == 2, live.stdout
+    finally:
+        (folder / "release").write_text("go")
+        collect(ranks, timeout_s=30)
+    ended = fetch_snapshot(daemon.endpoint + ".stats", 5.0)
+    assert ended["jobs"]["known"]["active"] is False
+
+
+@pytest.mark.timeout(60)
+def test_stats_endpoint_is_read_only(daemon: DaemonProcess) -> None:
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(daemon.endpoint + ".stats")
+        for request in (messages.request("alloc", 1, nbytes=4096),
+                        messages.request("allreduce", 2), {"not": "a message"}, [1, 2]):
+            sock.send(msgpack.packb(request))
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["kind"] == "error", reply
+        sock.send(b"\xc1 garbage")
+        assert msgpack.unpackb(sock.recv())["kind"] == "error"
+    finally:
+        context.destroy(linger=0)
+    snapshot = fetch_snapshot(daemon.endpoint + ".stats", 5.0)
+    assert snapshot["shm"]["in_use"] == 0 and snapshot["jobs"] == {}
+
+
+@pytest.mark.timeout(60)
+def test_stats_without_a_daemon_fails_clearly(short_tmp: str) -> None:
+    result = cli("stats", "--daemon", f"ipc://{short_tmp}/none.sock", "--timeout-s", "0.5")
+    assert result.returncode == 1 and "no statistics from" in result.stderr, result.stderr
