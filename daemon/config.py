@@ -44,6 +44,8 @@ class DaemonConfig:
     #: Statistics endpoint (REP; the PUB stream is the same + ".pub").  Default:
     #: the client socket's path + ".stats".
     stats: str | None = None
+    #: A collective waiting longer than this logs, once, what it waits for.
+    stall_warn_s: float = 60.0
     # Peers (multi-node jobs).
     listen: str | None = None
     peers: tuple[str, ...] = ()
@@ -177,6 +179,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "log_level": _log_level,
     "group_access": _boolean,
     "stats": _stats_endpoint,
+    "stall_warn_s": _positive_float,
     "listen": _tcp_endpoint,
     "peers": _endpoint_list,
     "peers_file": _optional_path,

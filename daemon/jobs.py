@@ -79,6 +79,7 @@ class PendingCollective:
     timer: Any = None  # an asyncio.TimerHandle, owned by the daemon
     matched_at: float = 0.0  # when the last local rank submitted
     job_name: str = ""
+    stall_reported: bool = False
 
 
 @dataclasses.dataclass

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="read-only statistics endpoint (default: the socket path + .stats)",
     )
     parser.add_argument(
+        "--stall-warn-s", metavar="S",
+        help="log once what a collective waits for after this long (default 60)",
+    )
+    parser.add_argument(
         "--group-access", action="store_true", default=None,
         help="let the daemon's group use it: socket 0660, segments 0660 (default: owner only)",
     )

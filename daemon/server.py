@@ -144,9 +144,11 @@ async def serve(config: DaemonConfig) -> None:
         # Sockets are bound and peers configured: clients can connect from now on.
         notifier.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={_status(service)}")
         heartbeat = loop.create_task(_keep_systemd_informed(notifier, service))
+        stalls = loop.create_task(_watch_for_stalls(service))
         await stop.wait()
         notifier.notify("STOPPING=1", "STATUS=shutting down")
         heartbeat.cancel()
+        stalls.cancel()
         log.info("shutting down: failing in-flight collectives, unlinking segments")
         server.close()
         if stats_server is not None:
@@ -168,6 +170,13 @@ def _status(service: GradsyncService) -> str:
         f"{counters['collectives']} collectives done, {counters['failed']} failed, "
         f"{service.pool.in_use} bytes of shared memory"
     )
+
+
+async def _watch_for_stalls(service: GradsyncService) -> None:
+    interval = min(1.0, service.config.stall_warn_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        service.report_stalls()
 
 
 async def _keep_systemd_informed(notifier: Notifier, service: GradsyncService) -> None:

@@ -569,6 +569,35 @@ class GradsyncService:
         for submission in pending.submissions.values():
             submission.respond(error)
 
+    # -- stall reports ------------------------------------------------------
+
+    def report_stalls(self) -> None:
+        """Log, once per collective, one waiting longer than `stall_warn_s` and for whom."""
+        now = time.monotonic()
+        limit = self.config.stall_warn_s
+        for job in list(self.jobs.values()):
+            for pending in job.pending.values():
+                if not pending.stall_reported and now - pending.first_seen > limit:
+                    pending.stall_reported = True
+                    missing = sorted(set(job.members) - set(pending.submissions))
+                    absent = job.local_world_size - len(job.members)
+                    log.warning(
+                        "key %r of %s has waited %.0fs for ranks %s%s", pending.key,
+                        job.describe(), now - pending.first_seen, missing,
+                        f" ({absent} local ranks not connected)" if absent else "",
+                    )
+            for key, run in list(job.runs.items()):
+                ready = next((p for p in self.in_flight.values() if p.key == key
+                              and p.job_name == job.name), None)
+                if (ready is not None and not ready.stall_reported
+                        and now - ready.first_seen > limit and job.formation is not None):
+                    ready.stall_reported = True
+                    log.warning(
+                        "key %r of %s has waited %.0fs at step %d/%d of %s for peer daemons %s",
+                        key, job.describe(), now - ready.first_seen, run.step + 1, run.steps,
+                        run.algorithm, [job.formation.daemons[i] for i in run.waiting_for()],
+                    )
+
     # -- shutdown -----------------------------------------------------------
 
     def shut_down(self) -> None:

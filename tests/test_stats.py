@@ -82,3 +82,14 @@ def test_stats_endpoint_is_read_only(daemon: DaemonProcess) -> None:
 def test_stats_without_a_daemon_fails_clearly(short_tmp: str) -> None:
     result = cli("stats", "--daemon", f"ipc://{short_tmp}/none.sock", "--timeout-s", "0.5")
     assert result.returncode == 1 and "no statistics from" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_collective_is_reported_once(start_daemon: object) -> None:
+    daemon: DaemonProcess = start_daemon("--stall-warn-s", "0.3")  # type: ignore[operator]
+    ranks = spawn_ranks(daemon.endpoint, "fail_missing.py", 1, job="stall",
+                        env={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GRADSYNC_TIMEOUT_S": "3"})
+    collect(ranks, timeout_s=30)
+    reports = [line for line in daemon.log().splitlines() if "has waited" in line]
+    assert len(reports) == 1, reports
+    assert "job 'stall'" in reports[0] and "1 local ranks not connected" in reports[0], reports
