@@ -10,7 +10,13 @@ from gradsync.client.demo import add_demo_arguments, run_demo
 from gradsync.client.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.launch import add_launch_arguments, run_launch
 from gradsync.client.ping import ping
-from gradsync.client.stats_cli import add_stats_arguments, run_stats, run_top
+from gradsync.client.stats_cli import (
+    add_stats_arguments,
+    add_trace_arguments,
+    run_stats,
+    run_top,
+    run_trace,
+)
 from gradsync.protocol.endpoint import default_endpoint
 from gradsync.protocol.version import __version__
 
@@ -52,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     top = commands.add_parser("top", help="a live, refreshing view of a daemon's statistics")
     add_stats_arguments(top, live=True)
 
+    trace = commands.add_parser(
+        "trace", help="record collective phases for a while, write a Chrome trace (Perfetto)"
+    )
+    add_trace_arguments(trace)
+
     ping_parser = commands.add_parser("ping", help="check that a daemon answers")
     ping_parser.add_argument(
         "--daemon", default=None, metavar="ENDPOINT",
@@ -69,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run_demo(args))
     if args.command == "stats":
         return int(run_stats(args))
+    if args.command == "trace":
+        return int(run_trace(args))
     if args.command == "top":
         return int(run_top(args))
     if args.command == "keygen":

@@ -18,9 +18,9 @@ import msgpack
 import zmq
 
 from gradsync.protocol import messages
-from gradsync.protocol.codec import decode_body
 from gradsync.protocol.endpoint import default_endpoint
 from gradsync.protocol.errors import DaemonUnavailableError, GradsyncError, ProtocolError
+from gradsync.protocol.trace_format import chrome_trace
 
 
 def add_stats_arguments(parser: argparse.ArgumentParser, live: bool = False) -> None:
@@ -46,15 +46,22 @@ def _endpoint(args: argparse.Namespace) -> str:
     return f"{daemon}.stats"
 
 
-def fetch_snapshot(endpoint: str, timeout_s: float) -> dict[str, Any]:
-    """One snapshot over REQ/REP; DaemonUnavailableError when nobody answers in time."""
+def _decode(body: bytes) -> Any:
+    """Strict msgpack without the control-message size limits (snapshots can be big)."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"undecodable reply from the stats endpoint: {exc}") from None
+
+
+def _ask(endpoint: str, timeout_s: float, kind: str, **fields: Any) -> dict[str, Any]:
     context = zmq.Context()
     try:
         sock = context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         sock.connect(endpoint)
-        sock.send(msgpack.packb(messages.request("stats", 1), use_bin_type=True))
+        sock.send(msgpack.packb(messages.request(kind, 1, **fields), use_bin_type=True))
         try:
             body = sock.recv()
         except zmq.Again:
@@ -63,9 +70,15 @@ def fetch_snapshot(endpoint: str, timeout_s: float) -> dict[str, Any]:
             ) from None
     finally:
         context.destroy(linger=0)
-    reply = messages.decode_reply(body)
+    reply = messages.check_header(_decode(body))
     if reply["kind"] == "error":
-        raise ProtocolError(str(reply["message"]))
+        raise ProtocolError(str(reply.get("message")))
+    return reply
+
+
+def fetch_snapshot(endpoint: str, timeout_s: float) -> dict[str, Any]:
+    """One snapshot over REQ/REP; DaemonUnavailableError when nobody answers in time."""
+    reply = _ask(endpoint, timeout_s, "stats")
     snapshot = reply.get("snapshot")
     if not isinstance(snapshot, dict):
         raise ProtocolError("the stats reply holds no snapshot")
@@ -210,12 +223,34 @@ def run_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stats_arguments(parser, live=True)
+    parser.add_argument("--seconds", type=float, default=5.0, help="how long to record")
+    parser.add_argument("--out", default="trace.json", help="Chrome trace file to write")
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Record S seconds of collective phases and write a Chrome trace (Perfetto)."""
+    try:
+        reply = _ask(_endpoint(args), args.seconds + args.timeout_s + 5, "trace",
+                     seconds=args.seconds)
+    except GradsyncError as exc:
+        print(f"gradsync trace: {exc}", file=sys.stderr)
+        return 1
+    events = reply.get("events") or []
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(chrome_trace(events, int(reply.get("pid", 0))), handle)
+    print(f"gradsync trace: {len(events)} events written to {args.out}"
+          + (f" ({reply.get('dropped')} dropped)" if reply.get("dropped") else ""))
+    return 0
+
+
 def _next(sock: zmq.Socket[bytes], endpoint: str) -> dict[str, Any]:
     try:
         body = sock.recv()
     except zmq.Again:
         raise DaemonUnavailableError(f"no snapshot published at {endpoint}") from None
-    snapshot = decode_body(body)
+    snapshot = _decode(body)
     if not isinstance(snapshot, dict):
         raise ProtocolError("a published snapshot must be a map")
     return snapshot

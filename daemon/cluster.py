@@ -25,6 +25,7 @@ from gradsync.daemon.collectives import Plan
 from gradsync.daemon.executor import ScheduleRun
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
+from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import (
     CollectiveError,
@@ -88,6 +89,7 @@ class ClusterJobs:
         self.run_call = run_call
         self.counters = counters
         self.remote: dict[str, dict[str, Announcement]] = {}
+        self.trace: TraceRecorder | None = None
 
     # -- membership ---------------------------------------------------------
 
@@ -420,7 +422,9 @@ class ClusterJobs:
         plan = plan_for(formation, me)
         algorithm = plan.algorithm
         fp = (*fingerprint, algorithm)
+        phase_start = time.monotonic()
         await self.run_call(plan.before, plan.work.nbytes)
+        self._trace(job, "local phase", phase_start, ready.key)
         base = {"kind": "slice", "job": job.name, "gen": formation.generation,
                 "key": ready.key, "fp": list(fp)}
 
@@ -460,7 +464,19 @@ class ClusterJobs:
             await run.wait_sent(max(1.0, deadline - time.monotonic()))
         finally:
             job.runs.pop(ready.key, None)
+        if self.trace is not None and self.trace.active:
+            for number, (started, ended, sources) in enumerate(run.step_times):
+                for source in sources or [me]:
+                    self.trace.add(f"link {formation.daemons[source]}",
+                                   f"{algorithm} step {number + 1}/{run.steps}", started, ended,
+                                   job=job.name, key=repr(ready.key))
+        phase_start = time.monotonic()
         await self.run_call(plan.after, plan.work.nbytes)
+        self._trace(job, "write-back", phase_start, ready.key)
+
+    def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
+        if self.trace is not None and self.trace.active:
+            self.trace.add(f"job {job.name}", name, started, time.monotonic(), key=repr(key))
 
 
 def _describe_fp(fp: list[Any]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +79,9 @@ class ScheduleRun:
         self._early: dict[int, list[tuple[int, int, int, Any]]] = {}
         self.trackers: list[Any] = []
         self.bytes_sent = 0
+        #: (start, end, peers it received from) of every finished step, for traces.
+        self.step_times: list[tuple[float, float, list[int]]] = []
+        self._step_started = 0.0
 
     @property
     def steps(self) -> int:
@@ -167,6 +171,11 @@ class ScheduleRun:
     def _advance(self) -> None:
         steps = self.schedule.steps
         while True:
+            now = time.monotonic()
+            if self.step >= 0:
+                peers = sorted({peer for peer, _ in self._expected})
+                self.step_times.append((self._step_started, now, peers))
+            self._step_started = now
             self.step += 1
             if self.step >= len(steps):
                 if not self.done.done():

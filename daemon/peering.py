@@ -111,6 +111,7 @@ class Peering:
             service.counters,
         )
         service.cluster = self.cluster
+        self.cluster.trace = service.trace
         service.extra_counters = lambda: {
             f"links_{name}": value for name, value in self.links.counters.items()
         }

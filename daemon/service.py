@@ -34,6 +34,7 @@ from gradsync.daemon.membership import Formation
 from gradsync.daemon.reduce import reduce_range, split_ranges
 from gradsync.daemon.shm_pool import ShmPool
 from gradsync.daemon.stats import StatsRecorder
+from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
 from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
@@ -78,6 +79,7 @@ class GradsyncService:
         }
         self.cluster: ClusterJobs | None = None
         self.stats = StatsRecorder()
+        self.trace = TraceRecorder()
         #: More counters for `ping` (the peer links add theirs).
         self.extra_counters: Callable[[], dict[str, int]] = dict
 
@@ -539,6 +541,13 @@ class GradsyncService:
         self.counters["collectives"] += 1
         first = ready.submissions[min(ready.submissions)]
         itemsize = DTYPES[first.fingerprint.dtype].itemsize
+        if self.trace.active:
+            track = f"job {job.name}"
+            what = first.fingerprint.describe()
+            self.trace.add(track, "wait for local ranks", ready.first_seen, ready.matched_at,
+                           key=repr(ready.key), collective=what)
+            self.trace.add(track, f"{first.fingerprint.collective} (run)", ready.matched_at, now,
+                           key=repr(ready.key), collective=what)
         self.stats.collective_done(
             job.name, first.fingerprint.collective, first.fingerprint.algorithm,
             first.fingerprint.count * itemsize, job.world_size, now - ready.first_seen,

@@ -84,6 +84,7 @@ class StatsRecorder:
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "uptime_s": now - self.started,
+            "tracing": service.trace.active,
             "config": {
                 "socket": config.socket, "threads": config.threads,
                 "collective_timeout_s": config.collective_timeout_s,

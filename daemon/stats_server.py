@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradsync.daemon.stats")
 
 PUBLISH_INTERVAL_S = 1.0
+MAX_TRACE_S = 600.0
 
 
 def stats_endpoints(stats: str | None, socket_endpoint: str) -> tuple[str, str] | None:
@@ -72,16 +73,35 @@ class StatsServer:
             body = await self._rep.recv()
             try:
                 request = messages.check_header(decode_body(body))
-                if request["kind"] != "stats":
+                if request["kind"] == "stats":
+                    reply = messages.ok_reply(request["id"], snapshot=self.snapshot())
+                elif request["kind"] == "trace":
+                    reply = await self._trace(request)
+                else:
                     raise ProtocolError(
-                        f"the stats endpoint is read-only: it answers 'stats', "
+                        f"the stats endpoint is read-only: it answers 'stats' and 'trace', "
                         f"not {messages.clip(request['kind'])}"
                     )
-                reply = messages.ok_reply(request["id"], snapshot=self.snapshot())
             except ProtocolError as exc:
                 self.service.counters["malformed"] += 1
                 reply = messages.error_reply(-1, exc.code, exc.message)
             await self._rep.send(msgpack.packb(reply, use_bin_type=True))
+
+    async def _trace(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Record collective phases for the requested seconds, then answer with them.
+
+        Other requests to this endpoint wait meanwhile (REP answers in order);
+        the PUB stream goes on.
+        """
+        seconds = request.get("seconds")
+        if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                or not 0 < seconds <= MAX_TRACE_S):
+            raise ProtocolError(f"trace needs 0 < seconds <= {MAX_TRACE_S}")
+        self.service.trace.start(float(seconds))
+        await asyncio.sleep(float(seconds))
+        events = self.service.trace.take()
+        return messages.ok_reply(request["id"], pid=os.getpid(), events=events,
+                                 dropped=self.service.trace.dropped)
 
     async def _publish(self) -> None:
         while True:

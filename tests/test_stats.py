@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -93,3 +94,54 @@ def test_a_stalled_collective_is_reported_once(start_daemon: object) -> None:
     reports = [line for line in daemon.log().splitlines() if "has waited" in line]
     assert len(reports) == 1, reports
     assert "job 'stall'" in reports[0] and "1 local ranks not connected" in reports[0], reports
+
+
+def wait_for_tracing(pub_endpoint: str) -> None:
+    """Block until the daemon's published snapshot says a trace is recording."""
+    context = zmq.Context()
+    try:
+        sub_socket = context.socket(zmq.SUB)
+        sub_socket.setsockopt(zmq.SUBSCRIBE, b"")
+        sub_socket.setsockopt(zmq.RCVTIMEO, 5000)
+        sub_socket.connect(pub_endpoint)
+        deadline = time.monotonic() + 20
+        while not msgpack.unpackb(sub_socket.recv()).get("tracing"):
+            assert time.monotonic() < deadline, "the trace never started"
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_trace_covers_every_phase_of_known_collectives(
+    start_daemon: object, short_tmp: str
+) -> None:
+    """One daemon per "node", two of them: local phases on the job track, steps per link."""
+    from cluster import free_ports, peer_args, run_spread
+
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure"))  # type: ignore[operator]
+               for i in range(2)]
+    out = Path(short_tmp) / "trace.json"
+    tracer = subprocess.Popen(
+        [*CLI, "trace", "--daemon", daemons[0].endpoint, "--seconds", "6", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for_tracing(daemons[0].endpoint + ".stats.pub")
+    folder = Path(short_tmp) / "work"
+    folder.mkdir()
+    (folder / "release").write_text("go")  # the workload does not wait at the end
+    run_spread(daemons, (1, 1), "stats_workload.py", [str(folder)], job="traced")
+    _, stderr = tracer.communicate(timeout=60)
+    assert tracer.returncode == 0, stderr
+    trace = json.loads(out.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in events}
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "job traced" in tracks and f"link {endpoints[1]}" in tracks, tracks
+    runs = [e for e in events if e["name"] in ("allreduce (run)", "broadcast (run)")]
+    assert len(runs) == 5 + 3, sorted(names)
+    assert sum(1 for e in events if e["name"] == "wait for local ranks") == 8
+    assert sum(1 for e in events if e["name"] == "local phase") == 8
+    assert sum(1 for e in events if e["name"] == "write-back") == 8
+    assert any(" step " in e["name"] for e in events), sorted(names)
+    assert all(e["dur"] >= 0 for e in events)
