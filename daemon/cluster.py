@@ -25,6 +25,7 @@ from gradsync.daemon.collectives import Plan
 from gradsync.daemon.executor import ScheduleRun
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
+from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import (
@@ -90,6 +91,7 @@ class ClusterJobs:
         self.counters = counters
         self.remote: dict[str, dict[str, Announcement]] = {}
         self.trace: TraceRecorder | None = None
+        self.stats: StatsRecorder | None = None
 
     # -- membership ---------------------------------------------------------
 
@@ -262,6 +264,8 @@ class ClusterJobs:
         if list(header.get("fp") or []) != list(run.fingerprint):
             self._mismatch(job, key, run, peer, header)
             return
+        if self.stats is not None:
+            self.stats.peer_traffic(job.name, peer, received=len(frames[0]))
         try:
             run.deliver(formation.index_of(peer), int(header["step"]), int(header["t"]),
                         int(header["off"]), frames[0])
@@ -429,6 +433,8 @@ class ClusterJobs:
                 "key": ready.key, "fp": list(fp)}
 
         def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
+            if self.stats is not None:
+                self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload))
             return self.transport.send(
                 formation.daemons[peer], {**base, **header}, (payload,), zero_copy
             )

@@ -112,6 +112,7 @@ class Peering:
         )
         service.cluster = self.cluster
         self.cluster.trace = service.trace
+        self.cluster.stats = service.stats
         service.extra_counters = lambda: {
             f"links_{name}": value for name, value in self.links.counters.items()
         }

@@ -47,6 +47,7 @@ class JobStats:
     done: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     bytes_reduced: int = 0
+    peer_bytes: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     latencies: dict[str, collections.deque[tuple[float, int, float]]] = dataclasses.field(
         default_factory=dict
     )
@@ -69,6 +70,12 @@ class StatsRecorder:
         stats.bytes_reduced += nbytes * max(1, ranks)
         window = stats.latencies.setdefault(size_class(nbytes), collections.deque(maxlen=_WINDOW))
         window.append((seconds, nbytes, _bus_factor(kind, ranks)))
+
+    def peer_traffic(self, job: str, peer: str, sent: int = 0, received: int = 0) -> None:
+        """Payload bytes exchanged with a peer daemon for a job."""
+        entry = self.jobs[job].peer_bytes.setdefault(peer, {"sent": 0, "received": 0})
+        entry["sent"] += sent
+        entry["received"] += received
 
     def collective_failed(self, job: str | None, code: str) -> None:
         self.errors[code] += 1
@@ -97,7 +104,7 @@ class StatsRecorder:
             "errors": dict(self.errors),
             "jobs": {name: self._job(service, name, now) for name in
                      sorted(set(service.jobs) | set(self.jobs))},
-            "peers": _peers(links),
+            "peers": _peers(links, self.jobs),
         }
 
     def _job(self, service: GradsyncService, name: str, now: float) -> dict[str, Any]:
@@ -108,6 +115,7 @@ class StatsRecorder:
             "done": dict(stats.done),
             "errors": dict(stats.errors),
             "bytes_reduced": stats.bytes_reduced,
+            "peer_bytes": {peer: dict(entry) for peer, entry in stats.peer_bytes.items()},
             "latency": {cls: _percentiles(window) for cls, window in stats.latencies.items()},
         }
         if job is not None:
@@ -150,7 +158,7 @@ def _percentiles(window: collections.deque[tuple[float, int, float]]) -> dict[st
             "algbw_Bps": algbw, "busbw_Bps": algbw * factor}
 
 
-def _peers(links: Any) -> dict[str, Any]:
+def _peers(links: Any, jobs: dict[str, JobStats]) -> dict[str, Any]:
     if links is None:
         return {}
     peers = {}
@@ -160,5 +168,9 @@ def _peers(links: Any) -> dict[str, Any]:
             "state": links.peer_state(peer),
             "rtt_s": stats.rtt_s if stats else None,
             "bandwidth_Bps": stats.bytes_per_s if stats else None,
+            "bytes_sent": sum(j.peer_bytes.get(peer, {}).get("sent", 0) for j in jobs.values()),
+            "bytes_received": sum(
+                j.peer_bytes.get(peer, {}).get("received", 0) for j in jobs.values()
+            ),
         }
     return peers

@@ -145,3 +145,8 @@ def test_trace_covers_every_phase_of_known_collectives(
     assert sum(1 for e in events if e["name"] == "write-back") == 8
     assert any(" step " in e["name"] for e in events), sorted(names)
     assert all(e["dur"] >= 0 for e in events)
+    # Bytes per peer: daemon 0 sent its allreduce halves and the broadcasts (it is
+    # the root), and received the other daemon's allreduce data.
+    traffic = fetch_snapshot(daemons[0].endpoint + ".stats", 5.0)["jobs"]["traced"]
+    exchanged = traffic["peer_bytes"][endpoints[1]]
+    assert exchanged["sent"] >= exchanged["received"] + 3 * 2048 > 3 * 2048, exchanged
