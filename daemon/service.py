@@ -367,8 +367,6 @@ class GradsyncService:
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return
-        finally:
-            self.in_flight.pop(id(ready), None)
         self._succeed(job, ready)
 
     def _submit(self, job: Job, key: Any, submission: Submission) -> PendingCollective | None:
@@ -452,6 +450,7 @@ class GradsyncService:
         task = self.loop.create_task(work)
         self.running.add(task)
         task.add_done_callback(self.running.discard)
+        task.add_done_callback(lambda _: self.in_flight.pop(id(ready), None))
 
     async def _reduce_on_pool(
         self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray]
@@ -467,8 +466,6 @@ class GradsyncService:
         except Exception as exc:
             self._kernel_failed(job, ready, exc)
             return
-        finally:
-            self.in_flight.pop(id(ready), None)
         self._succeed(job, ready)
 
     def _start_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
@@ -487,8 +484,6 @@ class GradsyncService:
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return
-        finally:
-            self.in_flight.pop(id(ready), None)
         self._succeed(job, ready)
 
     def _collective_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:

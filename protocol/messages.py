@@ -116,10 +116,8 @@ def _check_fields(
             )
 
 
-def check_header(message: Any) -> Message:
-    """Check the envelope every message shares; return it typed as a map."""
-    if not isinstance(message, dict):
-        raise ProtocolError(f"a message must be a map, got {type(message).__name__}")
+def check_version(message: dict[str, Any]) -> None:
+    """Refuse a map without an integer `v`, or with another protocol version."""
     version = message.get("v")
     if not _type_ok(version, (int,)):
         raise ProtocolError("message lacks an integer protocol version 'v'")
@@ -129,6 +127,13 @@ def check_header(message: Any) -> Message:
             f"this side speaks v{PROTOCOL_VERSION}",
             {"peer_version": version, "our_version": PROTOCOL_VERSION},
         )
+
+
+def check_header(message: Any) -> Message:
+    """Check the envelope every message shares; return it typed as a map."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message must be a map, got {type(message).__name__}")
+    check_version(message)
     if not _type_ok(message.get("id"), (int,)):
         raise ProtocolError("message lacks an integer 'id'")
     if not isinstance(message.get("kind"), str):

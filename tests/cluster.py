@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import socket
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from conftest import PROGRAMS, DaemonProcess, RankResult, collect
+from conftest import DaemonProcess, RankResult, assert_all_exited_0, collect, spawn_rank
 
 
 def free_ports(count: int) -> list[int]:
@@ -53,20 +51,8 @@ def spawn_spread(
     rank = 0
     for daemon, local_world in zip(daemons, ranks_per_daemon, strict=True):
         for local_rank in range(local_world):
-            rank_env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(local_world),
-                "GRADSYNC_DAEMON": daemon.endpoint,
-                "GRADSYNC_JOB": job,
-                **(env or {}),
-            }
-            processes.append(subprocess.Popen(
-                [sys.executable, str(PROGRAMS / program), *args],
-                env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))
+            processes.append(spawn_rank(program, args, daemon.endpoint, rank, world,
+                                        local_rank, local_world, job, env))
             rank += 1
     return processes
 
@@ -83,10 +69,7 @@ def run_spread(
         spawn_spread(daemons, ranks_per_daemon, program, args, **kwargs),  # type: ignore[arg-type]
         timeout_s,
     )
-    for result in results:
-        assert result.returncode == 0, (
-            f"rank {result.rank} exited {result.returncode}\nstdout:\n{result.stdout}\n"
-            f"stderr:\n{result.stderr}\n"
-            + "\n".join(f"--- daemon {d.endpoint} log:\n{d.log()[-3000:]}" for d in daemons)
-        )
+    assert_all_exited_0(results, "\n".join(
+        f"--- daemon {d.endpoint} log:\n{d.log()[-3000:]}" for d in daemons
+    ))
     return results

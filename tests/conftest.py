@@ -188,6 +188,37 @@ class RankResult:
         return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
 
 
+def spawn_rank(
+    program: str,
+    args: Sequence[str],
+    endpoint: str,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    job: str,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """One process of tests/programs/PROGRAM with torchrun-style variables."""
+    rank_env = {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GRADSYNC_DAEMON": endpoint,
+        "GRADSYNC_JOB": job,
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, str(PROGRAMS / program), *args],
+        env=rank_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def spawn_ranks(
     endpoint: str,
     program: str,
@@ -196,29 +227,11 @@ def spawn_ranks(
     job: str = "test",
     env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen[str]]:
-    """Start `nranks` processes of tests/programs/PROGRAM with torchrun-style env."""
-    processes = []
-    for rank in range(nranks):
-        rank_env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(nranks),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(nranks),
-            "GRADSYNC_DAEMON": endpoint,
-            "GRADSYNC_JOB": job,
-            **(env or {}),
-        }
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(PROGRAMS / program), *args],
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return processes
+    """Start `nranks` processes of PROGRAM, all on one daemon."""
+    return [
+        spawn_rank(program, args, endpoint, rank, nranks, rank, nranks, job, env)
+        for rank in range(nranks)
+    ]
 
 
 def collect(
@@ -260,9 +273,14 @@ def run_ranks(
 ) -> list[RankResult]:
     """Run rank programs to completion; every rank must exit 0."""
     results = collect(spawn_ranks(endpoint, program, nranks, args, **kwargs), timeout_s)  # type: ignore[arg-type]
+    assert_all_exited_0(results)
+    return results
+
+
+def assert_all_exited_0(results: Sequence[RankResult], context: str = "") -> None:
+    """Every rank exited 0; otherwise show the first failure's output and `context`."""
     for result in results:
         assert result.returncode == 0, (
             f"rank {result.rank} exited {result.returncode}\n"
-            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\n{context}"
         )
-    return results

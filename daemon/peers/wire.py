@@ -18,7 +18,8 @@ from typing import Any
 import msgpack
 
 from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body
-from gradsync.protocol.errors import InvalidArgumentError, ProtocolError, VersionMismatchError
+from gradsync.protocol.errors import InvalidArgumentError, ProtocolError
+from gradsync.protocol.messages import check_version
 from gradsync.protocol.version import PROTOCOL_VERSION
 
 LINK_PREFIX = "link."
@@ -78,15 +79,7 @@ def decode_header(body: bytes, kinds: frozenset[str]) -> Message:
     message = decode_body(body)
     if not isinstance(message, dict):
         raise ProtocolError(f"a header must be a map, got {type(message).__name__}")
-    version = message.get("v")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise ProtocolError("header lacks an integer protocol version 'v'")
-    if version != PROTOCOL_VERSION:
-        raise VersionMismatchError(
-            f"protocol version mismatch: peer speaks v{version}, "
-            f"this side speaks v{PROTOCOL_VERSION}",
-            {"peer_version": version, "our_version": PROTOCOL_VERSION},
-        )
+    check_version(message)
     kind = message.get("kind")
     if not isinstance(kind, str):
         raise ProtocolError("header lacks a string 'kind'")
