@@ -2,7 +2,10 @@
 
 The endpoint is the daemon's client socket path + `.stats` unless given;
 `--json` prints the raw snapshot, `--prometheus` the Prometheus text
-exposition format (for node exporters' textfile collectors).
+exposition format (for node exporters' textfile collectors).  A `tcp://`
+endpoint behind CURVE is read with `--curve-secret` (a reader's key from
+`gradsync keygen`, its public half in the daemon's authorised folder) and
+`--curve-server-key` (the daemon's public `NAME.key`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ from typing import Any
 
 import msgpack
 import zmq
+import zmq.auth
 
 from gradsync.protocol import messages
-from gradsync.protocol.endpoint import default_endpoint
-from gradsync.protocol.errors import DaemonUnavailableError, GradsyncError, ProtocolError
+from gradsync.protocol.endpoint import default_endpoint, stats_stream_endpoint
+from gradsync.protocol.errors import (
+    DaemonUnavailableError,
+    GradsyncError,
+    InvalidArgumentError,
+    ProtocolError,
+)
 from gradsync.protocol.trace_format import chrome_trace
 
 
@@ -29,6 +38,10 @@ def add_stats_arguments(parser: argparse.ArgumentParser, live: bool = False) -> 
     parser.add_argument("--stats", default=None, metavar="ENDPOINT",
                         help="its statistics endpoint (default: the socket path + .stats)")
     parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument("--curve-secret", default=None, metavar="FILE",
+                        help="for a tcp:// endpoint behind CURVE: the reader's NAME.key_secret")
+    parser.add_argument("--curve-server-key", default=None, metavar="FILE",
+                        help="for a tcp:// endpoint behind CURVE: the daemon's public NAME.key")
     if live:
         parser.add_argument("--iterations", type=int, default=0,
                             help="stop after this many snapshots (default: run until Ctrl-C)")
@@ -46,6 +59,37 @@ def _endpoint(args: argparse.Namespace) -> str:
     return f"{daemon}.stats"
 
 
+def curve_options(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
+    """(our public, our secret, the daemon's public) key, or None without CURVE."""
+    secret_file = getattr(args, "curve_secret", None)
+    server_file = getattr(args, "curve_server_key", None)
+    if not secret_file and not server_file:
+        return None
+    if not (secret_file and server_file):
+        raise InvalidArgumentError("pass both --curve-secret and --curve-server-key")
+    try:
+        public, secret = zmq.auth.load_certificate(secret_file)
+        server, _ = zmq.auth.load_certificate(server_file)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(f"cannot read a CURVE key: {exc}") from None
+    if secret is None:
+        raise InvalidArgumentError(f"{secret_file} holds no secret key (pass NAME.key_secret)")
+    return public, secret, server
+
+
+def _secure(sock: zmq.Socket[bytes], curve: tuple[bytes, bytes, bytes] | None) -> None:
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve
+
+
+def _unanswered(endpoint: str, timeout_s: float) -> str:
+    hint = "is gradsyncd running?"
+    if endpoint.startswith("tcp://"):
+        hint += (" behind CURVE, pass --curve-secret and --curve-server-key, with the "
+                 "reader's public key in the daemon's authorised folder")
+    return f"no statistics from {endpoint} within {timeout_s:g}s ({hint})"
+
+
 def _decode(body: bytes) -> Any:
     """Strict msgpack without the control-message size limits (snapshots can be big)."""
     try:
@@ -54,20 +98,20 @@ def _decode(body: bytes) -> Any:
         raise ProtocolError(f"undecodable reply from the stats endpoint: {exc}") from None
 
 
-def _ask(endpoint: str, timeout_s: float, kind: str, **fields: Any) -> dict[str, Any]:
+def _ask(endpoint: str, timeout_s: float, kind: str,
+         curve: tuple[bytes, bytes, bytes] | None = None, **fields: Any) -> dict[str, Any]:
     context = zmq.Context()
     try:
         sock = context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        _secure(sock, curve)
         sock.connect(endpoint)
         sock.send(msgpack.packb(messages.request(kind, 1, **fields), use_bin_type=True))
         try:
             body = sock.recv()
         except zmq.Again:
-            raise DaemonUnavailableError(
-                f"no statistics from {endpoint} within {timeout_s:g}s (is gradsyncd running?)"
-            ) from None
+            raise DaemonUnavailableError(_unanswered(endpoint, timeout_s)) from None
     finally:
         context.destroy(linger=0)
     reply = messages.check_header(_decode(body))
@@ -76,9 +120,11 @@ def _ask(endpoint: str, timeout_s: float, kind: str, **fields: Any) -> dict[str,
     return reply
 
 
-def fetch_snapshot(endpoint: str, timeout_s: float) -> dict[str, Any]:
+def fetch_snapshot(
+    endpoint: str, timeout_s: float, curve: tuple[bytes, bytes, bytes] | None = None
+) -> dict[str, Any]:
     """One snapshot over REQ/REP; DaemonUnavailableError when nobody answers in time."""
-    reply = _ask(endpoint, timeout_s, "stats")
+    reply = _ask(endpoint, timeout_s, "stats", curve)
     snapshot = reply.get("snapshot")
     if not isinstance(snapshot, dict):
         raise ProtocolError("the stats reply holds no snapshot")
@@ -121,7 +167,9 @@ def render_table(snapshot: dict[str, Any]) -> str:
             lines.append(f"    in flight: {flight}")
     for peer, link in snapshot.get("peers", {}).items():
         rtt = f"{link['rtt_s'] * 1e6:.0f} µs" if link.get("rtt_s") else "-"
-        lines.append(f"peer {peer}: {link['state']}  rtt {rtt}")
+        age = link.get("heartbeat_age_s")
+        heard = f"{age:.1f}s ago" if age is not None else "never"
+        lines.append(f"peer {peer}: {link['state']}  rtt {rtt}  heard {heard}")
     return "\n".join(lines)
 
 
@@ -164,6 +212,9 @@ def render_prometheus(snapshot: dict[str, Any]) -> str:
     metric("peer_rtt_seconds", "gauge", "Round trip to each peer daemon, measured at link-up.",
            [({"peer": p}, link["rtt_s"]) for p, link in snapshot.get("peers", {}).items()
             if link.get("rtt_s") is not None])
+    metric("peer_heartbeat_age_seconds", "gauge", "Seconds since anything came from the peer.",
+           [({"peer": p}, link["heartbeat_age_s"]) for p, link in snapshot.get("peers", {}).items()
+            if link.get("heartbeat_age_s") is not None])
     metric("peer_up", "gauge", "1 when the link to the peer is up.",
            [({"peer": p}, 1.0 if link["state"] == "up" else 0.0)
             for p, link in snapshot.get("peers", {}).items()])
@@ -172,7 +223,7 @@ def render_prometheus(snapshot: dict[str, Any]) -> str:
 
 def run_stats(args: argparse.Namespace) -> int:
     try:
-        snapshot = fetch_snapshot(_endpoint(args), args.timeout_s)
+        snapshot = fetch_snapshot(_endpoint(args), args.timeout_s, curve_options(args))
     except GradsyncError as exc:
         print(f"gradsync stats: {exc}", file=sys.stderr)
         return 1
@@ -187,10 +238,16 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_top(args: argparse.Namespace) -> int:
     """A live view of the PUB stream (rich when available, plain text otherwise)."""
-    endpoint = _endpoint(args) + ".pub"
+    endpoint = stats_stream_endpoint(_endpoint(args))
+    try:
+        curve = curve_options(args)
+    except GradsyncError as exc:
+        print(f"gradsync top: {exc}", file=sys.stderr)
+        return 1
     context = zmq.Context()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
+    _secure(sock, curve)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVTIMEO, int(max(args.timeout_s, 2.0) * 1000))
     sock.connect(endpoint)
@@ -233,7 +290,7 @@ def run_trace(args: argparse.Namespace) -> int:
     """Record S seconds of collective phases and write a Chrome trace (Perfetto)."""
     try:
         reply = _ask(_endpoint(args), args.seconds + args.timeout_s + 5, "trace",
-                     seconds=args.seconds)
+                     curve_options(args), seconds=args.seconds)
     except GradsyncError as exc:
         print(f"gradsync trace: {exc}", file=sys.stderr)
         return 1

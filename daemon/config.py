@@ -15,7 +15,11 @@ import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gradsync.protocol.endpoint import default_endpoint, parse_ipc_endpoint
+from gradsync.protocol.endpoint import (
+    default_endpoint,
+    parse_ipc_endpoint,
+    stats_stream_endpoint,
+)
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -128,7 +132,8 @@ def _endpoint(value: Any) -> str:
 
 def _stats_endpoint(value: Any) -> str:
     if isinstance(value, str) and value.startswith("tcp://"):
-        return _tcp_endpoint(value)
+        stats_stream_endpoint(_tcp_endpoint(value))  # the stream takes the next port
+        return value
     return _endpoint(value)
 
 

@@ -27,7 +27,7 @@ from gradsync.daemon.sd_notify import Notifier
 from gradsync.daemon.service import GradsyncService
 from gradsync.daemon.session import ClientSession
 from gradsync.daemon.shm_pool import sweep_dead_segments
-from gradsync.daemon.stats_server import StatsServer, stats_endpoints
+from gradsync.daemon.stats_server import StatsServer, stats_curve, stats_endpoints
 from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.version import __version__
 
@@ -101,6 +101,8 @@ async def serve(config: DaemonConfig) -> None:
     if removed:
         log.info("removed %d segments left by dead daemons", len(removed))
     use_peers = wants_peers(config)
+    endpoints = stats_endpoints(config.stats, config.socket)
+    stats_keys = stats_curve(config, endpoints[0]) if endpoints is not None else None
     with claim_socket(path, config.group_access):
         service = GradsyncService(config, loop)
         peering = Peering(config, service) if use_peers else None
@@ -125,13 +127,12 @@ async def serve(config: DaemonConfig) -> None:
             config.collective_timeout_s, config.max_shm_bytes,
         )
         stats_server = None
-        endpoints = stats_endpoints(config.stats, config.socket)
         if endpoints is None:
             log.warning("statistics endpoint disabled: %s.stats.pub would exceed the Unix "
                         "socket path limit; pass --stats", config.socket)
         else:
             stats_server = StatsServer(
-                endpoints, service, peering.links if peering is not None else None
+                endpoints, service, peering.links if peering is not None else None, stats_keys
             )
             try:
                 await stats_server.start(config.group_access)

@@ -2,14 +2,22 @@
 
 `--stats ipc://PATH` (default: the client socket's path + `.stats`) answers a
 msgpack request `{"v": 1, "kind": "stats"}` with one snapshot and anything
-else with an error; PATH + `.pub` publishes a snapshot every second for
-`gradsync top`.  Nothing received here can change the daemon.
+else with an error; PATH + `.pub` (for `tcp://HOST:PORT`: the next port)
+publishes a snapshot every second for `gradsync top`.  Nothing received here can change the daemon.
+
+An `ipc://` endpoint is guarded by its file mode.  A `tcp://` endpoint is
+reachable from the network, so it sits behind the daemon's CURVE keys (the
+same `curve_secret` and `curve_authorized` as the peer links): only a reader
+whose public key is in the authorised folder gets an answer, others are
+refused by a ZAP handler and counted (`stats_rejected_keys`).  Without keys a
+`tcp://` endpoint needs `--insecure`, and the daemon says so in its log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -18,9 +26,12 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from gradsync.daemon.config import ConfigError, DaemonConfig
+from gradsync.daemon.peers.keys import load_authorized, load_secret
+from gradsync.daemon.peers.zap import ZapHandler
 from gradsync.protocol import messages
 from gradsync.protocol.codec import decode_body
-from gradsync.protocol.endpoint import MAX_SOCKET_PATH
+from gradsync.protocol.endpoint import MAX_SOCKET_PATH, stats_stream_endpoint
 from gradsync.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -37,17 +48,56 @@ def stats_endpoints(stats: str | None, socket_endpoint: str) -> tuple[str, str] 
     base = stats or socket_endpoint + ".stats"
     if base.startswith("ipc://") and len(base) - len("ipc://") + len(".pub") > MAX_SOCKET_PATH:
         return None
-    return base, base + ".pub"
+    return base, stats_stream_endpoint(base)
+
+
+_ZAP_DOMAIN = b"gradsync-stats"
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsCurve:
+    """The keys a `tcp://` stats endpoint serves with: ours, and who may read."""
+
+    public_key: bytes
+    secret_key: bytes
+    authorized: frozenset[bytes]
+
+
+def stats_curve(config: DaemonConfig, endpoint: str) -> StatsCurve | None:
+    """The CURVE keys for `endpoint`; None for `ipc://` or an `--insecure` daemon.
+
+    Raises ConfigError when a `tcp://` endpoint would otherwise be open to anyone.
+    """
+    if not endpoint.startswith("tcp://"):
+        return None
+    if config.curve_secret and config.curve_authorized:
+        if config.insecure:
+            raise ConfigError("pass either CURVE keys or --insecure, not both")
+        secret = load_secret(config.curve_secret)
+        assert secret.secret_key is not None  # load_secret guarantees it
+        return StatsCurve(secret.public_key, secret.secret_key,
+                          frozenset(load_authorized(config.curve_authorized)))
+    if config.insecure:
+        return None
+    raise ConfigError(
+        f"the stats endpoint {endpoint} is reachable over the network: pass --curve-secret "
+        "FILE and --curve-authorized DIR (readers need a key in DIR), or --insecure"
+    )
 
 
 class StatsServer:
     """Serves snapshots of `service` (and its peer links, if any)."""
 
-    def __init__(self, endpoints: tuple[str, str], service: GradsyncService, links: Any) -> None:
+    def __init__(
+        self, endpoints: tuple[str, str], service: GradsyncService, links: Any,
+        curve: StatsCurve | None = None,
+    ) -> None:
         self.endpoints = endpoints
         self.service = service
         self.links = links
+        self.curve = curve
         self._context = zmq.asyncio.Context()
+        self._zap: ZapHandler | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def snapshot(self) -> dict[str, Any]:
@@ -58,6 +108,17 @@ class StatsServer:
         self._pub = self._context.socket(zmq.PUB)
         for sock in (self._rep, self._pub):
             sock.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                sock.curve_server = True
+                sock.curve_publickey = self.curve.public_key
+                sock.curve_secretkey = self.curve.secret_key
+                sock.zap_domain = _ZAP_DOMAIN
+        if self.curve is not None:
+            self._zap = ZapHandler(self._context, set(self.curve.authorized), self._rejected)
+            self._zap.start()
+        elif self.endpoints[0].startswith("tcp://"):
+            log.warning("statistics at %s are INSECURE: anyone who can reach the port can "
+                        "read them (--insecure)", self.endpoints[0])
         old_umask = os.umask(0o117 if group_access else 0o177)
         try:
             self._rep.bind(self.endpoints[0])
@@ -67,6 +128,10 @@ class StatsServer:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._serve()), loop.create_task(self._publish())]
         log.info("statistics at %s (requests) and %s (stream)", *self.endpoints)
+
+    def _rejected(self, address: str, reason: str) -> None:
+        self.service.counters["stats_rejected_keys"] += 1
+        log.warning("refused a statistics reader from %s: %s", address, reason)
 
     async def _serve(self) -> None:
         while True:
@@ -114,6 +179,8 @@ class StatsServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._zap is not None:
+            await self._zap.close()
         self._context.destroy(linger=0)
         for endpoint in self.endpoints:
             if endpoint.startswith("ipc://"):

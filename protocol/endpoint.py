@@ -28,3 +28,17 @@ def parse_ipc_endpoint(endpoint: str) -> str:
             f"at most {MAX_SOCKET_PATH}"
         )
     return path
+
+
+def stats_stream_endpoint(endpoint: str) -> str:
+    """The PUB endpoint beside a stats endpoint.
+
+    `ipc://PATH` streams at `ipc://PATH.pub`; `tcp://HOST:PORT` at the next port,
+    `tcp://HOST:PORT+1` (a TCP endpoint has no room for a suffix).
+    """
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if not port.isdigit() or not 0 < int(port) < 65535:
+            raise ValueError(f"a tcp:// stats endpoint needs a port below 65535: {endpoint!r}")
+        return f"{host}:{int(port) + 1}"
+    return endpoint + ".pub"

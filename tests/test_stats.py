@@ -4,10 +4,12 @@ JSON and Prometheus output, and read-only behaviour."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -150,3 +152,105 @@ def test_trace_covers_every_phase_of_known_collectives(
     traffic = fetch_snapshot(daemons[0].endpoint + ".stats", 5.0)["jobs"]["traced"]
     exchanged = traffic["peer_bytes"][endpoints[1]]
     assert exchanged["sent"] >= exchanged["received"] + 3 * 2048 > 3 * 2048, exchanged
+
+
+def keygen(folder: Path, name: str) -> None:
+    subprocess.run([*CLI, "keygen", str(folder), "--name", name], check=True,
+                   capture_output=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_tcp_stats_endpoint_is_behind_curve_keys(start_daemon: object, short_tmp: str) -> None:
+    from cluster import free_ports
+
+    keys, authorized, strangers = (Path(short_tmp) / n for n in ("keys", "authorized", "eve"))
+    for folder in (keys, authorized, strangers):
+        folder.mkdir(mode=0o700)
+    keygen(keys, "node0")
+    keygen(keys, "ops")
+    keygen(strangers, "eve")
+    for name in ("node0", "ops"):
+        (authorized / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    port = free_ports(1)[0]
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    open_to_all = subprocess.run(
+        [sys.executable, "-m", "gradsync.daemon", "--socket", f"ipc://{short_tmp}/open.sock",
+         "--stats", endpoint], capture_output=True, text=True, timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
+    assert open_to_all.returncode == 2, open_to_all
+    assert "--curve-secret" in open_to_all.stderr and endpoint in open_to_all.stderr
+
+    daemon: DaemonProcess = start_daemon(  # type: ignore[operator]
+        "--stats", endpoint, "--curve-secret", str(keys / "node0.key_secret"),
+        "--curve-authorized", str(authorized),
+    )
+    ops = ["--curve-secret", str(keys / "ops.key_secret"),
+           "--curve-server-key", str(keys / "node0.key")]
+    reader = cli("stats", "--stats", endpoint, "--json", *ops)
+    assert reader.returncode == 0, reader.stderr
+    assert json.loads(reader.stdout)["pid"] == daemon.pid
+    live = cli("top", "--stats", endpoint, "--iterations", "1", *ops)
+    assert live.returncode == 0 and f"pid {daemon.pid}" in live.stdout, live.stderr
+
+    eve = cli("stats", "--stats", endpoint, "--timeout-s", "1",
+              "--curve-secret", str(strangers / "eve.key_secret"),
+              "--curve-server-key", str(keys / "node0.key"))
+    assert eve.returncode == 1 and "--curve-server-key" in eve.stderr, eve.stderr
+    plain = cli("stats", "--stats", endpoint, "--timeout-s", "1")
+    assert plain.returncode == 1, plain.stdout
+    half = cli("stats", "--stats", endpoint, "--curve-secret", str(keys / "ops.key_secret"))
+    assert half.returncode == 1 and "pass both" in half.stderr, half.stderr
+
+    def refused() -> int:
+        reply = json.loads(cli("stats", "--stats", endpoint, "--json", *ops).stdout)
+        return int(reply["counters"]["stats_rejected_keys"])
+
+    poll_until(lambda: refused() >= 1, 20, "the daemon to count the refused reader")
+    assert "refused a statistics reader" in daemon.log()
+
+
+@pytest.mark.timeout(60)
+def test_tcp_stats_endpoint_without_keys_needs_insecure(
+    start_daemon: object, short_tmp: str
+) -> None:
+    from cluster import free_ports
+
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    daemon: DaemonProcess = start_daemon("--stats", endpoint, "--insecure")  # type: ignore[operator]
+    assert fetch_snapshot(endpoint, 5.0)["pid"] == daemon.pid
+    assert "INSECURE" in daemon.log()
+
+
+@pytest.mark.timeout(120)
+def test_peer_heartbeat_age_tracks_a_stopped_peer(start_daemon: object) -> None:
+    """The age stays small while the peer answers, grows while it is stopped."""
+    from cluster import free_ports, peer_args
+
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemons: list[DaemonProcess] = [
+        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s", "60"))  # type: ignore[operator]
+        for i in range(2)
+    ]
+    stats = daemons[0].endpoint + ".stats"
+
+    def peer() -> dict[str, Any]:
+        return dict(fetch_snapshot(stats, 5.0)["peers"][endpoints[1]])
+
+    poll_until(lambda: peer()["state"] == "up" and (peer()["heartbeat_age_s"] or 9) < 2.5, 30,
+               "the peer to be up and heard from")
+    daemons[1].process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(4.0)
+        stopped = peer()
+        assert stopped["state"] == "up" and stopped["heartbeat_age_s"] >= 2.5, stopped
+        table = cli("stats", "--daemon", daemons[0].endpoint).stdout
+        assert f"peer {endpoints[1]}: up" in table and "heard " in table, table
+        prometheus = cli("stats", "--daemon", daemons[0].endpoint, "--prometheus").stdout
+        families = {f.name: f for f in text_string_to_metric_families(prometheus)}
+        ages = families["gradsync_peer_heartbeat_age_seconds"].samples
+        assert ages[0].labels["peer"] == endpoints[1] and ages[0].value >= 2.5, ages
+    finally:
+        daemons[1].process.send_signal(signal.SIGCONT)
+    poll_until(lambda: peer()["heartbeat_age_s"] < 2.5, 30, "the peer to be heard again")

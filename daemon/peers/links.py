@@ -30,6 +30,10 @@ network are alive, not that its event loop is: per-step deadlines of the
 collectives cover a peer that is alive but stuck.
 
 When a link comes up, its latency and bandwidth are measured (`link_stats`).
+Besides ZeroMQ's heartbeats (invisible to us), each DEALER sends a small PING
+every `liveness_ivl_s` (at most one second) while its link is up, answered by
+the peer's router task: `heard_age_s(peer)` is the time since anything last
+came from the peer, so it also shows a peer whose event loop has stopped.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
 _MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
 _MAX_WARNINGS = 1024
+_MAX_LIVENESS_IVL_S = 1.0
 _DEALER_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -144,6 +149,8 @@ class _Link:
     seq: Iterator[int] = dataclasses.field(default_factory=itertools.count)
     tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
     probe: asyncio.Task[None] | None = None
+    #: `time.monotonic()` when anything last arrived from the peer (message or pong).
+    last_heard: float | None = None
 
 
 def _find_self(
@@ -248,6 +255,7 @@ class PeerLinks:
         self._validate = validate
         self._peer_timeout_s = float(peer_timeout_s)
         self._heartbeat_ivl_s = float(heartbeat)
+        self._liveness_ivl_s = min(self._heartbeat_ivl_s, _MAX_LIVENESS_IVL_S)
         self._probe_rounds = probe_rounds
         self._probe_bytes = probe_bytes
         self._max_payload_bytes = max_payload_bytes
@@ -386,6 +394,7 @@ class PeerLinks:
         link.tasks = [
             loop.create_task(self._watch(link), name=f"peer-monitor {link.name}"),
             loop.create_task(self._serve_dealer(link), name=f"peer-dealer {link.name}"),
+            loop.create_task(self._keep_alive(link), name=f"peer-liveness {link.name}"),
         ]
 
     async def __aenter__(self) -> PeerLinks:
@@ -409,6 +418,15 @@ class PeerLinks:
     def link_stats(self, peer: str) -> LinkStats | None:
         """`(rtt_s, bytes_per_s)` measured when the link last came up, or None yet."""
         return self._link(peer).stats
+
+    def heard_age_s(self, peer: str) -> float | None:
+        """Seconds since anything last came from `peer` (None: nothing yet).
+
+        Stays below `liveness_ivl_s` plus a round trip while the peer's event
+        loop answers; grows while the peer is stopped, stuck or cut off.
+        """
+        last = self._link(peer).last_heard
+        return None if last is None else time.monotonic() - last
 
     async def wait_up(
         self, timeout_s: float, peers: Iterable[str] | None = None, measured: bool = True
@@ -661,6 +679,7 @@ class PeerLinks:
             message = self._accept(frames)
             if message is None:
                 continue
+            self._links[message.peer].last_heard = time.monotonic()
             kind = message.header["kind"]
             if kind in (PING, BULK):
                 pong = encode_header(self.endpoint, {"kind": PONG, "seq": message.header["seq"]})
@@ -704,6 +723,7 @@ class PeerLinks:
             except ProtocolError as exc:
                 self._drop("malformed", link.name, str(exc))
                 continue
+            link.last_heard = time.monotonic()
             waiter = link.pongs.pop(header["seq"], None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -735,6 +755,23 @@ class PeerLinks:
                 )
             elif kind == zmq.EVENT_MONITOR_STOPPED:
                 return
+
+    async def _keep_alive(self, link: _Link) -> None:
+        """Ping the peer every `liveness_ivl_s` while the link is up.
+
+        Sent without blocking (a ping that does not fit in the queue is skipped)
+        and answered by the peer's router task; the answer only refreshes
+        `last_heard`, so no waiter is kept.
+        """
+        assert link.dealer is not None
+        dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(link.dealer.underlying)
+        while True:
+            await asyncio.sleep(self._liveness_ivl_s)
+            if link.state != "up":
+                continue
+            header = encode_header(self.endpoint, {"kind": PING, "seq": next(link.seq)})
+            with contextlib.suppress(zmq.Again):
+                dealer_now.send(header, flags=zmq.NOBLOCK)
 
     def _mark_up(self, link: _Link) -> None:
         if link.state == "up":
