@@ -1,9 +1,13 @@
 """The read-only statistics endpoint: REQ/REP snapshots and a PUB stream.
 
+Requests arrive on a ROUTER (REQ clients see plain REQ/REP), so a `trace`
+request records in the background while `stats` requests are still answered.
+
 `--stats ipc://PATH` (default: the client socket's path + `.stats`) answers a
 msgpack request `{"v": 1, "kind": "stats"}` with one snapshot and anything
 else with an error; PATH + `.pub` (for `tcp://HOST:PORT`: the next port)
-publishes a snapshot every second for `gradsync top`.  Nothing received here can change the daemon.
+publishes a snapshot every second for `gradsync top`.  Nothing received here
+can change the daemon.
 
 An `ipc://` endpoint is guarded by its file mode.  A `tcp://` endpoint is
 reachable from the network, so it sits behind the daemon's CURVE keys (the
@@ -44,7 +48,7 @@ MAX_TRACE_S = 600.0
 
 
 def stats_endpoints(stats: str | None, socket_endpoint: str) -> tuple[str, str] | None:
-    """(REP endpoint, PUB endpoint), or None when the default path would be too long."""
+    """(request endpoint, PUB endpoint), or None when the default path would be too long."""
     base = stats or socket_endpoint + ".stats"
     if base.startswith("ipc://") and len(base) - len("ipc://") + len(".pub") > MAX_SOCKET_PATH:
         return None
@@ -99,12 +103,13 @@ class StatsServer:
         self._context = zmq.asyncio.Context()
         self._zap: ZapHandler | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._tracing: asyncio.Task[None] | None = None
 
     def snapshot(self) -> dict[str, Any]:
         return self.service.stats.snapshot(self.service, self.links)
 
     async def start(self, group_access: bool) -> None:
-        self._rep = self._context.socket(zmq.REP)
+        self._rep = self._context.socket(zmq.ROUTER)
         self._pub = self._context.socket(zmq.PUB)
         for sock in (self._rep, self._pub):
             sock.setsockopt(zmq.LINGER, 0)
@@ -134,14 +139,20 @@ class StatsServer:
         log.warning("refused a statistics reader from %s: %s", address, reason)
 
     async def _serve(self) -> None:
+        """Answer REQ clients through a ROUTER, so a trace does not hold up the others."""
         while True:
-            body = await self._rep.recv()
+            frames = await self._rep.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                self.service.counters["malformed"] += 1
+                continue  # not a REQ envelope: nothing sensible to answer
+            route, body = frames[0], frames[2]
             try:
                 request = messages.check_header(decode_body(body))
                 if request["kind"] == "stats":
                     reply = messages.ok_reply(request["id"], snapshot=self.snapshot())
                 elif request["kind"] == "trace":
-                    reply = await self._trace(request)
+                    self._start_trace(route, request)
+                    continue
                 else:
                     raise ProtocolError(
                         f"the stats endpoint is read-only: it answers 'stats' and 'trace', "
@@ -150,23 +161,33 @@ class StatsServer:
             except ProtocolError as exc:
                 self.service.counters["malformed"] += 1
                 reply = messages.error_reply(-1, exc.code, exc.message)
-            await self._rep.send(msgpack.packb(reply, use_bin_type=True))
+            await self._answer(route, reply)
 
-    async def _trace(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Record collective phases for the requested seconds, then answer with them.
+    async def _answer(self, route: bytes, reply: dict[str, Any]) -> None:
+        await self._rep.send_multipart([route, b"", msgpack.packb(reply, use_bin_type=True)])
 
-        Other requests to this endpoint wait meanwhile (REP answers in order);
-        the PUB stream goes on.
-        """
+    def _start_trace(self, route: bytes, request: dict[str, Any]) -> None:
+        """Check a trace request and record in the background; one trace at a time."""
         seconds = request.get("seconds")
         if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
                 or not 0 < seconds <= MAX_TRACE_S):
             raise ProtocolError(f"trace needs 0 < seconds <= {MAX_TRACE_S}")
-        self.service.trace.start(float(seconds))
-        await asyncio.sleep(float(seconds))
-        events = self.service.trace.take()
-        return messages.ok_reply(request["id"], pid=os.getpid(), events=events,
-                                 dropped=self.service.trace.dropped)
+        if self._tracing is not None and not self._tracing.done():
+            raise ProtocolError("a trace is already recording; try again when it ends")
+        self._tracing = asyncio.get_running_loop().create_task(
+            self._trace(route, request["id"], float(seconds))
+        )
+
+    async def _trace(self, route: bytes, request_id: int, seconds: float) -> None:
+        """Record collective phases for `seconds`, then answer with them."""
+        self.service.trace.start(seconds)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            events = self.service.trace.take()
+        await self._answer(route, messages.ok_reply(
+            request_id, pid=os.getpid(), events=events, dropped=self.service.trace.dropped
+        ))
 
     async def _publish(self) -> None:
         while True:
@@ -174,9 +195,10 @@ class StatsServer:
             await self._pub.send(msgpack.packb(self.snapshot(), use_bin_type=True))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._tracing] if self._tracing is not None else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._zap is not None:

@@ -129,6 +129,11 @@ def test_trace_covers_every_phase_of_known_collectives(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     wait_for_tracing(daemons[0].endpoint + ".stats.pub")
+    # While it records, other readers are answered, and a second trace is refused.
+    assert fetch_snapshot(daemons[0].endpoint + ".stats", 3.0)["tracing"] is True
+    second = cli("trace", "--daemon", daemons[0].endpoint, "--seconds", "1",
+                 "--out", str(Path(short_tmp) / "second.json"))
+    assert second.returncode == 1 and "already recording" in second.stderr, second.stderr
     folder = Path(short_tmp) / "work"
     folder.mkdir()
     (folder / "release").write_text("go")  # the workload does not wait at the end
