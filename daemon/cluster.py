@@ -450,24 +450,8 @@ class ClusterJobs:
         )
         job.runs[ready.key] = run
         try:
-            run.start()
-            for peer, header, frames in job.early_by_key.pop(ready.key, []):
-                self.on_slice(job, peer, header, frames)
-            try:
-                await asyncio.wait_for(
-                    asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
-                )
-            except TimeoutError:
-                waiting = [formation.daemons[i] for i in run.waiting_for()]
-                error = CollectiveTimeoutError(
-                    f"key {ready.key!r} of {job.describe()} timed out after "
-                    f"{ready.deadline_s:g}s at step {run.step + 1}/{run.steps} of {algorithm}, "
-                    f"waiting for peer daemons {waiting}",
-                    {"job": job.name, "key": ready.key, "waiting_for": waiting},
-                )
-                self.abort(job, ready.key, error)
-                raise error from None
-            await run.wait_sent(max(1.0, deadline - time.monotonic()))
+            await self._with_job_context(job, ready.key, run, self._drive(
+                job, ready, run, formation, algorithm, deadline))
         finally:
             job.runs.pop(ready.key, None)
         if self.trace is not None and self.trace.active:
@@ -479,6 +463,47 @@ class ClusterJobs:
         phase_start = time.monotonic()
         await self.run_call(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
+
+    @staticmethod
+    async def _with_job_context(
+        job: Job, key: Any, run: ScheduleRun, driving: Awaitable[None]
+    ) -> None:
+        """A link that went down under a send raises a bare "peer P is lost": say
+        which job, key and step it broke, as the cluster's own notice would."""
+        try:
+            await driving
+        except PeerLostError as exc:
+            if job.name in exc.message:
+                raise
+            raise PeerLostError(
+                f"peer daemon {exc.details.get('peer', '?')} of {job.describe()} was lost "
+                f"(key {key!r} at step {run.step + 1}/{run.steps} of {run.algorithm})",
+                {**exc.details, "job": job.name, "key": key},
+            ) from None
+
+    async def _drive(
+        self, job: Job, ready: PendingCollective, run: ScheduleRun, formation: Formation,
+        algorithm: str, deadline: float,
+    ) -> None:
+        """Start the schedule, feed it what came early, wait until done and sent."""
+        run.start()
+        for peer, header, frames in job.early_by_key.pop(ready.key, []):
+            self.on_slice(job, peer, header, frames)
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            waiting = [formation.daemons[i] for i in run.waiting_for()]
+            error = CollectiveTimeoutError(
+                f"key {ready.key!r} of {job.describe()} timed out after "
+                f"{ready.deadline_s:g}s at step {run.step + 1}/{run.steps} of {algorithm}, "
+                f"waiting for peer daemons {waiting}",
+                {"job": job.name, "key": ready.key, "waiting_for": waiting},
+            )
+            self.abort(job, ready.key, error)
+            raise error from None
+        await run.wait_sent(max(1.0, deadline - time.monotonic()))
 
     def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
         if self.trace is not None and self.trace.active:
