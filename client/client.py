@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from gradsync.client.buffers import ScratchPool, ScratchSlot, SegmentRegistry
 from gradsync.client.connection import Connection
+from gradsync.client.cuda import DeviceBuffers, describe, is_device_array, parse_device
 from gradsync.client.environment import resolve_identity
 from gradsync.client.work import Work
 from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype, dtype_name, parse_reduce_op
@@ -38,6 +39,9 @@ class Placed:
     on_finish: Callable[[], None] | None = None
 
 
+#: A collective's buffer: a numpy array, a cupy array or a CUDA torch tensor.
+Buffer = Any
+
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
 _HELLO_TIMEOUT_S = 30.0
@@ -45,7 +49,8 @@ ALGORITHMS = ("auto", "ring", "tree", "rhd", "star")
 
 
 class Client:
-    """Connects to the local daemon and runs collectives on numpy arrays.
+    """Connects to the local daemon and runs collectives on numpy arrays, cupy
+    arrays and CUDA torch tensors (device buffers: see `gradsync.client.cuda`).
 
     Unset arguments come from the environment (see `gradsync.client.environment`):
     `GRADSYNC_DAEMON`, `GRADSYNC_JOB`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
@@ -80,6 +85,7 @@ class Client:
         self._sequence = 0
         self._closed = False
         self._barrier_buffer: np.ndarray | None = None
+        self._device: DeviceBuffers | None = None
         self._groups: list[Client] = []
         self._groups_created = 0
         #: Global ranks of a sub-group's members (None for a job's own client).
@@ -112,12 +118,19 @@ class Client:
     # -- lifecycle ----------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the job and disconnect; arrays from `empty()` stay usable as memory."""
+        """Leave the job and disconnect; arrays from `empty()` stay usable as memory.
+
+        Except device arrays from `empty(device=...)`: their IPC imports are
+        closed here (the daemon frees the memory once the client lets go), so
+        they must not be touched after `close()`.
+        """
         if self._closed:
             return
         self._closed = True
         for group in self._groups:
             group.close()
+        if self._device is not None:
+            self._device.close()
         with contextlib.suppress(GradsyncError):
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
@@ -144,8 +157,29 @@ class Client:
 
     # -- buffers ------------------------------------------------------------
 
-    def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
-        """An uninitialised array in daemon-owned shared memory (zero-copy collectives)."""
+    @overload
+    def empty(
+        self, shape: int | tuple[int, ...], dtype: Any = ..., device: None = None,
+        like: None = None,
+    ) -> np.ndarray: ...
+
+    @overload
+    def empty(
+        self, shape: int | tuple[int, ...], dtype: Any = ..., *, device: Any,
+        like: str | None = None,
+    ) -> Any: ...
+
+    def empty(
+        self, shape: int | tuple[int, ...], dtype: Any = np.float32, device: Any = None,
+        like: str | None = None,
+    ) -> Any:
+        """An uninitialised array in daemon-owned memory (zero-copy collectives).
+
+        Host shared memory by default (a numpy array).  With `device` ("cuda:N"
+        or N), device memory the daemon shares by CUDA IPC: a cupy array, or a
+        torch tensor with `like="torch"` (the only form for bfloat16, which
+        cupy lacks).
+        """
         self._check_open()
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         np_dtype = np.dtype(dtype)
@@ -156,12 +190,44 @@ class Client:
         count = math.prod(dims)
         if count < 0 or any(d < 0 for d in dims):
             raise InvalidArgumentError(f"negative dimension in shape {dims}")
+        if like not in (None, "torch"):
+            raise InvalidArgumentError(f"like must be None or 'torch', got {like!r}")
+        if device is not None:
+            return self._empty_on_device(dims, np_dtype, parse_device(device), like)
+        if like is not None:
+            raise InvalidArgumentError("like='torch' needs a device (host arrays are numpy)")
         if count == 0:
             return np.empty(dims, dtype=np_dtype)
         reply = self._connection.call("alloc", timeout_s=_HELLO_TIMEOUT_S,
                                       nbytes=count * np_dtype.itemsize)
         mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], True)
         return np.frombuffer(mapping, dtype=np_dtype, count=count).reshape(dims)
+
+    def _device_buffers(self) -> DeviceBuffers:
+        if self._device is None:
+            self._device = DeviceBuffers(
+                lambda kind, **fields: self._connection.call(
+                    kind, timeout_s=_HELLO_TIMEOUT_S, **fields
+                ),
+                self._segments.collected.append,
+            )
+        return self._device
+
+    def _empty_on_device(
+        self, dims: tuple[int, ...], dtype: np.dtype, device: int, like: str | None
+    ) -> Any:
+        buffers = self._device_buffers()
+        bfloat16 = dtype_name(dtype) == "bfloat16"
+        if bfloat16 and like != "torch":
+            raise InvalidArgumentError("cupy has no bfloat16: pass like='torch' for it")
+        slab = buffers.allocate(max(1, math.prod(dims)) * dtype.itemsize, device)
+        array = buffers.array(slab, dims, np.dtype(np.uint16) if bfloat16 else dtype)
+        if like != "torch":
+            return array
+        import torch
+
+        tensor = torch.as_tensor(array, device=f"cuda:{device}")
+        return tensor.view(torch.bfloat16) if bfloat16 else tensor
 
     def _scratch_slot(self, nbytes: int) -> ScratchSlot:
         slot = self._scratch.take(nbytes)
@@ -176,7 +242,7 @@ class Client:
 
     def all_reduce(
         self,
-        array: np.ndarray,
+        array: Buffer,
         op: str | ReduceOp = "sum",
         async_op: bool = False,
         algorithm: str | None = None,
@@ -185,6 +251,9 @@ class Client:
 
         Arrays from `empty()` are reduced where they lie; other C-contiguous
         arrays are staged through a scratch segment and copied back on success.
+        Device arrays are ordered by their current CUDA stream: once this
+        returns (or the Work's `wait()` does), that stream waits for the
+        daemon's kernels, so work queued on it after reads the result.
         `algorithm` (ring, tree, rhd, star or auto) overrides the daemons'
         choice between nodes; it defaults to `GRADSYNC_ALGO`, else the daemon's.
         """
@@ -194,12 +263,12 @@ class Client:
             raise InvalidArgumentError(
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
-        wire_dtype, reduce_op = self._check_array(array, op)
+        wire_dtype, reduce_op, count = self._check_array(array, op)
         placed = self._place(array, copy_in=True, copy_out=True)
         fields: dict[str, Any] = {
             "segment": placed.segment,
             "offset": placed.offset,
-            "count": int(array.size),
+            "count": count,
             "dtype": wire_dtype,
             "op": reduce_op.value,
             "timeout_s": self.timeout_s,
@@ -207,48 +276,48 @@ class Client:
         }
         return self._issue(
             "allreduce", fields, [placed], async_op,
-            f"all_reduce ({wire_dtype}[{array.size}] {reduce_op.value})",
+            f"all_reduce ({wire_dtype}[{count}] {reduce_op.value})",
         )
 
     # -- the other collectives (torch.distributed's names and semantics) ---------
 
-    def broadcast(self, array: np.ndarray, src: int, async_op: bool = False) -> Work | None:
+    def broadcast(self, array: Buffer, src: int, async_op: bool = False) -> Work | None:
         """Rank `src`'s `array` into every rank's `array`, in place."""
         return self._collective("broadcast", array, None, async_op, root=src, in_place=True)
 
     def reduce(
-        self, array: np.ndarray, dst: int, op: str | ReduceOp = "sum", async_op: bool = False
+        self, array: Buffer, dst: int, op: str | ReduceOp = "sum", async_op: bool = False
     ) -> Work | None:
         """Reduce every rank's `array` into rank `dst`'s, in place; others keep theirs."""
         return self._collective("reduce", array, None, async_op, root=dst, op=op, in_place=True)
 
     def all_gather(
-        self, output: np.ndarray, input: np.ndarray, async_op: bool = False
+        self, output: Buffer, input: Buffer, async_op: bool = False
     ) -> Work | None:
         """`output` (world_size × input elements) receives every rank's input, in rank order."""
         return self._collective("all_gather", input, output, async_op)
 
     def reduce_scatter(
-        self, output: np.ndarray, input: np.ndarray, op: str | ReduceOp = "sum",
+        self, output: Buffer, input: Buffer, op: str | ReduceOp = "sum",
         async_op: bool = False,
     ) -> Work | None:
         """`input` holds world_size chunks; rank r's `output` gets chunk r reduced over ranks."""
         return self._collective("reduce_scatter", input, output, async_op, op=op)
 
     def gather(
-        self, output: np.ndarray | None, input: np.ndarray, dst: int, async_op: bool = False
+        self, output: Buffer | None, input: Buffer, dst: int, async_op: bool = False
     ) -> Work | None:
         """Rank `dst`'s `output` (world_size × input) receives every rank's input."""
         return self._collective("gather", input, output, async_op, root=dst)
 
     def scatter(
-        self, output: np.ndarray, input: np.ndarray | None, src: int, async_op: bool = False
+        self, output: Buffer, input: Buffer | None, src: int, async_op: bool = False
     ) -> Work | None:
         """Rank `src`'s `input` (world_size chunks): chunk r goes to rank r's `output`."""
         return self._collective("scatter", input, output, async_op, root=src)
 
     def all_to_all(
-        self, output: np.ndarray, input: np.ndarray, async_op: bool = False
+        self, output: Buffer, input: Buffer, async_op: bool = False
     ) -> Work | None:
         """Equal splits: rank i's j-th input chunk becomes rank j's i-th output chunk."""
         return self._collective("all_to_all", input, output, async_op)
@@ -262,8 +331,8 @@ class Client:
     def _collective(
         self,
         kind: str,
-        input: np.ndarray | None,
-        output: np.ndarray | None,
+        input: Buffer | None,
+        output: Buffer | None,
         async_op: bool,
         root: int | None = None,
         op: str | ReduceOp | None = None,
@@ -279,7 +348,8 @@ class Client:
         arrays = [a for a in (input, output) if a is not None]
         if not arrays:
             raise InvalidArgumentError(f"{kind}: no buffer given")
-        names = [self._check_array(a, op or "sum")[0] for a in arrays]
+        checked = {id(a): self._check_array(a, op or "sum") for a in arrays}
+        names = [checked[id(a)][0] for a in arrays]
         if len(set(names)) > 1:
             raise InvalidArgumentError(f"{kind}: input is {names[0]} but output is {names[1]}")
         reduce_op = parse_reduce_op(op) if op is not None else None
@@ -289,10 +359,10 @@ class Client:
             "collective": kind,
             "segment": placed_in.segment,
             "offset": placed_in.offset,
-            "count": 0 if input is None else int(input.size),
+            "count": 0 if input is None else checked[id(input)][2],
             "out_segment": placed_out.segment,
             "out_offset": placed_out.offset,
-            "out_count": None if output is None else int(output.size),
+            "out_count": None if output is None else checked[id(output)][2],
             "dtype": names[0],
             "op": reduce_op.value if reduce_op else None,
             "root": root,
@@ -300,8 +370,15 @@ class Client:
         }
         return self._issue("collective", fields, [placed_in, placed_out], async_op, kind)
 
-    def _place(self, array: np.ndarray | None, copy_in: bool, copy_out: bool) -> Placed:
+    def _place(self, array: Any, copy_in: bool, copy_out: bool) -> Placed:
         """Where the daemon finds `array`: its own segment, or a scratch copy."""
+        if array is not None and is_device_array(array):
+            buffers = self._device_buffers()
+            info = describe(array, buffers.cp)
+            if info.count == 0:
+                return Placed(None, 0)
+            device = buffers.place(info, copy_in, copy_out)
+            return Placed(device.segment, device.offset, device.on_success, device.on_finish)
         if array is None or array.size == 0:
             return Placed(None, 0)
         located = self._segments.locate(array)
@@ -409,11 +486,20 @@ class Client:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    @staticmethod
-    def _check_array(array: Any, op: str | ReduceOp) -> tuple[str, ReduceOp]:
+    def _check_array(self, array: Any, op: str | ReduceOp) -> tuple[str, ReduceOp, int]:
+        """(wire dtype, op, element count) of a collective's array, after checking it."""
+        if is_device_array(array):
+            info = describe(array, self._device_buffers().cp)
+            try:
+                reduce_op = parse_reduce_op(op)
+                check_op_for_dtype(reduce_op, info.dtype)
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
+            return info.dtype, reduce_op, info.count
         if not isinstance(array, np.ndarray):
             raise InvalidArgumentError(
-                f"expected a numpy array, got {type(array).__name__}"
+                f"expected a numpy array, a CUDA tensor or a cupy array, "
+                f"got {type(array).__name__}"
             )
         if not array.flags.c_contiguous:
             raise InvalidArgumentError(
@@ -427,4 +513,4 @@ class Client:
             check_op_for_dtype(reduce_op, wire_dtype)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        return wire_dtype, reduce_op
+        return wire_dtype, reduce_op, int(array.size)

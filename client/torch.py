@@ -122,12 +122,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.last_step: StepRecord | None = None
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        for name, param in [*module.named_parameters(), *module.named_buffers()]:
-            if param.device.type != "cpu":
-                raise InvalidArgumentError(
-                    f"gradsync's DistributedDataParallel works on CPU tensors; "
-                    f"{name} is on {param.device}"
-                )
+        #: Where the buckets live: None for host shared memory, else the CUDA device.
+        self._device = _one_device(module)
         self._names = [name for name, _ in named]
         self._params = [param for _, param in named]
         for name, param in named:
@@ -173,7 +169,9 @@ class DistributedDataParallel(torch.nn.Module):
         buckets = []
         for index, indices in enumerate(assignment):
             dtype = numpy_dtype(self._params[indices[0]].dtype)
-            array = self.client.empty(bucket_elements(indices, self._params), dtype)
+            count = bucket_elements(indices, self._params)
+            array = (self.client.empty(count, dtype) if self._device is None
+                     else self.client.empty(count, dtype, device=self._device, like="torch"))
             buckets.append(make_bucket(index, indices, self._params, array))
         return buckets
 
@@ -367,6 +365,25 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.ready.clear()
 
 
+def _one_device(module: torch.nn.Module) -> int | None:
+    """None when every parameter and buffer is on the CPU, else their one CUDA device.
+
+    CUDA buckets live in device memory the daemon shares by CUDA IPC.
+    """
+    devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+    if all(device.type == "cpu" for device in devices):
+        return None
+    if len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return int(device.index or 0)
+    names = ", ".join(sorted(str(d) for d in devices))
+    raise InvalidArgumentError(
+        f"gradsync's DistributedDataParallel needs the module on the CPU or on one CUDA "
+        f"device; it is on {names}"
+    )
+
+
 def _grad_hook(
     ddp: weakref.ReferenceType[DistributedDataParallel], index: int
 ) -> Callable[[torch.Tensor], None]:
@@ -428,7 +445,8 @@ def comm_hook(state: Client, bucket: GradBucket) -> torch.futures.Future[torch.T
     once the daemon is done, so backward keeps running meanwhile.
     """
     tensor = bucket.buffer()
-    work = state.all_reduce(as_array(tensor), op="avg", async_op=True)
+    work = state.all_reduce(tensor if tensor.is_cuda else as_array(tensor), op="avg",
+                            async_op=True)
     assert work is not None
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     _waiter_for(state).put((work, future, tensor))

@@ -100,7 +100,8 @@ class Bucket:
 
     index: int
     param_indices: list[int]
-    array: np.ndarray
+    #: What the client all-reduces: a numpy array in shm, or a tensor in device memory.
+    array: np.ndarray | torch.Tensor
     tensor: torch.Tensor
     views: list[torch.Tensor]
     flags: torch.Tensor
@@ -122,10 +123,11 @@ class Bucket:
 
 
 def make_bucket(
-    index: int, param_indices: list[int], params: Sequence[torch.Tensor], array: np.ndarray
+    index: int, param_indices: list[int], params: Sequence[torch.Tensor],
+    array: np.ndarray | torch.Tensor,
 ) -> Bucket:
     """Lay the parameters' gradients out in `array` (grads first, then the flags)."""
-    tensor = as_tensor(array)
+    tensor = array if isinstance(array, torch.Tensor) else as_tensor(array)
     views = []
     offset = 0
     for i in param_indices:

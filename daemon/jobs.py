@@ -66,6 +66,8 @@ class Submission:
     timeout_s: float
     out: np.ndarray | None = None
     submitted_at: float = 0.0
+    #: The slabs `view` and `out` lie in (their backend runs the kernels).
+    slabs: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass

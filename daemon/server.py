@@ -169,7 +169,7 @@ def _status(service: GradsyncService) -> str:
     return (
         f"{len(service.jobs)} jobs, {len(service.sessions)} clients, "
         f"{counters['collectives']} collectives done, {counters['failed']} failed, "
-        f"{service.pool.in_use} bytes of shared memory"
+        f"{service.buffers.in_use} bytes of shared memory"
     )
 
 

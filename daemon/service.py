@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.cluster import ClusterJobs
 from gradsync.daemon.collectives import (
     KINDS,
@@ -32,7 +33,6 @@ from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
 from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Submission
 from gradsync.daemon.membership import Formation
 from gradsync.daemon.reduce import reduce_range, split_ranges
-from gradsync.daemon.shm_pool import ShmPool
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
@@ -44,6 +44,7 @@ from gradsync.protocol.errors import (
     GradsyncError,
     InvalidArgumentError,
     JobError,
+    MismatchError,
     ProtocolError,
     ShmExhaustedError,
 )
@@ -64,7 +65,9 @@ class GradsyncService:
     def __init__(self, config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
         self.loop = loop
-        self.pool = ShmPool(config.max_shm_bytes, mode=0o660 if config.group_access else 0o600)
+        self.buffers = Buffers(
+            config.max_shm_bytes, shm_mode=0o660 if config.group_access else 0o600
+        )
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="gradsync-reduce"
         )
@@ -92,7 +95,7 @@ class GradsyncService:
         """A client went away: free its segments, break its job for the others."""
         self.sessions.pop(session.session_id, None)
         for segment_id in session.segments:
-            self.pool.release(segment_id)
+            self.buffers.release(segment_id)
         session.segments.clear()
         job = self.jobs.get(session.job_name) if session.job_name else None
         if job is None or session.rank is None:
@@ -152,8 +155,8 @@ class GradsyncService:
             "collective_timeout_s": self.config.collective_timeout_s,
             "counters": {**self.counters, **self.extra_counters()},
             "jobs": len(self.jobs),
-            "shm_in_use": self.pool.in_use,
-            "segments": len(self.pool),
+            "shm_in_use": self.buffers.in_use,
+            "segments": len(self.buffers),
         }
 
     def _hello(self, session: ClientSession, message: Message) -> None:
@@ -206,12 +209,14 @@ class GradsyncService:
                 "raise --max-shm-bytes",
                 {"requested": nbytes, "limit": self.config.max_shm_bytes},
             )
-        segment = self.pool.allocate(nbytes, f"rank {session.rank} of job {session.job_name!r}")
-        session.segments.add(segment.segment_id)
+        slab = self.buffers.allocate(
+            nbytes, f"rank {session.rank} of job {session.job_name!r}", message
+        )
+        session.segments.add(slab.segment_id)
         session.reply(
             messages.ok_reply(
-                message["id"], segment=segment.segment_id, name=segment.name,
-                nbytes=segment.nbytes,
+                message["id"], segment=slab.segment_id, nbytes=slab.nbytes,
+                **slab.backend.export(slab),
             )
         )
 
@@ -237,7 +242,7 @@ class GradsyncService:
         if owner is None:
             raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
         owner.segments.discard(segment_id)
-        self.pool.release(segment_id)
+        self.buffers.release(segment_id)
         session.reply(messages.ok_reply(message["id"]))
 
     # -- allreduce ----------------------------------------------------------
@@ -278,12 +283,13 @@ class GradsyncService:
                 f"unknown algorithm {messages.clip(algorithm)}; expected one of "
                 f"{', '.join(ALGORITHM_CHOICES)}"
             )
-        view = self._view(session, message["segment"], message["offset"], dtype, count)
+        view, slab = self._view(session, message["segment"], message["offset"], dtype, count)
         request_id = message["id"]
         submission = Submission(
             rank=session.rank or 0,
             fingerprint=Fingerprint("allreduce", dtype_name, count, op.value, algorithm),
             view=view,
+            slabs=(slab,) if slab is not None else (),
             respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=self._timeout(message),
         )
@@ -317,11 +323,11 @@ class GradsyncService:
         rank = session.rank or 0
         count, out_count = message["count"], message.get("out_count")
         chunk = chunk_count(kind, rank, root, count, out_count, job.world_size)
-        view = self._view(session, message["segment"], message["offset"], dtype, count)
-        out = None
+        view, slab = self._view(session, message["segment"], message["offset"], dtype, count)
+        out, out_slab = None, None
         if out_count is not None:
-            out = self._view(session, message.get("out_segment"),
-                             message.get("out_offset", 0), dtype, out_count)
+            out, out_slab = self._view(session, message.get("out_segment"),
+                                       message.get("out_offset", 0), dtype, out_count)
         request_id = message["id"]
         submission = Submission(
             rank=rank,
@@ -331,6 +337,7 @@ class GradsyncService:
             respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=self._timeout(message),
             out=out,
+            slabs=tuple(x for x in (slab, out_slab) if x is not None),
         )
         ready = self._submit(job, message["key"], submission)
         if ready is None:
@@ -341,29 +348,50 @@ class GradsyncService:
         self, job: Job, ready: PendingCollective, kind: str, op: ReduceOp | None,
         root: int | None, chunk: int, dtype: np.dtype,
     ) -> None:
-        ins = {rank: sub.view for rank, sub in ready.submissions.items()}
-        outs = {rank: sub.out for rank, sub in ready.submissions.items()}
-        nbytes = chunk * dtype.itemsize * job.world_size * max(1, len(ins))
+        order = sorted(ready.submissions)
+        nbytes = chunk * dtype.itemsize * job.world_size * max(1, len(order))
+        first = ready.submissions[order[0]].fingerprint
         try:
+            slabs, backend = self._backend(ready)
+            if op is not None and backend is not self.buffers.host and first.dtype == "bfloat16":
+                raise InvalidArgumentError(
+                    f"{kind} of bfloat16 device buffers is not supported yet (all_reduce is); "
+                    "use float32 or float16 for it"
+                )
             if chunk == 0:
                 pass  # nothing to move; every rank agreed on the fingerprint locally
             elif not job.multi_node:
-                await self.run_call(
-                    lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root), nbytes
-                )
+                ins = {rank: ready.submissions[rank].view for rank in order}
+                outs = {rank: ready.submissions[rank].out for rank in order}
+                if backend is self.buffers.host:
+                    await self.run_call(
+                        lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root),
+                        nbytes,
+                    )
+                else:
+                    with backend.running(slabs):
+                        run_local(kind, ins, outs, job.world_size, chunk, op, root)
             else:
                 assert self.cluster is not None
+                cluster = self.cluster
+                views = [ready.submissions[rank].view for rank in order]
+                views += [ready.submissions[rank].out for rank in order]
 
-                def plan_for(formation: Formation, me: int) -> Plan:
-                    return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
-                                     job.world_size, chunk, op, root, dtype)
+                async def across(hosts: list[Any]) -> None:
+                    ins = dict(zip(order, hosts[: len(order)], strict=True))
+                    outs = dict(zip(order, hosts[len(order):], strict=True))
 
-                first = ready.submissions[min(ready.submissions)].fingerprint
-                await self.cluster.run_plan(
-                    job, ready, op or ReduceOp.SUM,
-                    (first.collective, first.dtype, first.count, first.op, first.root),
-                    plan_for,
-                )
+                    def plan_for(formation: Formation, me: int) -> Plan:
+                        return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
+                                         job.world_size, chunk, op, root, dtype)
+
+                    await cluster.run_plan(
+                        job, ready, op or ReduceOp.SUM,
+                        (first.collective, first.dtype, first.count, first.op, first.root),
+                        plan_for,
+                    )
+
+                await self._staged(backend, slabs, views, across)
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return
@@ -408,30 +436,81 @@ class GradsyncService:
     def _view(
         self, session: ClientSession, segment_id: int | None, offset: int, dtype: np.dtype,
         count: int,
-    ) -> np.ndarray | None:
-        """The submitter's slot as a typed array, after checking its bounds."""
+    ) -> tuple[Any, Slab | None]:
+        """The submitter's slot as a typed array, after checking its bounds, and its slab."""
         if count < 0 or offset < 0:
             raise InvalidArgumentError(f"negative count {count} or offset {offset}")
         if count == 0:
-            return None
+            return None, None
         if segment_id is None or not self._may_use(session, segment_id):
             raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
-        segment = self.pool.get(segment_id)
-        if segment is None:
+        slab = self.buffers.get(segment_id)
+        if slab is None:
             raise InvalidArgumentError(f"segment {segment_id} was freed")
         end = offset + count * dtype.itemsize
-        if end > segment.nbytes or offset % dtype.itemsize:
+        if end > slab.nbytes or offset % dtype.itemsize:
             raise InvalidArgumentError(
                 f"{count} x {dtype} at offset {offset} does not fit segment "
-                f"{segment_id} of {segment.nbytes} bytes (or is misaligned)"
+                f"{segment_id} of {slab.nbytes} bytes (or is misaligned)"
             )
-        view: np.ndarray = segment.view(offset, count, dtype)
-        return view
+        return slab.view(offset, count, dtype), slab
+
+    def _backend(self, ready: PendingCollective) -> tuple[list[Slab], Backend]:
+        """The slabs of a matched collective and their one backend.
+
+        Raises MismatchError when some local ranks pass host memory and others
+        device memory: the daemon cannot reduce across the two in one kernel.
+        """
+        order = sorted(ready.submissions)
+        slabs = [slab for rank in order for slab in ready.submissions[rank].slabs]
+        kinds = {slab.backend.kind for slab in slabs}
+        if len(kinds) > 1:
+            where = ", ".join(
+                f"rank {rank}: {'/'.join(s.backend.kind for s in ready.submissions[rank].slabs)}"
+                for rank in order if ready.submissions[rank].slabs
+            )
+            raise MismatchError(
+                f"key {ready.key!r} mixes host and device buffers ({where}); every local "
+                "rank must pass the same kind of memory"
+            )
+        return slabs, slabs[0].backend if slabs else self.buffers.host
+
+    async def _staged(
+        self, backend: Backend, slabs: list[Slab], views: list[Any],
+        run: Callable[[list[Any]], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Run `run` over host copies of device views (the peer links send host memory)."""
+        if backend is self.buffers.host:
+            await run(views)
+            return
+        with backend.running(slabs):
+            pass  # the daemon's streams now wait for the clients' writes
+        hosts, copy_back = await self.loop.run_in_executor(self.executor, backend.to_host, views)
+        await run(hosts)
+        with backend.running(slabs):
+            copy_back()
 
     def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
         """Run a matched collective: inline when small, else on the thread pool."""
         order = sorted(ready.submissions)
         slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
+        try:
+            slabs, backend = self._backend(ready)
+        except MismatchError as exc:
+            self._fail(ready, exc)
+            return
+        if not backend.parallel_ranges:
+            # Device kernels are only queued here: no reason to leave the loop.
+            try:
+                with backend.running(slabs):
+                    if slots:
+                        backend.reduce(slots, op, ready.submissions[order[0]].fingerprint.dtype,
+                                       0, slots[0].size)
+            except Exception as exc:
+                self._kernel_failed(job, ready, exc)
+                return
+            self._succeed(job, ready)
+            return
         if not slots or slots[0].nbytes * len(slots) <= self.config.inline_reduce_bytes:
             # A thread hand-off costs more than reducing a few hundred KiB here.
             try:
@@ -473,14 +552,20 @@ class GradsyncService:
 
     async def _run_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
         assert self.cluster is not None
+        cluster = self.cluster
         order = sorted(ready.submissions)
         first = ready.submissions[order[0]].fingerprint
         slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
-        try:
-            await self.cluster.run(
-                job, ready, op, slots, first.count, first.algorithm,
+
+        async def across(hosts: list[Any]) -> None:
+            await cluster.run(
+                job, ready, op, hosts, first.count, first.algorithm,
                 (first.collective, first.dtype, first.count, first.op, None),
             )
+
+        try:
+            slabs, backend = self._backend(ready)
+            await self._staged(backend, slabs, slots, across)
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return
@@ -617,6 +702,6 @@ class GradsyncService:
             self._fail(pending, error)
         for session in list(self.sessions.values()):
             session.close()
-        self.pool.release_all()
+        self.buffers.release_all()
         # Let running reductions finish: an empty() buffer is never left half reduced.
         self.executor.shutdown(wait=True, cancel_futures=False)

@@ -57,8 +57,12 @@ class ShmPool:
     def get(self, segment_id: int) -> Segment | None:
         return self._segments.get(segment_id)
 
-    def allocate(self, nbytes: int, owner: str) -> Segment:
-        """Create, reserve and map a new segment of at least `nbytes` bytes."""
+    def allocate(self, nbytes: int, owner: str, segment_id: int | None = None) -> Segment:
+        """Create, reserve and map a new segment of at least `nbytes` bytes.
+
+        `segment_id` is the caller's number for it (the daemon numbers slabs of
+        every backend from one counter); by default the pool numbers its own.
+        """
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
         size = -(-nbytes // _PAGE) * _PAGE
@@ -75,7 +79,8 @@ class ShmPool:
                 f"{self.shm_dir}; free space there or enlarge it",
                 {"requested": size, "free": free},
             )
-        segment_id = next(self._ids)
+        if segment_id is None:
+            segment_id = next(self._ids)
         name = segment_name(self._pid, str(segment_id))
         path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -98,7 +98,7 @@ class StatsRecorder:
                 "max_shm_bytes": config.max_shm_bytes, "listen": config.listen,
                 "peers": list(config.all_peers()), "algorithm": config.algorithm,
             },
-            "shm": {"in_use": service.pool.in_use, "segments": len(service.pool),
+            "shm": {"in_use": service.buffers.in_use, "segments": len(service.buffers),
                     "limit": config.max_shm_bytes},
             "counters": {**service.counters, **service.extra_counters()},
             "errors": dict(self.errors),

@@ -30,7 +30,13 @@ REQUESTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "ping": {},
     "bye": {},
-    "alloc": {"nbytes": ((int,), True)},
+    "alloc": {
+        "nbytes": ((int,), True),
+        # A CUDA device ordinal for device memory (None: host shared memory), and
+        # the client's interprocess event handle for the slab.
+        "device": ((int, _NONE), False),
+        "event": ((bytes, _NONE), False),
+    },
     "free": {"segment": ((int,), True)},
     "group_info": {},
     "collective": {

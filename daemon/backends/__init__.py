@@ -1,0 +1,85 @@
+"""Every buffer the daemon owns, whatever memory it lives in.
+
+`Buffers` numbers slabs of all backends from one counter and finds the
+backend of a slab by its id.  The host backend always exists; the CUDA
+backend is built on the first device allocation, so a daemon that never sees
+one never imports cupy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from gradsync.daemon.backends.base import Backend, Slab
+from gradsync.daemon.backends.host import HostBackend
+from gradsync.daemon.shm_pool import ShmPool
+from gradsync.protocol.errors import InvalidArgumentError, ShmExhaustedError
+
+log = logging.getLogger("gradsync.daemon.buffers")
+
+__all__ = ["Backend", "Buffers", "Slab"]
+
+
+class Buffers:
+    """The slabs of one daemon, with one byte budget over all backends."""
+
+    def __init__(self, max_bytes: int, shm_mode: int = 0o600) -> None:
+        self.max_bytes = max_bytes
+        self.host = HostBackend(ShmPool(max_bytes, mode=shm_mode))
+        self._cuda: Backend | None = None
+        self._cuda_error: str | None = None
+        self._ids = itertools.count(1)
+        self._slabs: dict[int, Slab] = {}
+
+    @property
+    def in_use(self) -> int:
+        return self.host.in_use + (self._cuda.in_use if self._cuda is not None else 0)
+
+    def __len__(self) -> int:
+        return len(self._slabs)
+
+    def get(self, segment_id: int) -> Slab | None:
+        return self._slabs.get(segment_id)
+
+    def allocate(self, nbytes: int, owner: str, request: Mapping[str, Any]) -> Slab:
+        """A slab of at least `nbytes` in host memory, or on `request["device"]`."""
+        device = request.get("device")
+        backend = self.host if device is None else self.cuda()
+        if backend is not self.host and self.in_use + nbytes > self.max_bytes:
+            raise ShmExhaustedError(
+                f"allocating {nbytes} bytes of device memory for {owner} would exceed "
+                f"max_shm_bytes={self.max_bytes} ({self.in_use} in use); raise "
+                "--max-shm-bytes",
+                {"requested": nbytes, "in_use": self.in_use, "limit": self.max_bytes},
+            )
+        slab = backend.allocate(next(self._ids), nbytes, owner, request)
+        self._slabs[slab.segment_id] = slab
+        return slab
+
+    def release(self, segment_id: int) -> None:
+        slab = self._slabs.pop(segment_id, None)
+        if slab is not None:
+            slab.backend.release(slab)
+
+    def release_all(self) -> None:
+        for segment_id in list(self._slabs):
+            self.release(segment_id)
+        if self._cuda is not None:
+            self._cuda.close()
+
+    def cuda(self) -> Backend:
+        """The CUDA backend, built on first use; a clear error where it cannot work."""
+        if self._cuda is not None:
+            return self._cuda
+        if self._cuda_error is None:
+            try:
+                from gradsync.daemon.backends.cuda import CudaBackend
+                self._cuda = CudaBackend()
+                return self._cuda
+            except InvalidArgumentError as exc:
+                self._cuda_error = exc.message
+            log.warning("device buffers unavailable: %s", self._cuda_error)
+        raise InvalidArgumentError(f"this daemon cannot serve device buffers: {self._cuda_error}")
