@@ -39,6 +39,8 @@ _PLAIN_EVENT_FLAGS = 0x02  # cudaEventDisableTiming
 _ALIGN = 512
 _HANDLE_BYTES = 64
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers
+#: Most slots one fused kernel takes (its parameter list grows with them).
+_MAX_FUSED = 64
 
 
 def _import_cupy() -> Any:
@@ -244,6 +246,10 @@ class CudaBackend:
             return
         acc = slots[0][start:stop]
         home = acc.device.id
+        if all(slot.device.id == home for slot in slots) and len(slots) <= _MAX_FUSED:
+            # One pass: each slot read once and written once.
+            self.kernels.allreduce_in_place([slot[start:stop] for slot in slots], op, dtype)
+            return
         stream = self.cp.cuda.get_current_stream()
         staged = None
         for slot in slots[1:]:
