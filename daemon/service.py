@@ -353,24 +353,33 @@ class GradsyncService:
         first = ready.submissions[order[0]].fingerprint
         try:
             slabs, backend = self._backend(ready)
-            if op is not None and backend is not self.buffers.host and first.dtype == "bfloat16":
-                raise InvalidArgumentError(
-                    f"{kind} of bfloat16 device buffers is not supported yet (all_reduce is); "
-                    "use float32 or float16 for it"
-                )
+            on_device = (
+                backend is not self.buffers.host
+                and len({slab.device for slab in slabs}) == 1
+                and not (op is not None and first.dtype == "bfloat16")
+            )
             if chunk == 0:
                 pass  # nothing to move; every rank agreed on the fingerprint locally
-            elif not job.multi_node:
+            elif on_device:
                 ins = {rank: ready.submissions[rank].view for rank in order}
                 outs = {rank: ready.submissions[rank].out for rank in order}
-                if backend is self.buffers.host:
+                with backend.running(slabs):
+                    run_local(kind, ins, outs, job.world_size, chunk, op, root)
+            elif not job.multi_node:
+                # Host memory; or device slabs on several GPUs, or bfloat16 reductions,
+                # which cupy's kernels cannot express: those go through host copies.
+                views = [ready.submissions[rank].view for rank in order]
+                views += [ready.submissions[rank].out for rank in order]
+
+                async def here(hosts: list[Any]) -> None:
+                    ins = dict(zip(order, hosts[: len(order)], strict=True))
+                    outs = dict(zip(order, hosts[len(order):], strict=True))
                     await self.run_call(
                         lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root),
                         nbytes,
                     )
-                else:
-                    with backend.running(slabs):
-                        run_local(kind, ins, outs, job.world_size, chunk, op, root)
+
+                await self._staged(backend, slabs, views, dtype, here)
             else:
                 assert self.cluster is not None
                 cluster = self.cluster
@@ -391,7 +400,7 @@ class GradsyncService:
                         plan_for,
                     )
 
-                await self._staged(backend, slabs, views, across)
+                await self._staged(backend, slabs, views, dtype, across)
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return
@@ -476,7 +485,7 @@ class GradsyncService:
         return slabs, slabs[0].backend if slabs else self.buffers.host
 
     async def _staged(
-        self, backend: Backend, slabs: list[Slab], views: list[Any],
+        self, backend: Backend, slabs: list[Slab], views: list[Any], dtype: np.dtype,
         run: Callable[[list[Any]], Coroutine[Any, Any, None]],
     ) -> None:
         """Run `run` over host copies of device views (the peer links send host memory)."""
@@ -485,7 +494,9 @@ class GradsyncService:
             return
         with backend.running(slabs):
             pass  # the daemon's streams now wait for the clients' writes
-        hosts, copy_back = await self.loop.run_in_executor(self.executor, backend.to_host, views)
+        hosts, copy_back = await self.loop.run_in_executor(
+            self.executor, backend.to_host, views, dtype
+        )
         await run(hosts)
         with backend.running(slabs):
             copy_back()
@@ -565,7 +576,7 @@ class GradsyncService:
 
         try:
             slabs, backend = self._backend(ready)
-            await self._staged(backend, slabs, slots, across)
+            await self._staged(backend, slabs, slots, DTYPES[first.dtype], across)
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return

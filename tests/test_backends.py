@@ -53,7 +53,7 @@ def test_host_slabs_share_one_numbering_and_budget() -> None:
         assert first.view(8, 3, np.dtype(np.float64)).tolist() == [1.0, 2.0, 3.0]
         name = first.backend.export(first)["name"]
         assert os.path.exists(os.path.join(SHM_DIR, name))
-        hosts, copy_back = first.backend.to_host([view])
+        hosts, copy_back = first.backend.to_host([view], np.dtype(np.float64))
         assert hosts[0] is view  # host memory is sent as it is
         copy_back()
         buffers.release(first.segment_id)

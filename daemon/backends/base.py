@@ -75,5 +75,8 @@ class Backend(Protocol):
     def close(self) -> None:
         """After every slab was released: finish pending work, free what is left."""
 
-    def to_host(self, views: Sequence[Any]) -> tuple[list[Any], Callable[[], None]]:
-        """Host arrays with the views' contents, and a function that copies them back."""
+    def to_host(
+        self, views: Sequence[Any], dtype: np.dtype
+    ) -> tuple[list[Any], Callable[[], None]]:
+        """Host arrays of `dtype` with the views' contents, and a function that copies
+        them back (device views of bfloat16 are uint16: the host copy has the real type)."""

@@ -270,7 +270,9 @@ class CudaBackend:
         self.runtime.memcpyAsync(target.data.ptr, source.data.ptr, source.nbytes,
                                  _MEMCPY_DEFAULT, stream.ptr)
 
-    def to_host(self, views: Sequence[Any]) -> tuple[list[Any], Callable[[], None]]:
+    def to_host(
+        self, views: Sequence[Any], dtype: np.dtype
+    ) -> tuple[list[Any], Callable[[], None]]:
         """Pinned host copies of device views (blocks until copied: call off the loop)."""
         hosts: list[Any] = []
         pairs: list[tuple[Any, Any]] = []
@@ -279,7 +281,7 @@ class CudaBackend:
                 hosts.append(None)
                 continue
             pinned = self.cp.cuda.alloc_pinned_memory(max(1, view.nbytes))
-            host = np.frombuffer(pinned, dtype=view.dtype, count=view.size)
+            host = np.frombuffer(pinned, dtype=dtype, count=view.size)
             with self.cp.cuda.Device(view.device.id):
                 self.runtime.memcpyAsync(host.ctypes.data, view.data.ptr, view.nbytes,
                                          _MEMCPY_DEFAULT, self.stream(view.device.id).ptr)

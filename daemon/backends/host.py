@@ -56,7 +56,9 @@ class HostBackend:
     def close(self) -> None:
         """Nothing pending: segments are unlinked as they are released."""
 
-    def to_host(self, views: Sequence[Any]) -> tuple[list[Any], Callable[[], None]]:
+    def to_host(
+        self, views: Sequence[Any], dtype: np.dtype
+    ) -> tuple[list[Any], Callable[[], None]]:
         return list(views), _nothing
 
 
