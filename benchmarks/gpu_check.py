@@ -10,13 +10,18 @@ Starts a private gradsyncd in a temp folder, then runs rank programs
    1000 and 2^20 elements, on `Client.empty(device=0)` slabs, ordinary cupy
    arrays and torch tensors (on side streams; staged through the scratch slab)
    and numpy arrays (the host path, as a control), against float64 references;
-2. `DistributedDataParallel` on a CUDA model against one process trained on
+2. the other collectives with 2 ranks: broadcast, reduce, all_gather,
+   reduce_scatter, gather, scatter, all_to_all (rooted ones from root 0 and 1) ×
+   float32, bfloat16, float16 × 1 and 1000 elements per rank, on
+   `Client.empty(device=0)` slabs, ordinary cupy arrays and torch tensors,
+   against host references (copies exact, sums within the dtype's rounding);
+3. `DistributedDataParallel` on a CUDA model against one process trained on
    the whole batch ("unsupported" while DDP refuses CUDA modules);
-3. timing, reported and not asserted: device copy bandwidth, the hand-over of
+4. timing, reported and not asserted: device copy bandwidth, the hand-over of
    an ordinary cupy array (a copy into the scratch slab and one back), and
    all_reduce of `empty(device=0)` buffers with 2 and 4 ranks, against the
    issue's targets (hand-over ≥ 80 % of copy bandwidth, reduction ≥ 70 %);
-4. failure: a rank SIGKILLs itself after submitting an all_reduce (2 and 4
+5. failure: a rank SIGKILLs itself after submitting an all_reduce (2 and 4
    ranks) or before (2 ranks); the others must get a GradsyncError within
    the collective deadline (20 s) plus a margin; then the daemon must serve a
    new job, and exit 0 on SIGTERM with no shared-memory segment left.
@@ -67,6 +72,9 @@ from report import format_time  # noqa: E402
 MIB = 1 << 20
 MATRIX_SIZES = (1, 1000, 1 << 20)
 HOST_MATRIX_SIZES = (1, 1000, 1 << 16)
+#: Elements per rank (chunk) of the collectives phase.
+COLLECTIVE_CHUNKS = (1, 1000)
+COLLECTIVES_WORLD = 2
 TIMING_SIZES = tuple(MIB << (2 * i) for i in range(6))  # 1 MiB .. 1 GiB
 HOST_TIMING_SIZES = (MIB, 4 * MIB, 16 * MIB)
 TIMING_SAMPLES = 7
@@ -78,8 +86,8 @@ REDUCTION_TARGET = 0.70
 FAIL_TIMEOUT_S = 20.0
 FAIL_DEADLINE_S = FAIL_TIMEOUT_S + 15.0
 #: Per phase: the longest its ranks may run (the first one compiles the daemon's kernels).
-PHASE_TIMEOUT_S = {"allreduce": 180.0, "ddp": 120.0, "copy": 120.0, "reduce": 90.0,
-                   "fail": 75.0, "new-job": 60.0}
+PHASE_TIMEOUT_S = {"allreduce": 180.0, "collectives": 90.0, "ddp": 120.0, "copy": 120.0,
+                   "reduce": 90.0, "fail": 75.0, "new-job": 60.0}
 #: After a rank exits unexpectedly, the others get this long to report, not the whole timeout.
 GRACE_S = 30.0
 MIN_PHASE_S = 20.0
@@ -376,6 +384,20 @@ def check_matrix(runner: Runner, world: int) -> tuple[Check, dict[str, Any]]:
     return matrix_check(f"all_reduce matrix, {world} ranks", phase)
 
 
+def check_collectives(runner: Runner) -> tuple[Check, dict[str, Any]]:
+    """broadcast .. all_to_all, every root, on device buffers (host ones with --host)."""
+    from gpu_rank import COLLECTIVE_DEVICE_KINDS, COLLECTIVE_DTYPES, COLLECTIVES, HOST_KINDS
+
+    world = COLLECTIVES_WORLD
+    kinds = HOST_KINDS if runner.host else COLLECTIVE_DEVICE_KINDS
+    phase = runner.run(f"collectives-{world}", "collectives", world,
+                       ["--collectives", ",".join(COLLECTIVES),
+                        "--dtypes", ",".join(COLLECTIVE_DTYPES),
+                        "--sizes", ",".join(map(str, COLLECTIVE_CHUNKS)),
+                        "--kinds", ",".join(kinds), "--timeout-s", "30"])
+    return matrix_check(f"collectives (broadcast .. all_to_all), {world} ranks", phase)
+
+
 def check_ddp(runner: Runner) -> tuple[list[Check], dict[str, Any]]:
     phase = runner.run("ddp", "ddp", 2)
     records = phase.records()
@@ -541,6 +563,8 @@ def run_phases(runner: Runner, checks: list[Check], data: dict[str, Any]) -> Non
         check, found = check_matrix(runner, world)
         checks.append(check)
         data[f"allreduce_{world}"] = found
+    check, data[f"collectives_{COLLECTIVES_WORLD}"] = check_collectives(runner)
+    checks.append(check)
     ddp_checks, data["ddp"] = check_ddp(runner)
     checks.extend(ddp_checks)
 

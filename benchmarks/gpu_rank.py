@@ -11,6 +11,13 @@ Roles:
   through its scratch slab; torch ones with `async_op=True`), `numpy` and
   `host-empty` (the host paths, as a control).  Each rank derives every rank's
   input from the seed, so each computes the reference on its own.
+- `collectives`: broadcast, reduce (sum), all_gather, reduce_scatter (sum),
+  gather, scatter and all_to_all, every root of the rooted ones, × dtype ×
+  chunk (elements per rank) on every buffer kind, against a host reference
+  from every rank's input: copies exactly, sums within the dtype's rounding
+  (a reduce's other ranks, and a gather's, must find their buffer unchanged;
+  outputs start out as SENTINEL, so an element never written shows).  Input
+  and output `empty` buffers are two slabs per dtype, reused.
 - `ddp`: gradsync's `DistributedDataParallel` on a CUDA model, a few SGD
   steps, against one process training on the concatenated batch; reports
   `unsupported` when DDP refuses CUDA modules.
@@ -187,12 +194,13 @@ class Buffers:
     def __init__(self, client: Client, capacity: int) -> None:
         self.client = client
         self.capacity = capacity
-        self._slabs: dict[tuple[str, str], Any] = {}
+        self._slabs: dict[tuple[str, str, str], Any] = {}
         self._streams: dict[str, Any] = {}
 
-    def slab(self, dtype: str, place: str, offset: int, count: int) -> Any:
-        """`count` elements at `offset` of this dtype's slab on the host or device 0."""
-        key = (dtype, place)
+    def slab(self, dtype: str, place: str, offset: int, count: int, which: str = "") -> Any:
+        """`count` elements at `offset` of this dtype's slab on the host or device 0
+        (`which` names one of several slabs of a dtype: a collective's input and output)."""
+        key = (dtype, place, which)
         if key not in self._slabs:
             kind = numpy_dtype(dtype)
             if place == "host":
@@ -284,36 +292,242 @@ def run_case(
     raise ValueError(f"unknown buffer kind {kind!r}")
 
 
+def allreduce_case(buffers: Buffers, kind: str, dtype: str, values: np.ndarray, op: str,
+                   offset: int, want: Expected) -> dict[str, Any]:
+    return judge(run_case(buffers, kind, dtype, values.copy(), op, offset), want)
+
+
+class CaseLog:
+    """The cases of a matrix role, each recorded (a failing one with its error).  After
+    an error that leaves the job's state unknown, or MAX_ERRORS_IN_A_ROW, the rest are
+    recorded as not run."""
+
+    def __init__(self) -> None:
+        self.cases: list[dict[str, Any]] = []
+        self.stopped: str | None = None
+        self.errors_in_a_row = 0
+
+    def run(self, case: dict[str, Any], attempt: Callable[..., dict[str, Any]],
+            *args: Any) -> None:
+        """Record `case` (kind, op, dtype, count) with what `attempt(*args)` found (ok,
+        wrong, ...), or its error."""
+        if self.stopped is not None:
+            self.cases.append({**case, "ok": False, "error": f"not run: {self.stopped}"})
+            return
+        try:
+            case.update(attempt(*args))
+            self.errors_in_a_row = 0
+        except Exception as exc:  # recorded; the matrix goes on unless the job broke
+            self.errors_in_a_row += 1
+            case.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+            if isinstance(exc, FATAL) or self.errors_in_a_row >= MAX_ERRORS_IN_A_ROW:
+                self.stopped = (f"stopped after {case['kind']} {case['op']} {case['dtype']}"
+                                f"[{case['count']}] ({type(exc).__name__})")
+        self.cases.append(case)
+
+
 def allreduce_role(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     """The matrix; every case is recorded, a failing one with its error."""
     kinds, sizes = args.kinds.split(","), [int(s) for s in args.sizes.split(",")]
     buffers = Buffers(client, max(sizes) + OFFSET)
-    cases: list[dict[str, Any]] = []
-    stopped: str | None = None
-    errors_in_a_row = 0
+    log = CaseLog()
     started = time.monotonic()
     for op, dtype in pairs(args.ops.split(","), args.dtypes.split(",")):
         for index, count in enumerate(sizes):
             inputs = inputs_of(args.seed, op, dtype, count, client.world_size)
             want = expected(inputs, op, dtype)
+            offset = OFFSET if index % 2 else 0
             for kind in (k for k in kinds if applies(k, dtype)):
-                case: dict[str, Any] = {"kind": kind, "op": op, "dtype": dtype, "count": count}
-                if stopped is not None:
-                    cases.append({**case, "ok": False, "error": f"not run: {stopped}"})
-                    continue
-                try:
-                    got = run_case(buffers, kind, dtype, inputs[client.rank].copy(), op,
-                                   OFFSET if index % 2 else 0)
-                    case.update(judge(got, want))
-                    errors_in_a_row = 0
-                except Exception as exc:  # recorded; the matrix goes on unless the job broke
-                    errors_in_a_row += 1
-                    case.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
-                    if isinstance(exc, FATAL) or errors_in_a_row >= MAX_ERRORS_IN_A_ROW:
-                        stopped = (f"stopped after {kind} {op} {dtype}[{count}] "
-                                   f"({type(exc).__name__})")
-                cases.append(case)
-    return {"cases": cases, "seconds": time.monotonic() - started}
+                log.run({"kind": kind, "op": op, "dtype": dtype, "count": count},
+                        allreduce_case, buffers, kind, dtype, inputs[client.rank], op, offset,
+                        want)
+    return {"cases": log.cases, "seconds": time.monotonic() - started}
+
+
+# -- the other collectives --------------------------------------------------------------
+
+COLLECTIVES = ("broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
+               "all_to_all")
+ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+COLLECTIVE_DTYPES = ("float32", "bfloat16", "float16")
+COLLECTIVE_DEVICE_KINDS = ("empty", "cupy", "torch")
+#: Output buffers hold this before the collective: no input comes near it, so an
+#: element the collective never wrote shows.
+SENTINEL = 7.0
+
+
+@dataclass
+class CollectiveCase:
+    """One rank's part in one collective: what it passes, and what it must find after."""
+
+    label: str  # "reduce sum dst 1": the collective, its op and root
+    input: np.ndarray | None  # this rank's input (None: it passes none)
+    out_count: int | None  # elements of its output (None: it passes none)
+    call: Callable[[Client, Any, Any, bool], Any]  # (client, input, output, async_op)
+    result_in: str  # "input" (in place, or a gather's non-destination) or "output"
+    want: Expected
+
+
+def collective_inputs(seed: int, name: str, root: int | None, dtype: str, count: int,
+                      world: int) -> list[np.ndarray]:
+    """Every rank's input of one case: floats in [-1, 1] (so fp16/bf16 sums keep their
+    precision), different on each rank (so a chunk in the wrong place shows)."""
+    return [
+        sample(np.random.default_rng([seed, 100 + COLLECTIVES.index(name),
+                                      world if root is None else root,
+                                      DTYPES.index(dtype), count, rank]),
+               "sum", dtype, count)
+        for rank in range(world)
+    ]
+
+
+def exactly(values: np.ndarray) -> Expected:
+    return Expected(np.ascontiguousarray(values), None)
+
+
+def plan_collective(name: str, root: int | None, dtype: str, c: int, rank: int, world: int,
+                    seed: int) -> CollectiveCase:
+    """This rank's buffers and the host reference of one collective with chunk `c`
+    (torch.distributed's sizes: W·c where a rank gives or gets every rank's chunk)."""
+    def part(array: np.ndarray, index: int) -> np.ndarray:
+        return array[index * c : (index + 1) * c]
+
+    at = 0 if root is None else root  # the root of a rooted collective
+
+    if name == "broadcast":
+        xs = collective_inputs(seed, name, root, dtype, c, world)
+        return CollectiveCase(f"broadcast src {at}", xs[rank], None,
+                              lambda cl, i, o, a: cl.broadcast(i, at, async_op=a),
+                              "input", exactly(xs[at]))
+    if name == "reduce":
+        xs = collective_inputs(seed, name, root, dtype, c, world)
+        want = expected(xs, "sum", dtype) if rank == at else exactly(xs[rank])
+        return CollectiveCase(f"reduce sum dst {at}", xs[rank], None,
+                              lambda cl, i, o, a: cl.reduce(i, at, "sum", async_op=a),
+                              "input", want)
+    if name == "all_gather":
+        xs = collective_inputs(seed, name, root, dtype, c, world)
+        return CollectiveCase("all_gather", xs[rank], world * c,
+                              lambda cl, i, o, a: cl.all_gather(o, i, async_op=a),
+                              "output", exactly(np.concatenate(xs)))
+    if name == "reduce_scatter":
+        xs = collective_inputs(seed, name, root, dtype, world * c, world)
+        whole = expected(xs, "sum", dtype)
+        tolerance = None if whole.tolerance is None else part(whole.tolerance, rank)
+        return CollectiveCase("reduce_scatter sum", xs[rank], c,
+                              lambda cl, i, o, a: cl.reduce_scatter(o, i, "sum", async_op=a),
+                              "output", Expected(part(whole.reference, rank), tolerance))
+    if name == "gather":
+        xs = collective_inputs(seed, name, root, dtype, c, world)
+        at_root = rank == at
+        return CollectiveCase(f"gather dst {at}", xs[rank], world * c if at_root else None,
+                              lambda cl, i, o, a: cl.gather(o, i, at, async_op=a),
+                              "output" if at_root else "input",
+                              exactly(np.concatenate(xs) if at_root else xs[rank]))
+    if name == "scatter":
+        xs = collective_inputs(seed, name, root, dtype, world * c, world)
+        return CollectiveCase(f"scatter src {at}", xs[rank] if rank == at else None, c,
+                              lambda cl, i, o, a: cl.scatter(o, i, at, async_op=a),
+                              "output", exactly(part(xs[at], rank)))
+    if name == "all_to_all":
+        xs = collective_inputs(seed, name, root, dtype, world * c, world)
+        return CollectiveCase("all_to_all", xs[rank], world * c,
+                              lambda cl, i, o, a: cl.all_to_all(o, i, async_op=a), "output",
+                              exactly(np.concatenate([part(x, rank) for x in xs])))
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def run_collective(buffers: Buffers, kind: str, dtype: str, case: CollectiveCase,
+                   offset: int) -> np.ndarray:
+    """Run this rank's part of `case` in buffers of `kind` (input and output filled first,
+    the output with SENTINEL); the buffer holding the result, on the host.  Device
+    results are read on the stream that submitted them, after synchronising it."""
+    client = buffers.client
+    sentinel = np.full(case.out_count or 0, SENTINEL, numpy_dtype(dtype))
+
+    def both(make: Callable[[str, np.ndarray], Any]) -> tuple[Any, Any]:
+        return (None if case.input is None else make("in", case.input),
+                None if case.out_count is None else make("out", sentinel))
+
+    def result(arrays: tuple[Any, Any]) -> Any:
+        return arrays[0] if case.result_in == "input" else arrays[1]
+
+    if kind in ("numpy", "host-empty"):
+        def on_host(which: str, values: np.ndarray) -> Any:
+            if kind == "numpy":
+                return values.copy()
+            array = buffers.slab(dtype, "host", offset, values.size, which)
+            array[...] = values
+            return array
+
+        arrays = both(on_host)
+        case.call(client, *arrays, False)
+        return np.array(result(arrays))
+    if kind == "cupy" or (kind == "empty" and dtype != "bfloat16"):
+        import cupy
+
+        def in_cupy(which: str, values: np.ndarray) -> Any:
+            if kind == "cupy":
+                return cupy.asarray(values)
+            array = buffers.slab(dtype, "device", offset, values.size, which)
+            array[...] = cupy.asarray(values)
+            return array
+
+        stream = buffers.stream("cupy") if kind == "cupy" else None
+        with stream if stream is not None else contextlib.nullcontext():
+            arrays = both(in_cupy)
+            case.call(client, *arrays, False)
+            # The client made this stream wait for the daemon: synchronising it is enough.
+            cupy.cuda.get_current_stream().synchronize()
+            return np.asarray(cupy.asnumpy(result(arrays)))
+    if kind in ("torch", "empty"):  # ordinary tensors on a side stream; bfloat16 slabs
+        import torch
+
+        def in_torch(which: str, values: np.ndarray) -> Any:
+            source = to_torch(values)
+            if kind == "torch":
+                return source.to("cuda:0")
+            tensor = buffers.slab(dtype, "device", offset, values.size, which)
+            tensor.copy_(source)
+            return tensor
+
+        with torch.cuda.stream(buffers.stream("torch") if kind == "torch" else None):
+            arrays = both(in_torch)
+            if kind == "torch":
+                work = case.call(client, *arrays, True)
+                assert work is not None
+                work.wait()
+            else:
+                case.call(client, *arrays, False)
+            return from_torch(result(arrays).cpu())  # .cpu() runs on this stream and waits
+    raise ValueError(f"unknown buffer kind {kind!r}")
+
+
+def collective_case(buffers: Buffers, kind: str, dtype: str, case: CollectiveCase,
+                    offset: int) -> dict[str, Any]:
+    return judge(run_collective(buffers, kind, dtype, case, offset), case.want)
+
+
+def collectives_role(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    """Every collective × root × dtype × chunk on every buffer kind, against the host
+    reference; cases in the allreduce role's form (`op`: the collective and root)."""
+    kinds, chunks = args.kinds.split(","), [int(s) for s in args.sizes.split(",")]
+    world = client.world_size
+    buffers = Buffers(client, world * max(chunks) + OFFSET)
+    log = CaseLog()
+    started = time.monotonic()
+    for name in args.collectives.split(","):
+        for root in range(world) if name in ROOTED else [None]:
+            for dtype in args.dtypes.split(","):
+                for index, chunk in enumerate(chunks):
+                    case = plan_collective(name, root, dtype, chunk, client.rank, world,
+                                           args.seed)
+                    offset = OFFSET if index % 2 else 0
+                    for kind in (k for k in kinds if applies(k, dtype)):
+                        log.run({"kind": kind, "op": case.label, "dtype": dtype,
+                                 "count": chunk},
+                                collective_case, buffers, kind, dtype, case, offset)
+    return {"cases": log.cases, "seconds": time.monotonic() - started}
 
 
 # -- DDP ------------------------------------------------------------------------------
@@ -574,6 +788,7 @@ def fail_role(client: Client, args: argparse.Namespace) -> dict[str, Any]:
 
 ROLES: dict[str, Callable[[Client, argparse.Namespace], dict[str, Any]]] = {
     "allreduce": allreduce_role,
+    "collectives": collectives_role,
     "ddp": ddp_role,
     "fail": fail_role,
     "copy": copy_role,
@@ -593,8 +808,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kinds", default=",".join(DEVICE_KINDS))
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help="collectives: which of them")
     parser.add_argument("--sizes", default="1,1000,1048576",
-                        help="element counts (allreduce) or bytes (copy, reduce)")
+                        help="element counts (allreduce), chunks per rank (collectives) or "
+                             "bytes (copy, reduce)")
     parser.add_argument("--samples", type=int, default=7)
     parser.add_argument("--seed", type=int, default=2024)
     parser.add_argument("--mode", choices=("after-submit", "before-submit"),

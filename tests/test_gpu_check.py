@@ -36,7 +36,8 @@ def test_host_mode_runs_every_phase_and_reports(short_tmp: str) -> None:
     checks = json.loads((out / "gpu_check.json").read_text())["checks"]
     assert all(check["status"] == "pass" for check in checks), checks
     names = " | ".join(check["name"] for check in checks)
-    for phase in ("all_reduce matrix, 4 ranks", "DDP float32", "rank killed after submit",
-                  "serves a new job", "no shared-memory segment left"):
+    for phase in ("all_reduce matrix, 4 ranks", "collectives", "DDP float32",
+                  "rank killed after submit", "serves a new job",
+                  "no shared-memory segment left"):
         assert phase in names, names
     assert "all_reduce matrix" in (out / "gpu_check.md").read_text()
