@@ -1,10 +1,11 @@
 """What the daemons' logs say about a multi-daemon run: the link probes and `auto`'s picks.
 
 Every daemon logs (level info), when a peer link comes up, "link to PEER: rtt
-X µs, Y MB/s": the inputs of the cost model that `auto` uses.  A job's model
-takes the worst of them over all its daemons (alpha = max rtt / 2, beta =
-1 / min rate; `LinksTransport.link_costs` and `membership.form`), so the picks
-follow from the logs (`infer_picks`), with the daemon's own cost model.
+X µs, Y MB/s": the inputs of the cost model that `auto` uses.  Each daemon
+announces the median over its links (alpha = rtt / 2, beta = 1 / rate;
+`LinksTransport.link_costs`) and a job takes the median over its daemons
+(`membership.form`), so the picks follow from the logs (`infer_picks`), with
+the daemon's own cost model and candidates (star too, up to 8 daemons).
 
 At `--log-level debug` a daemon also logs, per collective that asked for
 `auto`, "auto picked ALGO for N bytes over M daemons; estimates {...}"
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 
 _PICK = re.compile(
@@ -29,8 +31,15 @@ _PICK = re.compile(
 )
 _ESTIMATE = re.compile(r"'(\w+)': '(\d+)us'")
 _LINK = re.compile(r"link to (?P<peer>\S+): rtt (?P<rtt>[\d.]+) µs, (?P<mbps>[\d.]+) MB/s")
-#: What `auto` chooses among (gradsync.daemon.cluster.AUTO_CANDIDATES).
+#: What `auto` always chooses among (gradsync.daemon.cluster.AUTO_CANDIDATES).
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
+#: Up to this many daemons star is a candidate too (gradsync.daemon.cluster).
+STAR_MAX_DAEMONS = 8
+
+
+def auto_candidates(daemons: int) -> tuple[str, ...]:
+    """What `auto` chooses among for a job over this many daemons."""
+    return AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ())
 
 
 @dataclasses.dataclass
@@ -80,17 +89,22 @@ def parse_links(logs: Sequence[str]) -> list[LinkProbe]:
 
 
 def link_costs(links: Sequence[LinkProbe]) -> tuple[float, float] | None:
-    """(alpha s, beta s/byte) of a job over these daemons: the worst link's figures.
+    """(alpha s, beta s/byte) of a job over these daemons, as the daemons derive them:
+    each daemon's median over its links, then the median over daemons.
 
     Assumes every daemon had measured all its links when its ranks joined
-    (else it announced defaults, 50 µs and 1 GB/s, which the max over
-    daemons hides unless every link beat them).
+    (else it announced defaults, 50 µs and 1 GB/s).
     """
     if not links:
         return None
-    alpha = max(link.rtt_us for link in links) * 1e-6 / 2
-    beta = max(1.0 / max(link.mb_per_s * 1e6, 1.0) for link in links)
-    return alpha, beta
+    by_daemon: dict[int, list[LinkProbe]] = collections.defaultdict(list)
+    for link in links:
+        by_daemon[link.daemon].append(link)
+    alphas = [statistics.median(p.rtt_us for p in probes) * 1e-6 / 2
+              for probes in by_daemon.values()]
+    betas = [statistics.median(1.0 / max(p.mb_per_s * 1e6, 1.0) for p in probes)
+             for probes in by_daemon.values()]
+    return statistics.median(alphas), statistics.median(betas)
 
 
 def infer_picks(daemons: int, sizes: Iterable[int], links: Sequence[LinkProbe]) -> AutoPicks:
@@ -104,7 +118,8 @@ def infer_picks(daemons: int, sizes: Iterable[int], links: Sequence[LinkProbe]) 
     except ImportError:
         return result
     for nbytes in sizes:
-        best, estimates = choose(daemons, nbytes, costs[0], costs[1], candidates=AUTO_CANDIDATES)
+        best, estimates = choose(daemons, nbytes, costs[0], costs[1],
+                                 candidates=auto_candidates(daemons))
         result.picks[nbytes] = collections.Counter({best: 1})
         result.estimates_us[nbytes] = {name: value * 1e6 for name, value in estimates.items()}
     return result
@@ -138,7 +153,7 @@ def model_choice(daemons: int, nbytes: int, alpha: float, beta: float) -> str | 
         from gradsync.daemon.algorithms.cost_model import choose
     except ImportError:
         return None
-    best: str = choose(daemons, nbytes, alpha, beta, candidates=AUTO_CANDIDATES)[0]
+    best: str = choose(daemons, nbytes, alpha, beta, candidates=auto_candidates(daemons))[0]
     return best
 
 

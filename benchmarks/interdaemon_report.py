@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from daemon_logs import AUTO_CANDIDATES, crossovers, link_costs, model_choice
+from daemon_logs import auto_candidates, crossovers, link_costs, model_choice
 from plan import (
     CURVE_CONTENDERS,
     FIXED_ALGORITHMS,
@@ -139,21 +139,25 @@ def _fastest_fixed(group: Group, nbytes: int, among: Sequence[str]) -> tuple[str
     return min(present, key=lambda item: item[1].time_s) if present else None
 
 
+#: The algorithms whose model estimates and times the auto table shows.
+_ESTIMATED = ("ring", "rhd", "tree", "star")
+
 def auto_table(group: Group, sizes: Sequence[int]) -> str:
     picks = group.cluster.picks
     lines = [
-        "| size | auto picked | model estimate ring / rhd / tree | measured ring / rhd / tree "
+        "| size | auto picked | model estimate ring / rhd / tree / star "
+        "| measured ring / rhd / tree / star "
         "| fastest fixed (measured) | auto time | auto / fastest |",
         "|---|---|---|---|---|---:|---:|",
     ]
     for nbytes in sizes:
         estimates = picks.estimates_us.get(nbytes, {})
         est = " / ".join(
-            format_time(estimates[a] * 1e-6) if a in estimates else "—" for a in AUTO_CANDIDATES
+            format_time(estimates[a] * 1e-6) if a in estimates else "—" for a in _ESTIMATED
         )
         measured = " / ".join(
             format_time(c.time_s) if (c := _cell(group, algorithm_key(a), nbytes)) else "—"
-            for a in AUTO_CANDIDATES
+            for a in _ESTIMATED
         )
         fastest = _fastest_fixed(group, nbytes, FIXED_ALGORITHMS)
         auto = _cell(group, algorithm_key("auto"), nbytes)
@@ -177,7 +181,8 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
         lines.append(
             f"- Link probes when the peers connected ({len(links)} links): rtt "
             f"{min(rtts):.0f} to {max(rtts):.0f} µs, {min(rates):.0f} to {max(rates):.0f} MB/s. "
-            "The job uses the worst: alpha = max rtt / 2, beta = 1 / min rate."
+            "Each daemon takes the median over its links (alpha = rtt / 2, beta = 1 / rate), "
+            "the job the median over its daemons."
         )
     costs = link_costs(links)
     if costs is None:
@@ -188,7 +193,7 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
         f"- Model inputs: alpha {alpha * 1e6:.0f} µs, beta {beta * 1e9:.3f} ns/byte "
         f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s), gamma 0 (the daemon passes "
         "no reduction cost). The picks above follow from these with the daemon's cost "
-        "model (`choose`, candidates ring, rhd, tree)."
+        f"model (`choose`, candidates {', '.join(auto_candidates(group.nproc))})."
     )
     changes = crossovers(group.nproc, alpha, beta)
     first = model_choice(group.nproc, 4, alpha, beta)
@@ -204,7 +209,7 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
     verdicts = []
     for nbytes in sizes:
         picked = picks.picked(nbytes)
-        best = _fastest_fixed(group, nbytes, AUTO_CANDIDATES)
+        best = _fastest_fixed(group, nbytes, auto_candidates(group.nproc))
         if picked is None or best is None:
             continue
         chosen = _cell(group, algorithm_key(picked), nbytes) if "/" not in picked else None
@@ -216,7 +221,8 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
                 f"({chosen.time_s / best[1].time_s:.2f}x)"
             )
     if verdicts:
-        lines.append("- Model's pick vs the fastest of ring/rhd/tree measured: "
+        lines.append(f"- Model's pick vs the fastest of {'/'.join(auto_candidates(group.nproc))} "
+                     "measured: "
                      + "; ".join(verdicts) + ".")
     lines += check_lines(group, sizes)
     return lines
@@ -273,8 +279,9 @@ def target_lines(groups: Sequence[Group], sizes: Sequence[int]) -> list[str]:
                     )
             lines.append(f"- {where}, {format_size(nbytes)}: ring busbw {format_bw(ring.busbw)} "
                          + ("; ".join(parts) or "(neither gloo nor raw pyzmq measured)"))
+        candidates = auto_candidates(group.nproc)
         for among, label in ((FIXED_ALGORITHMS, "fixed algorithm"),
-                             (AUTO_CANDIDATES, "of its candidates ring/rhd/tree")):
+                             (candidates, f"of its candidates {'/'.join(candidates)}")):
             worst = _worst_auto(group, sizes, among)
             if worst is not None:
                 verdict = "met" if worst[0] <= AUTO_SLACK else "MISSED"
