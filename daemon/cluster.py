@@ -394,7 +394,7 @@ class ClusterJobs:
                 schedule = tree(me, daemons, count, chunks=chunks)
             else:
                 schedule = ALGORITHMS[algorithm](me, daemons, count)
-            return Plan(work, schedule, before, after, algorithm)
+            return Plan(work, schedule, before, after, algorithm, agree_first=False)
 
         await self.run_plan(job, ready, op, fingerprint, plan_for)
 
@@ -442,11 +442,9 @@ class ClusterJobs:
         run = ScheduleRun(
             plan.schedule, plan.work, op, send, self.config.pipeline_slice_bytes, self.loop,
             fingerprint=fp, algorithm=algorithm,
-            # Where data flows one way some daemon receives nothing, and could not tell
-            # that the others disagree: those first swap fingerprints with everyone.
-            agree_with=[] if fingerprint[0] == "allreduce" else [
+            agree_with=[
                 index for index in range(len(formation.daemons)) if index != me
-            ],
+            ] if plan.agree_first else [],
         )
         job.runs[ready.key] = run
         try:

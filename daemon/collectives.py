@@ -153,6 +153,11 @@ class Plan:
     before: Callable[[], None]
     after: Callable[[], None]
     algorithm: str
+    #: Swap fingerprints with every member daemon first.  Needed where data flows
+    #: one way (some daemon receives nothing, so could not tell that the others
+    #: disagree); an allreduce's every daemon receives, and its slices carry the
+    #: fingerprint, so it skips the extra round.
+    agree_first: bool = True
 
 
 def _nothing() -> None:
