@@ -97,6 +97,9 @@ class DistributedDataParallel(torch.nn.Module):
     Parameters that got no gradient on some rank take part with zeros; those no
     rank used keep the gradient they had (None after `zero_grad()`), as with
     torch's `find_unused_parameters=True`.  `last_step` records the overlap.
+    As torch's DDP does, the first synchronised backward records the order in
+    which gradients became ready, and the buckets are rebuilt in rank 0's
+    order (every rank the same) when it differs from the assumed one.
     """
 
     def __init__(
@@ -138,14 +141,10 @@ class DistributedDataParallel(torch.nn.Module):
             _StateBroadcaster(self.client).run([*module.parameters(), *module.buffers()])
         self._buffer_sync = _StateBroadcaster(self.client)
 
-        self._buckets = self._allocate_buckets(
-            assign_buckets(self._params, int(first_bucket_mb * MIB), int(bucket_cap_mb * MIB))
-        )
-        self._slot = {
-            i: (bucket, position)
-            for bucket in self._buckets
-            for position, i in enumerate(bucket.param_indices)
-        }
+        self._caps = (int(first_bucket_mb * MIB), int(bucket_cap_mb * MIB))
+        self._set_buckets(self._allocate_buckets(assign_buckets(self._params, *self._caps)))
+        #: Indices in the order their gradients became ready, until the rebuild.
+        self._ready_order: list[int] | None = []
         # Per accumulation window (reset after each synchronised backward).
         self._used = [False] * len(self._params)
         self._materialized = [False] * len(self._params)
@@ -164,6 +163,14 @@ class DistributedDataParallel(torch.nn.Module):
             )
             for i, param in enumerate(self._params)
         ]
+
+    def _set_buckets(self, buckets: list[Bucket]) -> None:
+        self._buckets = buckets
+        self._slot = {
+            i: (bucket, position)
+            for bucket in buckets
+            for position, i in enumerate(bucket.param_indices)
+        }
 
     def _allocate_buckets(self, assignment: list[list[int]]) -> list[Bucket]:
         buckets = []
@@ -267,6 +274,8 @@ class DistributedDataParallel(torch.nn.Module):
                 f"gradsync DDP: parameter {self._names[index]} received its gradient twice "
                 "in one backward (reentrant backward or a second backward without forward)"
             )
+        if self._ready_order is not None:
+            self._ready_order.append(index)
         if not self.gradient_as_bucket_view:
             with torch.no_grad():
                 view.copy_(grad)
@@ -319,6 +328,9 @@ class DistributedDataParallel(torch.nn.Module):
                 work.wait()
             synced = time.monotonic()
             self._apply_results()
+            if self._ready_order is not None:
+                order, self._ready_order = self._ready_order, None
+                self._rebuild_buckets(order)
             self.last_step = StepRecord(
                 backward_end,
                 synced,
@@ -357,10 +369,41 @@ class DistributedDataParallel(torch.nn.Module):
         self._used = [False] * len(self._params)
         self._materialized = [False] * len(self._params)
 
+    def _rebuild_buckets(self, observed: list[int]) -> None:
+        """Lay the buckets out in the order gradients became ready (rank 0's order).
+
+        Runs once, at the end of the first synchronised backward, on every rank
+        (the agreement is a broadcast).  Gradients move to the new buckets.
+        """
+        observed = list(dict.fromkeys(observed))
+        seen = set(observed)
+        order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
+        if self.client.world_size > 1:
+            agreed = np.array(order, dtype=np.int64)
+            self.client.broadcast(agreed, src=0)
+            order = [int(i) for i in agreed]
+        assignment = assign_buckets(self._params, *self._caps, order=order)
+        if assignment == [bucket.param_indices for bucket in self._buckets]:
+            return
+        buckets = self._allocate_buckets(assignment)
+        with torch.no_grad():
+            for bucket in buckets:
+                bucket.tensor.zero_()
+                for position, i in enumerate(bucket.param_indices):
+                    param, view = self._params[i], bucket.views[position]
+                    if param.grad is None:
+                        continue
+                    view.copy_(param.grad)
+                    if self.gradient_as_bucket_view:
+                        param.grad = view
+        self._set_buckets(buckets)
+
     def _reset_backward(self) -> None:
         self._callback_queued = False
         self._next_bucket = 0
         self._in_flight = []
+        if self._ready_order is not None:
+            self._ready_order.clear()  # a backward that failed records nothing
         for bucket in self._buckets:
             bucket.ready.clear()
 

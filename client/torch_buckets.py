@@ -60,12 +60,14 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 
 def assign_buckets(
-    params: Sequence[torch.Tensor], first_cap_bytes: int, cap_bytes: int
+    params: Sequence[torch.Tensor], first_cap_bytes: int, cap_bytes: int,
+    order: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Group parameter indices into buckets, in reverse registration order.
+    """Group parameter indices into buckets, in the order gradients are expected.
 
-    Backward produces gradients roughly last layer first, so walking the
-    parameters backwards fills the bucket that becomes ready first.  Each dtype
+    `order` is that order (every index once); by default reverse registration
+    order, since backward produces gradients roughly last layer first, so the
+    bucket that becomes ready first is filled first.  Each dtype
     has its own open bucket; the first one of a dtype closes at
     `first_cap_bytes` (so communication starts early), later ones at
     `cap_bytes` (a bucket closes once it holds at least its cap, as in torch's
@@ -75,7 +77,11 @@ def assign_buckets(
     open_buckets: dict[torch.dtype, list[int]] = {}
     open_bytes: dict[torch.dtype, int] = {}
     caps_used: dict[torch.dtype, int] = {}
-    for index in reversed(range(len(params))):
+    walk = list(reversed(range(len(params)))) if order is None else list(order)
+    if sorted(walk) != list(range(len(params))):
+        raise InvalidArgumentError("a bucket order must name every parameter index once")
+    position = {index: place for place, index in enumerate(walk)}
+    for index in walk:
         param = params[index]
         bucket = open_buckets.setdefault(param.dtype, [])
         bucket.append(index)
@@ -89,8 +95,7 @@ def assign_buckets(
             del open_buckets[param.dtype]
             open_bytes[param.dtype] = 0
     closed.extend(open_buckets.values())
-    # Positions in the reversed walk: a larger index is reached earlier.
-    closed.sort(key=lambda bucket: -bucket[0])
+    closed.sort(key=lambda bucket: position[bucket[0]])
     return closed
 
 

@@ -12,6 +12,7 @@ that the first bucket's allreduce finished while backward was still running.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ TOLERANCE = {
     "unused": 1e-10,
     "no_sync": 1e-10,
     "copy": 1e-10,
+    "reordered": 1e-10,
     "torch_hook": 1e-10,
     "f32": 1e-5,
     "float16": 1e-2,  # against float32 training from the same rounded start
@@ -70,6 +72,12 @@ def check_training(results: list[RankResult], scenarios: list[str]) -> None:
         if "state_dict_keys" in records[0]:
             assert all(r["state_dict_keys"] for r in records), records
             assert all(r["synced_in_no_sync"] == 0 for r in records), records
+        if name == "reordered":  # rebuilt after step 1 in the order grads became ready
+            layouts = {json.dumps(r["layout"]) for r in records}
+            assert len(layouts) == 1, f"ranks disagree on the rebuilt buckets: {records}"
+            layout = records[0]["layout"]
+            assert layout != records[0]["first_layout"], records[0]
+            assert layout[0][0].startswith("head."), layout
         if name == "torch_hook":  # the gradients went through gradsync
             assert all(int(r["hook_calls"]) >= 4 for r in records), records
         if name == "buffers":
@@ -245,3 +253,16 @@ def test_example_trains_and_passes_its_own_check(daemon: DaemonProcess) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK: parameters identical on all 2 ranks" in result.stdout, result.stdout
+
+
+def test_bucket_assignment_follows_the_given_order() -> None:
+    import torch
+
+    from gradsync.client.torch_buckets import assign_buckets
+    from gradsync.protocol.errors import InvalidArgumentError
+
+    params = [torch.zeros(100, dtype=torch.float64) for _ in range(5)]  # 800 bytes each
+    assert assign_buckets(params, 800, 1600) == [[4], [3, 2], [1, 0]]  # reverse registration
+    assert assign_buckets(params, 800, 1600, order=[0, 2, 4, 1, 3]) == [[0], [2, 4], [1, 3]]
+    with pytest.raises(InvalidArgumentError, match="every parameter index once"):
+        assign_buckets(params, 800, 1600, order=[0, 0, 1, 2, 3])

@@ -14,8 +14,10 @@ PER_RANK = 6  # rows of each rank's shard per micro-batch
 class Net(torch.nn.Module):
     """A small MLP; `extra` joins the output only when asked, `unused` never does."""
 
-    def __init__(self, with_spare: bool = False) -> None:
+    def __init__(self, with_spare: bool = False, head_first: bool = False) -> None:
         super().__init__()
+        if head_first:  # registered before the body, though its gradient comes first
+            self.head = torch.nn.Linear(HIDDEN, OUT)
         self.body = torch.nn.Sequential(
             torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
             torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
@@ -23,7 +25,8 @@ class Net(torch.nn.Module):
         )
         self.extra = torch.nn.Parameter(torch.randn(IN, OUT) * 0.1) if with_spare else None
         self.unused = torch.nn.Linear(3, 3) if with_spare else None
-        self.head = torch.nn.Linear(HIDDEN, OUT)
+        if not head_first:
+            self.head = torch.nn.Linear(HIDDEN, OUT)
 
     def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
         out: torch.Tensor = self.head(self.body(x))
@@ -32,10 +35,12 @@ class Net(torch.nn.Module):
         return out
 
 
-def make_net(seed: int, dtype: torch.dtype, with_spare: bool = False) -> Net:
+def make_net(
+    seed: int, dtype: torch.dtype, with_spare: bool = False, head_first: bool = False
+) -> Net:
     """The same weights for the same seed (built in float32, then converted)."""
     torch.manual_seed(seed)
-    return Net(with_spare).to(dtype)
+    return Net(with_spare, head_first).to(dtype)
 
 
 def batch(
@@ -106,10 +111,10 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], kind: str) -> Optimizer
 
 def reference_train(
     dtype: torch.dtype, world: int, steps: int, micros: int, optimizer: str,
-    spare: bool = False,
+    spare: bool = False, head_first: bool = False,
 ) -> Net:
     """Single-process training on the concatenated batch of all ranks."""
-    model = make_net(1000, dtype, spare)
+    model = make_net(1000, dtype, spare, head_first)
     opt = make_optimizer(model.parameters(), optimizer)
     for step in range(steps):
         opt.zero_grad()

@@ -35,12 +35,15 @@ STEPS = 4
 
 def train_gradsync(
     client: Client, dtype: torch.dtype, *, optimizer: str = "sgd", micros: int = 1,
-    spare: bool = False, zero_after_forward: bool = False, **ddp_args: Any,
+    spare: bool = False, zero_after_forward: bool = False, head_first: bool = False,
+    **ddp_args: Any,
 ) -> dict[str, Any]:
     """Train with gradsync's DDP; micro-batches before the last run under no_sync()."""
     rank, world = client.rank, client.world_size
-    model = make_net(1000 + rank, dtype, spare)  # differs per rank until DDP broadcasts
+    # Differs per rank until DDP broadcasts.
+    model = make_net(1000 + rank, dtype, spare, head_first)
     ddp = DistributedDataParallel(model, client, **ddp_args)
+    first_layout = ddp.bucket_layout
     initial = digest(model)
     opt = make_optimizer(ddp.parameters(), optimizer)
     synced_outside = 0
@@ -69,8 +72,10 @@ def train_gradsync(
             expect_grad = step % 2 == 0
             assert (model.extra.grad is not None) == expect_grad, (step, model.extra.grad)
         opt.step()
-    reference = reference_train(dtype, world, STEPS, micros, optimizer, spare)
+    reference = reference_train(dtype, world, STEPS, micros, optimizer, spare, head_first)
     return {
+        "first_layout": first_layout,
+        "layout": ddp.bucket_layout,
         "err": max_error(model, reference),
         "digest": digest(model),
         "initial": initial,
@@ -184,6 +189,10 @@ SCENARIOS = {
     # gradient accumulation: two micro-batches under no_sync(), then one synced; Adam
     "no_sync": lambda c, _: train_gradsync(
         c, torch.float64, micros=3, optimizer="adam", bucket_cap_mb=0.004,
+        first_bucket_mb=0.001),
+    # the head is registered first but its gradient is ready first: buckets rebuilt
+    "reordered": lambda c, _: train_gradsync(
+        c, torch.float64, head_first=True, micros=2, bucket_cap_mb=0.004,
         first_bucket_mb=0.001),
     # gradients copied into the buckets, with unused parameters and accumulation
     "copy": lambda c, _: train_gradsync(
