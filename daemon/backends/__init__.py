@@ -81,5 +81,7 @@ class Buffers:
                 return self._cuda
             except InvalidArgumentError as exc:
                 self._cuda_error = exc.message
+            except Exception as exc:  # a driver or runtime failure while setting up
+                self._cuda_error = f"CUDA set-up failed: {type(exc).__name__}: {exc}"
             log.warning("device buffers unavailable: %s", self._cuda_error)
         raise InvalidArgumentError(f"this daemon cannot serve device buffers: {self._cuda_error}")
