@@ -146,6 +146,12 @@ class GradsyncService:
                 self._collective(session, message)
         except GradsyncError as exc:
             session.reply_error(request_id, exc)
+        except Exception as exc:  # a bug: say so to the client and the log, keep serving
+            log.exception("handling %r from %s failed", message.get("kind"), session.describe())
+            session.reply_error(request_id, GradsyncError(
+                f"internal error in the daemon while handling {message.get('kind')!r}: "
+                f"{type(exc).__name__}: {exc}"
+            ))
 
     def _identity(self) -> dict[str, Any]:
         return {
