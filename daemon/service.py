@@ -32,7 +32,7 @@ from gradsync.daemon.collectives import (
 from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
 from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Submission
 from gradsync.daemon.membership import Formation
-from gradsync.daemon.reduce import reduce_range, split_ranges
+from gradsync.daemon.reduce import split_ranges
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
@@ -357,6 +357,34 @@ class GradsyncService:
         order = sorted(ready.submissions)
         nbytes = chunk * dtype.itemsize * job.world_size * max(1, len(order))
         first = ready.submissions[order[0]].fingerprint
+        views = [ready.submissions[rank].view for rank in order]
+        views += [ready.submissions[rank].out for rank in order]
+
+        def by_rank(arrays: list[Any]) -> tuple[dict[int, Any], dict[int, Any]]:
+            """(inputs, outputs) by rank, from `views` or their host copies."""
+            return (dict(zip(order, arrays[: len(order)], strict=True)),
+                    dict(zip(order, arrays[len(order):], strict=True)))
+
+        async def here(arrays: list[Any]) -> None:
+            ins, outs = by_rank(arrays)
+            await self.run_call(
+                lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root), nbytes
+            )
+
+        async def across(arrays: list[Any]) -> None:
+            assert self.cluster is not None
+            ins, outs = by_rank(arrays)
+
+            def plan_for(formation: Formation, me: int) -> Plan:
+                return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
+                                 job.world_size, chunk, op, root, dtype)
+
+            await self.cluster.run_plan(
+                job, ready, op or ReduceOp.SUM,
+                (first.collective, first.dtype, first.count, first.op, first.root),
+                plan_for,
+            )
+
         try:
             slabs, backend = self._backend(ready)
             on_device = (
@@ -366,47 +394,16 @@ class GradsyncService:
             )
             if chunk == 0:
                 pass  # nothing to move; every rank agreed on the fingerprint locally
-            elif on_device:
-                ins = {rank: ready.submissions[rank].view for rank in order}
-                outs = {rank: ready.submissions[rank].out for rank in order}
+            elif on_device and not job.multi_node:
+                ins, outs = by_rank(views)
                 with backend.running(slabs):
                     run_local(kind, ins, outs, job.world_size, chunk, op, root)
-            elif not job.multi_node:
-                # Host memory; or device slabs on several GPUs, or bfloat16 reductions,
-                # which cupy's kernels cannot express: those go through host copies.
-                views = [ready.submissions[rank].view for rank in order]
-                views += [ready.submissions[rank].out for rank in order]
-
-                async def here(hosts: list[Any]) -> None:
-                    ins = dict(zip(order, hosts[: len(order)], strict=True))
-                    outs = dict(zip(order, hosts[len(order):], strict=True))
-                    await self.run_call(
-                        lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root),
-                        nbytes,
-                    )
-
-                await self._staged(backend, slabs, views, dtype, here)
             else:
-                assert self.cluster is not None
-                cluster = self.cluster
-                views = [ready.submissions[rank].view for rank in order]
-                views += [ready.submissions[rank].out for rank in order]
-
-                async def across(hosts: list[Any]) -> None:
-                    ins = dict(zip(order, hosts[: len(order)], strict=True))
-                    outs = dict(zip(order, hosts[len(order):], strict=True))
-
-                    def plan_for(formation: Formation, me: int) -> Plan:
-                        return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
-                                         job.world_size, chunk, op, root, dtype)
-
-                    await cluster.run_plan(
-                        job, ready, op or ReduceOp.SUM,
-                        (first.collective, first.dtype, first.count, first.op, first.root),
-                        plan_for,
-                    )
-
-                await self._staged(backend, slabs, views, dtype, across)
+                # Host memory as it is; device slabs through host copies: between
+                # nodes (the links send host memory), across GPUs, and for bfloat16
+                # reductions, which cupy's kernels cannot express.
+                await self._staged(backend, slabs, views, dtype,
+                                   across if job.multi_node else here)
         except Exception as exc:
             self._collective_failed(job, ready, exc)
             return
@@ -508,37 +505,30 @@ class GradsyncService:
             copy_back()
 
     def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        """Run a matched collective: inline when small, else on the thread pool."""
+        """Run a matched collective: inline when small (or only queued, on a device),
+        else cut into ranges on the thread pool."""
         order = sorted(ready.submissions)
         slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
+        dtype = ready.submissions[order[0]].fingerprint.dtype
         try:
             slabs, backend = self._backend(ready)
         except MismatchError as exc:
             self._fail(ready, exc)
             return
-        if not backend.parallel_ranges:
-            # Device kernels are only queued here: no reason to leave the loop.
-            try:
-                with backend.running(slabs):
-                    if slots:
-                        backend.reduce(slots, op, ready.submissions[order[0]].fingerprint.dtype,
-                                       0, slots[0].size)
-            except Exception as exc:
-                self._kernel_failed(job, ready, exc)
-                return
-            self._succeed(job, ready)
+        if (backend.parallel_ranges and slots
+                and slots[0].nbytes * len(slots) > self.config.inline_reduce_bytes):
+            self._spawn(ready, self._reduce_on_pool(job, ready, op, slots, backend, dtype))
             return
-        if not slots or slots[0].nbytes * len(slots) <= self.config.inline_reduce_bytes:
-            # A thread hand-off costs more than reducing a few hundred KiB here.
-            try:
+        # A thread hand-off costs more than reducing a few hundred KiB here, and
+        # device kernels are only queued.
+        try:
+            with backend.running(slabs):
                 if slots:
-                    reduce_range(slots, op, 0, slots[0].size)
-            except Exception as exc:  # a kernel failing is a bug; fail loudly, keep serving
-                self._kernel_failed(job, ready, exc)
-                return
-            self._succeed(job, ready)
+                    backend.reduce(slots, op, dtype, 0, slots[0].size)
+        except Exception as exc:  # a kernel failing is a bug; fail loudly, keep serving
+            self._kernel_failed(job, ready, exc)
             return
-        self._spawn(ready, self._reduce_on_pool(job, ready, op, slots))
+        self._succeed(job, ready)
 
     def _spawn(self, ready: PendingCollective, work: Coroutine[Any, Any, None]) -> None:
         """Run a collective's coroutine as a task the shutdown can find."""
@@ -549,13 +539,16 @@ class GradsyncService:
         task.add_done_callback(lambda _: self.in_flight.pop(id(ready), None))
 
     async def _reduce_on_pool(
-        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray]
+        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
+        backend: Backend, dtype: str,
     ) -> None:
         try:
             parts = split_ranges(slots[0].size, slots[0].itemsize, self.config.threads)
             await asyncio.gather(
                 *(
-                    self.loop.run_in_executor(self.executor, reduce_range, slots, op, begin, end)
+                    self.loop.run_in_executor(
+                        self.executor, backend.reduce, slots, op, dtype, begin, end
+                    )
                     for begin, end in parts
                 )
             )
