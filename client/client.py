@@ -11,13 +11,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
 from gradsync.client.buffers import ScratchPool, ScratchSlot, SegmentRegistry
 from gradsync.client.connection import Connection
-from gradsync.client.cuda import DeviceBuffers, describe, is_device_array, parse_device
+from gradsync.client.cuda import (
+    DeviceArrayInfo,
+    DeviceBuffers,
+    describe,
+    is_device_array,
+    parse_device,
+)
 from gradsync.client.environment import resolve_identity
 from gradsync.client.work import Work
 from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype, dtype_name, parse_reduce_op
@@ -41,6 +47,16 @@ class Placed:
 
 #: A collective's buffer: a numpy array, a cupy array or a CUDA torch tensor.
 Buffer = Any
+
+
+class Checked(NamedTuple):
+    """A collective's array, checked: wire dtype, op, element count, and for a
+    device array its description (None for host arrays)."""
+
+    dtype: str
+    op: ReduceOp
+    elements: int
+    device: DeviceArrayInfo | None
 
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
@@ -263,8 +279,8 @@ class Client:
             raise InvalidArgumentError(
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
-        wire_dtype, reduce_op, count = self._check_array(array, op)
-        placed = self._place(array, copy_in=True, copy_out=True)
+        wire_dtype, reduce_op, count, device = self._check_array(array, op)
+        placed = self._place(array, copy_in=True, copy_out=True, device=device)
         fields: dict[str, Any] = {
             "segment": placed.segment,
             "offset": placed.offset,
@@ -349,20 +365,22 @@ class Client:
         if not arrays:
             raise InvalidArgumentError(f"{kind}: no buffer given")
         checked = {id(a): self._check_array(a, op or "sum") for a in arrays}
-        names = [checked[id(a)][0] for a in arrays]
+        names = [checked[id(a)].dtype for a in arrays]
         if len(set(names)) > 1:
             raise InvalidArgumentError(f"{kind}: input is {names[0]} but output is {names[1]}")
         reduce_op = parse_reduce_op(op) if op is not None else None
-        placed_in = self._place(input, copy_in=True, copy_out=in_place)
-        placed_out = self._place(output, copy_in=False, copy_out=True)
+        placed_in = self._place(input, copy_in=True, copy_out=in_place,
+                                device=checked[id(input)].device if input is not None else None)
+        placed_out = self._place(output, copy_in=False, copy_out=True,
+                                 device=checked[id(output)].device if output is not None else None)
         fields: dict[str, Any] = {
             "collective": kind,
             "segment": placed_in.segment,
             "offset": placed_in.offset,
-            "count": 0 if input is None else checked[id(input)][2],
+            "count": 0 if input is None else checked[id(input)].elements,
             "out_segment": placed_out.segment,
             "out_offset": placed_out.offset,
-            "out_count": None if output is None else checked[id(output)][2],
+            "out_count": None if output is None else checked[id(output)].elements,
             "dtype": names[0],
             "op": reduce_op.value if reduce_op else None,
             "root": root,
@@ -370,15 +388,18 @@ class Client:
         }
         return self._issue("collective", fields, [placed_in, placed_out], async_op, kind)
 
-    def _place(self, array: Any, copy_in: bool, copy_out: bool) -> Placed:
-        """Where the daemon finds `array`: its own segment, or a scratch copy."""
-        if array is not None and is_device_array(array):
-            buffers = self._device_buffers()
-            info = describe(array, buffers.cp)
-            if info.count == 0:
+    def _place(
+        self, array: Any, copy_in: bool, copy_out: bool, device: DeviceArrayInfo | None = None
+    ) -> Placed:
+        """Where the daemon finds `array`: its own segment, or a scratch copy.
+
+        `device` is the description `_check_array` made of a device array.
+        """
+        if device is not None:
+            if device.count == 0:
                 return Placed(None, 0)
-            device = buffers.place(info, copy_in, copy_out)
-            return Placed(device.segment, device.offset, device.on_success, device.on_finish)
+            placed = self._device_buffers().place(device, copy_in, copy_out)
+            return Placed(placed.segment, placed.offset, placed.on_success, placed.on_finish)
         if array is None or array.size == 0:
             return Placed(None, 0)
         located = self._segments.locate(array)
@@ -486,8 +507,8 @@ class Client:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def _check_array(self, array: Any, op: str | ReduceOp) -> tuple[str, ReduceOp, int]:
-        """(wire dtype, op, element count) of a collective's array, after checking it."""
+    def _check_array(self, array: Any, op: str | ReduceOp) -> Checked:
+        """What a collective needs to know of its array, after checking it."""
         if is_device_array(array):
             info = describe(array, self._device_buffers().cp)
             try:
@@ -495,7 +516,7 @@ class Client:
                 check_op_for_dtype(reduce_op, info.dtype)
             except ValueError as exc:
                 raise InvalidArgumentError(str(exc)) from None
-            return info.dtype, reduce_op, info.count
+            return Checked(info.dtype, reduce_op, info.count, info)
         if not isinstance(array, np.ndarray):
             raise InvalidArgumentError(
                 f"expected a numpy array, a CUDA tensor or a cupy array, "
@@ -513,4 +534,4 @@ class Client:
             check_op_for_dtype(reduce_op, wire_dtype)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        return wire_dtype, reduce_op, int(array.size)
+        return Checked(wire_dtype, reduce_op, int(array.size), None)
