@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.util
 import json
 import os
 import shlex
@@ -115,21 +114,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # -- availability -----------------------------------------------------------
 
 
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
-
-
 def skip_reason(key: str) -> str | None:
     """Why a contender cannot run here, or None."""
-    if key.startswith("gradsync") and _missing("gradsync.client"):
+    if key.startswith("gradsync") and machine.missing("gradsync.client"):
         return "gradsync is not installed in this interpreter"
-    if key == "gloo" and _missing("torch"):
+    if key == "gloo" and machine.missing("torch"):
         return "torch is not installed (pip install torch)"
     if key == "mpi":
-        if _missing("mpi4py"):
+        if machine.missing("mpi4py"):
             return "mpi4py is not installed (pip install mpi4py)"
         if shutil.which("mpirun") is None:
             return "mpirun is not on PATH (apt-get install openmpi-bin libopenmpi-dev)"

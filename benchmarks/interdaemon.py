@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.util
 import json
 import os
 import shlex
@@ -128,13 +127,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true",
                         help="keep per-rank JSON, logs and daemon logs (path printed)")
     return parser.parse_args(argv)
-
-
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
 
 
 # -- results of one placement and M -----------------------------------------
@@ -330,7 +322,7 @@ def _daemon_problems(daemons: Sequence[DaemonRun], label: str) -> list[str]:
 def run_gloo(topo: topology.Topology, settings: Settings, out_dir: str) -> ContenderRun:
     """torch.distributed gloo, one process per node, over the nodes' interfaces."""
     nproc = topo.size
-    if _missing("torch"):
+    if machine.missing("torch"):
         return ContenderRun("gloo", nproc, "skipped", "torch is not installed")
     log_path = os.path.join(out_dir, "gloo.log")
     store = os.path.join(out_dir, "gloo.store")
@@ -505,7 +497,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if isinstance(settings, str):
         print(f"interdaemon: {settings}", file=sys.stderr)
         return 2
-    if _missing("gradsync.client"):
+    if machine.missing("gradsync.client"):
         print("interdaemon: gradsync is not installed in this interpreter", file=sys.stderr)
         return 2
     started_at = datetime.datetime.now().astimezone()
@@ -521,7 +513,7 @@ def _main(argv: Sequence[str] | None) -> int:
             stale = topology.sweep_stale()
             if stale:
                 notes.append(f"deleted namespaces an interrupted earlier run left: {stale}")
-    if settings.gloo and _missing("torch"):
+    if settings.gloo and machine.missing("torch"):
         notes.append("torch gloo skipped: torch is not installed (pip install torch)")
     info = machine.describe()
     load_average = machine.load_average()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -20,6 +21,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+
+
+def missing(module: str) -> bool:
+    """Whether `module` cannot be imported here (checked without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def cpu_model() -> str:

@@ -28,6 +28,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+from gradsync.daemon.shm_pool import pid_alive
+
 SUBNET = "10.213.50"
 NAME_PREFIX = "gsbench"
 _STALE = re.compile(rf"^{NAME_PREFIX}(\d+)-")
@@ -122,16 +124,6 @@ def _mtu(namespace: str | None, interface: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _delete(names: list[str]) -> list[str]:
     """Delete these namespaces; the ones that could not be deleted."""
     failed = []
@@ -155,7 +147,7 @@ def sweep_stale() -> list[str]:
     stale = []
     for name in list_namespaces():
         match = _STALE.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
             stale.append(name)
     _delete(stale)
     return stale

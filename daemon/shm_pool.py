@@ -125,7 +125,8 @@ class ShmPool:
         return stats.f_bavail * stats.f_frsize
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -146,7 +147,7 @@ def sweep_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
         if not name.startswith(SEGMENT_PREFIX):
             continue
         pid = owner_pid(name)
-        if pid is None or pid == os.getpid() or _pid_alive(pid):
+        if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         try:
             os.unlink(segment_path(name) if shm_dir == SHM_DIR else os.path.join(shm_dir, name))
