@@ -379,12 +379,10 @@ class ClusterJobs:
             work = slots[0] if slots else np.empty(0, dtype=np.uint8)
 
             def before() -> None:
-                if len(slots) > 1:
-                    reduce_into_first(slots, 0, count, op)
+                reduce_into_first(slots, 0, count, op)
 
             def after() -> None:
-                if slots:
-                    broadcast_from_first(slots, 0, count, divide)
+                broadcast_from_first(slots, 0, count, divide)
 
             daemons = len(formation.daemons)
             if algorithm == "tree":
@@ -394,7 +392,11 @@ class ClusterJobs:
                 schedule = tree(me, daemons, count, chunks=chunks)
             else:
                 schedule = ALGORITHMS[algorithm](me, daemons, count)
-            return Plan(work, schedule, before, after, algorithm, agree_first=False)
+            return Plan(
+                work, schedule, before if len(slots) > 1 else None,
+                after if len(slots) > 1 or (slots and divide != 1) else None,
+                algorithm, agree_first=False,
+            )
 
         await self.run_plan(job, ready, op, fingerprint, plan_for)
 
@@ -427,7 +429,8 @@ class ClusterJobs:
         algorithm = plan.algorithm
         fp = (*fingerprint, algorithm)
         phase_start = time.monotonic()
-        await self.run_call(plan.before, plan.work.nbytes)
+        if plan.before is not None:
+            await self.run_call(plan.before, plan.work.nbytes)
         self._trace(job, "local phase", phase_start, ready.key)
         base = {"kind": "slice", "job": job.name, "gen": formation.generation,
                 "key": ready.key, "fp": list(fp)}
@@ -459,7 +462,8 @@ class ClusterJobs:
                                    f"{algorithm} step {number + 1}/{run.steps}", started, ended,
                                    job=job.name, key=repr(ready.key))
         phase_start = time.monotonic()
-        await self.run_call(plan.after, plan.work.nbytes)
+        if plan.after is not None:
+            await self.run_call(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
 
     @staticmethod

@@ -150,18 +150,15 @@ class Plan:
 
     work: np.ndarray
     schedule: Schedule
-    before: Callable[[], None]
-    after: Callable[[], None]
+    #: Work before and after the schedule; None when there is none (no thread hand-off).
+    before: Callable[[], None] | None
+    after: Callable[[], None] | None
     algorithm: str
     #: Swap fingerprints with every member daemon first.  Needed where data flows
     #: one way (some daemon receives nothing, so could not tell that the others
     #: disagree); an allreduce's every daemon receives, and its slices carry the
     #: fingerprint, so it skips the extra round.
     agree_first: bool = True
-
-
-def _nothing() -> None:
-    return None
 
 
 def make_plan(
@@ -197,7 +194,7 @@ def make_plan(
                 if target is not work and rank != root:
                     np.copyto(target, work)
 
-        return Plan(work, rooted.chain_broadcast(me, size, c, holder, chunks), _nothing,
+        return Plan(work, rooted.chain_broadcast(me, size, c, holder, chunks), None,
                     spread, "chain")
 
     if kind == "reduce":
@@ -267,7 +264,7 @@ def make_plan(
 
             receives = [ranges(held) for held in ranks_by_daemon]
             schedule = rooted.direct_gather(me, holder, [], receives, world * c)
-            return Plan(work, schedule, place_own, _nothing, "direct")
+            return Plan(work, schedule, place_own, None, "direct")
         work = np.empty(len(local) * c, dtype)
 
         def pack() -> None:
@@ -277,7 +274,7 @@ def make_plan(
         sends = ranges(tuple(range(len(local))))
         schedule = rooted.direct_gather(me, holder, sends, [[] for _ in range(size)],
                                         len(local) * c)
-        return Plan(work, schedule, pack, _nothing, "direct")
+        return Plan(work, schedule, pack, None, "direct")
 
     if kind == "scatter":
         assert root is not None
@@ -291,7 +288,7 @@ def make_plan(
 
             to_each = [ranges(held) for held in ranks_by_daemon]
             schedule = rooted.direct_scatter(me, holder, to_each, [], world * c)
-            return Plan(work, schedule, _nothing, take_own, "direct")
+            return Plan(work, schedule, None, take_own, "direct")
         work = np.empty(len(local) * c, dtype)
 
         def unpack() -> None:
@@ -301,7 +298,7 @@ def make_plan(
         into_pack = ranges(tuple(range(len(local))))
         schedule = rooted.direct_scatter(me, holder, [[] for _ in range(size)], into_pack,
                                          len(local) * c)
-        return Plan(work, schedule, _nothing, unpack, "direct")
+        return Plan(work, schedule, None, unpack, "direct")
 
     if kind == "all_to_all":
         return _all_to_all_plan(me, ranks_by_daemon, ins, outs, c, dtype)

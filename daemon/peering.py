@@ -7,7 +7,6 @@ what they mean.  This module connects the two and the service.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import statistics
 from collections.abc import Sequence
@@ -15,9 +14,8 @@ from typing import Any
 
 from gradsync.daemon.cluster import ClusterJobs
 from gradsync.daemon.config import ConfigError, DaemonConfig
-from gradsync.daemon.peers.links import CurveConfig, PeerLinks
+from gradsync.daemon.peers.links import CurveConfig, PeerLinks, PeerMessage
 from gradsync.daemon.service import GradsyncService
-from gradsync.protocol.errors import DaemonShuttingDownError
 
 log = logging.getLogger("gradsync.daemon.peering")
 
@@ -105,6 +103,7 @@ class Peering:
             peer_timeout_s=config.peer_timeout_s,
             on_peer_up=self._peer_up,
             on_peer_lost=self._peer_lost,
+            on_message=self._on_message,
         )
         self.cluster = ClusterJobs(
             config, service.loop, LinksTransport(self.links), service.run_call,
@@ -116,7 +115,6 @@ class Peering:
         service.extra_counters = lambda: {
             f"links_{name}": value for name, value in self.links.counters.items()
         }
-        self._pump: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.links.insecure and self.links.peers:
@@ -125,22 +123,19 @@ class Peering:
                 "anyone who can reach %s can join jobs and read gradients", self.links.endpoint
             )
         await self.links.start()
-        self._pump = asyncio.get_running_loop().create_task(self._receive())
         log.info("peer links up on %s; peers: %s", self.links.endpoint,
                  ", ".join(self.links.peers) or "none")
 
-    async def _receive(self) -> None:
-        with contextlib.suppress(DaemonShuttingDownError):
-            while True:
-                message = await self.links.recv()
-                try:
-                    self.cluster.on_message(
-                        message.peer, message.header, message.payloads, self.service.jobs
-                    )
-                except Exception:
-                    self.service.counters["malformed"] += 1
-                    log.exception("failed to handle a %r message from %s",
-                                  message.header.get("kind"), message.peer)
+    def _on_message(self, message: PeerMessage) -> None:
+        """Called by the links, from the event loop, as each message arrives."""
+        try:
+            self.cluster.on_message(
+                message.peer, message.header, message.payloads, self.service.jobs
+            )
+        except Exception:
+            self.service.counters["malformed"] += 1
+            log.exception("failed to handle a %r message from %s",
+                          message.header.get("kind"), message.peer)
 
     def _peer_up(self, peer: str) -> None:
         self.cluster.peer_up(peer, self.service.jobs)
@@ -156,7 +151,3 @@ class Peering:
 
     async def close(self) -> None:
         await self.links.close()
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump

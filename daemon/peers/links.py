@@ -32,7 +32,7 @@ collectives cover a peer that is alive but stuck.
 When a link comes up, its latency and bandwidth are measured (`link_stats`).
 Besides ZeroMQ's heartbeats (invisible to us), each DEALER sends a small PING
 every `liveness_ivl_s` (at most one second) while its link is up, answered by
-the peer's router task: `heard_age_s(peer)` is the time since anything last
+the peer's router: `heard_age_s(peer)` is the time since anything last
 came from the peer, so it also shows a peer whose event loop has stopped.
 """
 
@@ -45,7 +45,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -55,6 +55,7 @@ from gradsync.daemon.config import ConfigError
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
 from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
+from gradsync.daemon.peers.socket_io import LoopSocket
 from gradsync.daemon.peers.wire import (
     BULK,
     LINK_KINDS,
@@ -139,7 +140,7 @@ class _Link:
     name: str
     endpoint: TcpEndpoint
     server_key: bytes | None
-    dealer: zmq.asyncio.Socket | None = None
+    dealer: LoopSocket | None = None
     monitor: zmq.asyncio.Socket | None = None
     state: PeerState = "connecting"
     stats: LinkStats | None = None
@@ -180,8 +181,10 @@ class PeerLinks:
     """The peer-link layer of one daemon: connect, send, receive, watch health.
 
     Build it, `await start()`, then `await send(peer, header, payloads)` and
-    `await recv()` (or `async for message in links`); `await close()` at the
-    end.  Peers are named by the endpoint strings given in `peers`.
+    `await recv()` (or `async for message in links`, or an `on_message`
+    callback, called from the event loop as each message arrives); `await
+    close()` at the end.  Peers are named by the endpoint strings given in
+    `peers`.
     """
 
     def __init__(
@@ -202,13 +205,16 @@ class PeerLinks:
         validate: Callable[[Message], None] | None = None,
         on_peer_up: Callable[[str], None] | None = None,
         on_peer_lost: Callable[[str], None] | None = None,
+        on_message: Callable[[PeerMessage], None] | None = None,
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
         `kinds` are the application message kinds accepted from peers;
         `validate(header)` may raise `ProtocolError` to drop a message as
-        malformed.  Raises `ConfigError` (`KeyFileError` for key files) with a
-        message naming the setting when something cannot work.
+        malformed.  With `on_message`, accepted messages go to it instead of
+        `recv()`: no queue, no task switch per message.  Raises `ConfigError`
+        (`KeyFileError` for key files) with a message naming the setting when
+        something cannot work.
         """
         try:
             self._listen = parse_tcp_endpoint(listen)
@@ -262,6 +268,7 @@ class PeerLinks:
         self._io_threads = io_threads
         self._on_peer_up = on_peer_up
         self._on_peer_lost = on_peer_lost
+        self._on_message = on_message
         self._secret: tuple[bytes, bytes] | None = None
         self._authorized: set[bytes] = set()
         self._peer_by_key: dict[bytes, str] = {}
@@ -273,9 +280,7 @@ class PeerLinks:
             name.encode(): name for name in self._links
         }
         self._context: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
-        #: The same ROUTER, blocking API: probe answers are sent without awaiting.
-        self._router_now: zmq.Socket[bytes] | None = None
+        self._router: LoopSocket | None = None
         self._zap: ZapHandler | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()
@@ -325,7 +330,7 @@ class PeerLinks:
             link.server_key = keys.pop()
             self._peer_by_key[link.server_key] = link.name
 
-    def _configure(self, sock: zmq.asyncio.Socket) -> None:
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
         """Options every peer socket shares: heartbeats, limits, no linger."""
         ivl_ms = max(1, round(self._heartbeat_ivl_s * 1000))
         timeout_ms = max(1, round(self._peer_timeout_s * 1000) - ivl_ms)
@@ -358,7 +363,10 @@ class PeerLinks:
         else:
             self._zap = ZapHandler(context, self._authorized, self._rejected)
             self._zap.start()
-        router = self._router = context.socket(zmq.ROUTER)
+        # The data sockets use the blocking API, driven by LoopSocket; the ZAP
+        # handler and the monitors keep zmq.asyncio (a few messages each).
+        sockets: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
+        router = sockets.socket(zmq.ROUTER)
         self._configure(router)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._secret is not None:
@@ -368,32 +376,40 @@ class PeerLinks:
         try:
             router.bind(str(self._listen))
         except zmq.ZMQError as exc:
+            router.close(linger=0)
             await self.close()
             raise ConfigError(f"cannot listen for peers on {self._listen}: {exc}") from None
-        self._router_now = zmq.Socket.shadow(router.underlying)
-        self._tasks.append(loop.create_task(self._serve_router(), name="peer-router"))
+        self._router = LoopSocket(router, loop, self._on_router_frames, "the peer router")
         for link in self._links.values():
-            self._connect(loop, link)
+            self._connect(loop, link, sockets)
         log.info(
             "peer links of %s: %d peers, %s, peer timeout %gs (heartbeat every %gs)",
             self.endpoint, len(self._links), "CURVE" if self._secret else "insecure",
             self._peer_timeout_s, self._heartbeat_ivl_s,
         )
 
-    def _connect(self, loop: asyncio.AbstractEventLoop, link: _Link) -> None:
+    def _connect(
+        self, loop: asyncio.AbstractEventLoop, link: _Link, sockets: zmq.Context[Any]
+    ) -> None:
         assert self._context is not None
-        dealer = link.dealer = self._context.socket(zmq.DEALER)
+        dealer = sockets.socket(zmq.DEALER)
         self._configure(dealer)
         dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: no stale sends
         dealer.setsockopt(zmq.ROUTING_ID, self.endpoint.encode())
         if self._secret is not None:
             dealer.curve_publickey, dealer.curve_secretkey = self._secret
             dealer.curve_serverkey = link.server_key
-        link.monitor = dealer.get_monitor_socket(_DEALER_EVENTS)
+        monitor_address = f"inproc://gradsync-monitor-{id(link):x}"
+        dealer.monitor(monitor_address, _DEALER_EVENTS)
+        link.monitor = self._context.socket(zmq.PAIR)
+        link.monitor.connect(monitor_address)
         dealer.connect(link.name)
+        link.dealer = LoopSocket(
+            dealer, loop, lambda frames: self._on_dealer_frames(link, frames),
+            f"the link to {link.name}",
+        )
         link.tasks = [
             loop.create_task(self._watch(link), name=f"peer-monitor {link.name}"),
-            loop.create_task(self._serve_dealer(link), name=f"peer-dealer {link.name}"),
             loop.create_task(self._keep_alive(link), name=f"peer-liveness {link.name}"),
         ]
 
@@ -499,10 +515,7 @@ class PeerLinks:
             raise PeerLostError(
                 f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
             )
-        sending = cast(
-            "asyncio.Future[zmq.MessageTracker | None]",
-            link.dealer.send_multipart(frames, copy=False, track=track),
-        )
+        sending: asyncio.Future[zmq.MessageTracker | None] = link.dealer.send(frames, track)
         self.counters["sent"] += 1
         return sending
 
@@ -528,6 +541,8 @@ class PeerLinks:
     async def recv(self) -> PeerMessage:
         """The next application message from any peer (in order per peer)."""
         message = await self._inbox.get()
+        if self._router is not None and not self._inbox.full():
+            self._router.resume_reading()
         if message is None:
             self._inbox.put_nowait(None)  # wake the next waiter too
             raise DaemonShuttingDownError("peer links are closed")
@@ -558,15 +573,16 @@ class PeerLinks:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._zap is not None:
             await self._zap.close()
+        closed = DaemonShuttingDownError("peer links are closed")
         for link in self._links.values():
             if link.dealer is not None:
                 with contextlib.suppress(zmq.ZMQError):
-                    link.dealer.disable_monitor()
-            for sock in (link.monitor, link.dealer):
-                if sock is not None:
-                    sock.close(linger=0)
+                    link.dealer.sock.disable_monitor()
+                link.dealer.close(closed)
+            if link.monitor is not None:
+                link.monitor.close(linger=0)
         if self._router is not None:
-            self._router.close(linger=0)
+            self._router.close(closed)
         if self._context is not None:
             self._context.destroy(linger=0)
         while not self._inbox.empty():
@@ -593,12 +609,8 @@ class PeerLinks:
             raise PeerLostError(
                 f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
             )
-        # zmq.asyncio returns a Future (typed as a mere Awaitable); it is already
-        # done when the message fit in the queue at once: the common, fast case.
-        sending = cast(
-            "asyncio.Future[zmq.MessageTracker | None]",
-            link.dealer.send_multipart(frames, copy=False, track=wait_sent),
-        )
+        # Already done when the message fit in the queue at once: the common case.
+        sending = link.dealer.send(frames, wait_sent)
         if not sending.done():
             await asyncio.wait((sending, down), return_when=asyncio.FIRST_COMPLETED)
             if not sending.done():
@@ -670,25 +682,26 @@ class PeerLinks:
                 return link.name
         return None
 
-    async def _serve_router(self) -> None:
-        """Read the ROUTER forever: answer probes, queue application messages."""
-        assert self._router is not None and self._router_now is not None
-        router, router_now = self._router, self._router_now
-        while True:
-            frames = await router.recv_multipart(copy=False)
-            message = self._accept(frames)
-            if message is None:
-                continue
-            self._links[message.peer].last_heard = time.monotonic()
-            kind = message.header["kind"]
-            if kind in (PING, BULK):
-                pong = encode_header(self.endpoint, {"kind": PONG, "seq": message.header["seq"]})
-                # Non-blocking: a probe answer that does not fit is dropped, never waited for.
-                with contextlib.suppress(zmq.Again):
-                    router_now.send_multipart([frames[0], pong], flags=zmq.NOBLOCK)
-                continue
-            self.counters["received"] += 1
-            await self._inbox.put(message)
+    def _on_router_frames(self, frames: list[zmq.Frame]) -> None:
+        """One message on the ROUTER: answer a probe, or hand the message on."""
+        message = self._accept(frames)
+        if message is None:
+            return
+        self._links[message.peer].last_heard = time.monotonic()
+        kind = message.header["kind"]
+        if kind in (PING, BULK):
+            assert self._router is not None
+            pong = encode_header(self.endpoint, {"kind": PONG, "seq": message.header["seq"]})
+            # A probe answer that does not fit is dropped, never waited for.
+            self._router.try_send([frames[0], pong])
+            return
+        self.counters["received"] += 1
+        if self._on_message is not None:
+            self._on_message(message)
+            return
+        self._inbox.put_nowait(message)
+        if self._inbox.full() and self._router is not None:
+            self._router.pause_reading()  # until recv() makes room
 
     def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
         """Check one message from the ROUTER; count and drop it if it is bad."""
@@ -711,22 +724,19 @@ class PeerLinks:
             return None
         return PeerMessage(peer, header, frames[2:])
 
-    async def _serve_dealer(self, link: _Link) -> None:
-        """Read answers to our probes that come back over the link's DEALER."""
-        assert link.dealer is not None
-        while True:
-            frames = await link.dealer.recv_multipart(copy=False)
-            try:
-                header = decode_header(frames[0].bytes, frozenset({PONG}))
-                if len(frames) != 1:
-                    raise ProtocolError("a pong carries no payload")
-            except ProtocolError as exc:
-                self._drop("malformed", link.name, str(exc))
-                continue
-            link.last_heard = time.monotonic()
-            waiter = link.pongs.pop(header["seq"], None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+    def _on_dealer_frames(self, link: _Link, frames: list[zmq.Frame]) -> None:
+        """An answer to one of our probes, back over the link's DEALER."""
+        try:
+            header = decode_header(frames[0].bytes, frozenset({PONG}))
+            if len(frames) != 1:
+                raise ProtocolError("a pong carries no payload")
+        except ProtocolError as exc:
+            self._drop("malformed", link.name, str(exc))
+            return
+        link.last_heard = time.monotonic()
+        waiter = link.pongs.pop(header["seq"], None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # -- link health ------------------------------------------------------------
 
@@ -760,18 +770,16 @@ class PeerLinks:
         """Ping the peer every `liveness_ivl_s` while the link is up.
 
         Sent without blocking (a ping that does not fit in the queue is skipped)
-        and answered by the peer's router task; the answer only refreshes
+        and answered by the peer's router; the answer only refreshes
         `last_heard`, so no waiter is kept.
         """
         assert link.dealer is not None
-        dealer_now: zmq.Socket[bytes] = zmq.Socket.shadow(link.dealer.underlying)
         while True:
             await asyncio.sleep(self._liveness_ivl_s)
             if link.state != "up":
                 continue
             header = encode_header(self.endpoint, {"kind": PING, "seq": next(link.seq)})
-            with contextlib.suppress(zmq.Again):
-                dealer_now.send(header, flags=zmq.NOBLOCK)
+            link.dealer.try_send([header])
 
     def _mark_up(self, link: _Link) -> None:
         if link.state == "up":
@@ -802,6 +810,8 @@ class PeerLinks:
 
     def _end_up_period(self, link: _Link, exc: Exception) -> None:
         """Wake whatever waits on the link: pending sends and probe answers."""
+        if link.dealer is not None:
+            link.dealer.fail_backlog(exc)
         if link.down is not None and not link.down.done():
             link.down.set_exception(exc)
             link.down.exception()  # retrieved: no "never retrieved" warning if nobody waits
