@@ -58,7 +58,7 @@ class DaemonConfig:
     curve_authorized: str | None = None
     insecure: bool = False
     peer_timeout_s: float = 30.0
-    pipeline_slice_bytes: int = 1024**2
+    pipeline_slice_bytes: int = 2 * 1024**2
     algorithm: str = "auto"
 
     def all_peers(self) -> tuple[str, ...]:

@@ -19,14 +19,21 @@ def start_cluster(start_daemon: StartDaemon, count: int, *extra: str) -> list[Da
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "ranks_per_daemon",
-    [(1, 1), (1, 2, 1), (2, 1, 1, 2), (1, 1, 1, 1, 1)],
-    ids=["2d-1+1", "3d-1+2+1", "4d-2+1+1+2", "5d-1x5"],
+    ("ranks_per_daemon", "extra"),
+    [
+        ((1, 1), ()),
+        # Small slices: every transfer of the larger counts is cut into many,
+        # the last one short (sent by copy, below the zero-copy threshold).
+        ((1, 2, 1), ("--pipeline-slice-bytes", "100KiB")),
+        ((2, 1, 1, 2), ()),
+        ((1, 1, 1, 1, 1), ()),
+    ],
+    ids=["2d-1+1", "3d-1+2+1-small-slices", "4d-2+1+1+2", "5d-1x5"],
 )
 def test_every_algorithm_matches_numpy(
-    start_daemon: StartDaemon, ranks_per_daemon: tuple[int, ...]
+    start_daemon: StartDaemon, ranks_per_daemon: tuple[int, ...], extra: tuple[str, ...]
 ) -> None:
-    daemons = start_cluster(start_daemon, len(ranks_per_daemon))
+    daemons = start_cluster(start_daemon, len(ranks_per_daemon), *extra)
     results = run_spread(daemons, ranks_per_daemon, "multinode_allreduce.py", timeout_s=280)
     for result in results:
         summary = result.records()[-1]
