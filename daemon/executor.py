@@ -8,11 +8,18 @@ applies slices as they arrive; slices of a later step that arrive early are
 kept until that step.  Sends read the buffer as it is at the start of their
 step (the schedule guarantees no receive of the same step touches those
 ranges), which is what lets large slices go zero-copy from the buffer.
+
+Steps do not wait for each other where the data does not: a slice of the next
+step's sends goes out as soon as every receive of the current step that
+writes into its range has been applied (a ring forwards each reduced slice at
+once instead of after the whole step).  Its bytes are then final, since no
+later step writes them before the step after next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +35,20 @@ from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, Prot
 ZERO_COPY_BYTES = 64 * 1024
 
 SendSlice = Callable[[int, dict[str, Any], memoryview | bytes, bool], Any]
+
+
+@dataclasses.dataclass
+class _Slice:
+    """One slice of a send: transfer `t` to `peer`, elements [begin, end)."""
+
+    peer: int
+    transfer: int
+    begin: int
+    end: int
+    offset: int
+    #: Elements of the previous step's receives that must land here first.
+    waiting: int = 0
+    sent: bool = False
 
 
 @dataclasses.dataclass
@@ -77,6 +98,9 @@ class ScheduleRun:
         self._expected: dict[tuple[int, int], _Expected] = {}
         self._missing = 0
         self._early: dict[int, list[tuple[int, int, int, Any]]] = {}
+        #: The next step's send slices, sorted by `begin`, and their begins.
+        self._next: list[_Slice] = []
+        self._next_begins: list[int] = []
         self.trackers: list[Any] = []
         self.bytes_sent = 0
         #: (start, end, peers it received from) of every finished step, for traces.
@@ -167,6 +191,35 @@ class ScheduleRun:
         expected.received.add(offset)
         expected.got += data.size
         self._missing -= data.size
+        if self._next:
+            self._landed(begin, begin + data.size)
+
+    def _overlapping(self, lo: int, hi: int) -> list[_Slice]:
+        """The next step's send slices that overlap elements [lo, hi)."""
+        first = bisect.bisect_left(self._next_begins, lo - self._slice + 1)
+        last = bisect.bisect_left(self._next_begins, hi)
+        return [piece for piece in self._next[first:last] if piece.end > lo]
+
+    def _landed(self, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of this step arrived: send next-step slices now final."""
+        for piece in self._overlapping(lo, hi):
+            piece.waiting -= min(hi, piece.end) - max(lo, piece.begin)
+            if piece.waiting == 0 and not piece.sent:
+                self._send_slice(self.step + 1, piece)
+
+    def _plan_next(self, step: int) -> None:
+        """Cut step `step + 1`'s sends into slices; count what each waits for."""
+        self._next = []
+        if step + 1 >= len(self.schedule.steps):
+            self._next_begins = []
+            return
+        pieces = self._slices(self.schedule.steps[step + 1])
+        pieces.sort(key=lambda piece: piece.begin)
+        self._next = pieces
+        self._next_begins = [piece.begin for piece in pieces]
+        for recv in self.schedule.steps[step].recvs:
+            for piece in self._overlapping(recv.start, recv.stop):
+                piece.waiting += min(recv.stop, piece.end) - max(recv.start, piece.begin)
 
     def _advance(self) -> None:
         steps = self.schedule.steps
@@ -182,11 +235,14 @@ class ScheduleRun:
                     self.done.set_result(None)
                 return
             step = steps[self.step]
-            sent_to: dict[int, int] = {}
-            for send in step.sends:
-                transfer = sent_to.get(send.peer, 0)
-                sent_to[send.peer] = transfer + 1
-                self._send_range(send.peer, transfer, send.start, send.stop)
+            # The slices planned while the previous step ran (some sent already).
+            for piece in self._next or self._slices(step):
+                if not piece.sent:
+                    self._send_slice(self.step, piece)
+            self._plan_next(self.step)
+            for piece in self._next:
+                if piece.waiting == 0:  # final already: needs nothing from this step
+                    self._send_slice(self.step + 1, piece)
             self._expected = {}
             self._missing = 0
             received_from: dict[int, int] = {}
@@ -202,19 +258,29 @@ class ScheduleRun:
             if self._missing > 0:
                 return
 
-    def _send_range(self, peer: int, transfer: int, start: int, stop: int) -> None:
+    def _slices(self, step: Any) -> list[_Slice]:
+        """A step's sends cut into pipeline slices, in send order."""
+        pieces = []
+        sent_to: dict[int, int] = {}
+        for send in step.sends:
+            transfer = sent_to.get(send.peer, 0)
+            sent_to[send.peer] = transfer + 1
+            for begin in range(send.start, send.stop, self._slice):
+                end = min(begin + self._slice, send.stop)
+                pieces.append(_Slice(send.peer, transfer, begin, end, begin - send.start))
+        return pieces
+
+    def _send_slice(self, step: int, piece: _Slice) -> None:
         itemsize = self.buffer.itemsize
         # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
-        as_bytes = self.buffer.view(np.uint8)
-        for begin in range(start, stop, self._slice):
-            end = min(begin + self._slice, stop)
-            view = as_bytes[begin * itemsize : end * itemsize].data
-            zero_copy = (end - begin) * itemsize >= ZERO_COPY_BYTES
-            header = {"step": self.step, "t": transfer, "off": begin - start}
-            tracker = self._send(peer, header, view if zero_copy else bytes(view), zero_copy)
-            if tracker is not None:
-                self.trackers.append(tracker)
-            self.bytes_sent += (end - begin) * itemsize
+        view = self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data
+        zero_copy = view.nbytes >= ZERO_COPY_BYTES
+        header = {"step": step, "t": piece.transfer, "off": piece.offset}
+        piece.sent = True
+        tracker = self._send(piece.peer, header, view if zero_copy else bytes(view), zero_copy)
+        if tracker is not None:
+            self.trackers.append(tracker)
+        self.bytes_sent += view.nbytes
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait until libzmq no longer reads any zero-copy slice of the buffer.
