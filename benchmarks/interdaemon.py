@@ -56,7 +56,7 @@ CURVE_SIZE = 16 * MIB
 #: One short sample per size: enough for the daemons to log auto's pick.
 CHECK_POLICY = SamplePolicy(budget_s=0.0, min_samples=1, max_samples=1, latency_budget_s=0.0,
                             latency_min_ops=0, ops_small=1, ops_medium=1)
-PLACEMENTS = ("loopback", "netns")
+PLACEMENTS = ("loopback", "netns", "shaped")
 
 
 def log(message: str) -> None:
@@ -81,6 +81,7 @@ class Settings:
     raw_ring_bytes: tuple[int, ...]
     raw_rounds: int
     repeat: int
+    shaped_rate: str = "2gbit"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -94,9 +95,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc", default="2,4",
                         help="numbers of nodes M (daemons, one rank each), comma-separated "
                         "(default 2,4)")
-    parser.add_argument("--placements", default=",".join(PLACEMENTS),
-                        help="loopback (127.0.0.1) and/or netns (a network namespace per node; "
-                        "needs root and iproute2); default both")
+    parser.add_argument("--placements", default="loopback,netns",
+                        help="loopback (127.0.0.1), netns (a network namespace per node; "
+                        "needs root and iproute2) and/or shaped (namespaces whose links are "
+                        "capped at --shaped-rate each way, so the wire sets the pace, not "
+                        "the CPUs); default loopback,netns")
+    parser.add_argument("--shaped-rate", default="2gbit",
+                        help="link rate of the shaped placement, tc syntax (default 2gbit)")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS),
                         help=f"subset of {','.join(ALGORITHMS)} (default: all)")
     parser.add_argument("--no-gloo", action="store_true", help="skip torch gloo")
@@ -379,12 +384,12 @@ def run_raw(topo: topology.Topology, settings: Settings, out_dir: str) -> RawRes
 
 
 @contextlib.contextmanager
-def _placement(kind: str, size: int) -> Iterator[topology.Topology]:
+def _placement(kind: str, size: int, rate: str) -> Iterator[topology.Topology]:
     if kind == "loopback":
         with topology.loopback(size) as topo:
             yield topo
     else:
-        with topology.namespaces(size) as topo:
+        with topology.namespaces(size, rate if kind == "shaped" else None) as topo:
             yield topo
 
 
@@ -400,7 +405,7 @@ def run_group(
         if waited > 1.5:
             log(f"waited {waited:.0f}s for other processes to quieten (now {load:.2f} cores)")
     meter = machine.LoadMeter()
-    with _placement(placement, nproc) as topo:
+    with _placement(placement, nproc, settings.shaped_rate) as topo:
         group.description = topo.description
         title = f"{placement}, M={nproc}" + (f", repeat {repeat}" if settings.repeat > 1 else "")
         log(f"{title}: gradsync {', '.join(settings.algorithms)} ...")
@@ -477,6 +482,10 @@ def _settings(args: argparse.Namespace) -> Settings | str:
         return f"algorithms must come from {ALGORITHMS}, got {algorithms}"
     if args.repeat < 1:
         return "--repeat must be at least 1"
+    try:
+        topology.check_rate(args.shaped_rate)
+    except ValueError as exc:
+        return f"--shaped-rate: {exc}"
     policy = SamplePolicy(
         budget_s=args.budget_s, min_samples=args.min_samples, max_samples=args.max_samples,
         latency_budget_s=0.0, latency_min_ops=0, ops_small=10, ops_medium=3,
@@ -487,7 +496,7 @@ def _settings(args: argparse.Namespace) -> Settings | str:
         daemon_args=tuple(shlex.split(args.daemon_args)), gloo=not args.no_gloo,
         raw=not args.no_raw, curve=not args.no_curve, pick_check=not args.no_pick_check,
         raw_stream_bytes=(16 * MIB, 64 * MIB), raw_ring_bytes=(4 << 10, 16 * MIB, 64 * MIB),
-        raw_rounds=args.raw_rounds, repeat=args.repeat,
+        raw_rounds=args.raw_rounds, repeat=args.repeat, shaped_rate=args.shaped_rate,
     )
 
 
@@ -504,15 +513,17 @@ def _main(argv: Sequence[str] | None) -> int:
     started = time.perf_counter()
     notes: list[str] = []
     placements = settings.placements
-    if "netns" in placements:
-        reason = topology.namespaces_unavailable()
+    for kind in ("netns", "shaped"):
+        if kind not in placements:
+            continue
+        reason = topology.namespaces_unavailable(shaped=kind == "shaped")
         if reason:
-            notes.append(f"network namespaces skipped: {reason}")
-            placements = tuple(p for p in placements if p != "netns")
-        else:
-            stale = topology.sweep_stale()
-            if stale:
-                notes.append(f"deleted namespaces an interrupted earlier run left: {stale}")
+            notes.append(f"{kind} placement skipped: {reason}")
+            placements = tuple(p for p in placements if p != kind)
+            continue
+        stale = topology.sweep_stale()
+        if stale:
+            notes.append(f"deleted namespaces an interrupted earlier run left: {stale}")
     if settings.gloo and machine.missing("torch"):
         notes.append("torch gloo skipped: torch is not installed (pip install torch)")
     info = machine.describe()

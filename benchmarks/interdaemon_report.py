@@ -40,7 +40,11 @@ HEADLINE_SIZES = (MIB, 16 * MIB, 64 * MIB)
 TARGET_FROM = 16 * MIB
 RAW_SHARE = 0.70
 AUTO_SLACK = 1.10
-PLACEMENT_TITLES = {"loopback": "127.0.0.1 (loopback)", "netns": "network namespaces"}
+PLACEMENT_TITLES = {
+    "loopback": "127.0.0.1 (loopback)",
+    "netns": "network namespaces",
+    "shaped": "shaped namespaces",
+}
 
 
 @dataclasses.dataclass
@@ -414,7 +418,9 @@ def render(
         "I/O thread, reduce threads), every rank, the kernel's TCP stack on both ends of "
         "every connection. No byte crosses a NIC, so these numbers measure CPU cost per "
         "byte and per message (copies, syscalls, wake-ups), not a network. On real nodes "
-        "each daemon has its own cores and the wire sets the pace.\n"
+        "each daemon has its own cores and the wire sets the pace: the *shaped namespaces* "
+        "rows (where run) cap every node's link with a token bucket, so there the wire, "
+        "not the CPUs, is the bottleneck.\n"
     )
     add("## Machine\n")
     for label, value in run.machine.items():

@@ -2,7 +2,9 @@
 
 `loopback(M)`: M nodes on 127.0.0.1, told apart by port.
 `namespaces(M)`: each node in a network namespace of its own, created here and
-deleted on the way out.  Two nodes are joined by one veth pair; more hang off a
+deleted on the way out; with `rate`, every node's link is shaped (tbf) to that
+rate in each direction, like a NIC, so the wire rather than the CPUs sets the
+pace.  Two nodes are joined by one veth pair; more hang off a
 Linux bridge that lives in one more namespace (the hub), so nothing is added to
 the host's own network namespace.  Addresses are 10.213.50.<i+1>/24, assigned
 inside these namespaces only.  Namespace names carry this process's pid, and a
@@ -99,12 +101,14 @@ def loopback(size: int) -> Iterator[Topology]:
     )
 
 
-def namespaces_unavailable() -> str | None:
-    """Why network namespaces cannot be made here, or None."""
+def namespaces_unavailable(shaped: bool = False) -> str | None:
+    """Why network namespaces (with `shaped`: rate-limited ones) cannot be made here."""
     if os.geteuid() != 0:
         return "needs root to create network namespaces"
     if shutil.which("ip") is None:
         return "needs iproute2 (`ip`) to create network namespaces"
+    if shaped and shutil.which("tc") is None:
+        return "needs iproute2's `tc` to shape the links"
     return None
 
 
@@ -113,6 +117,26 @@ def _ip(*args: str) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
     return done.stdout
+
+
+def check_rate(rate: str) -> None:
+    """Raise ValueError unless `rate` is a tc rate such as 5gbit or 800mbit."""
+    if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)", rate):
+        raise ValueError(f"rate {rate!r}: expected tc syntax such as 5gbit or 800mbit")
+
+
+def _shape(namespace: str, interface: str, rate: str) -> None:
+    """Cap what leaves `interface` at `rate`: a token bucket with a shallow queue.
+
+    A 256 KB burst and at most 5 ms of queue, like a datacentre switch port;
+    a deep queue (hundreds of ms) would add bufferbloat no real fabric has.
+    """
+    check_rate(rate)
+    subprocess.run(
+        ["tc", "-n", namespace, "qdisc", "add", "dev", interface, "root", "tbf",
+         "rate", rate, "burst", "256kb", "latency", "5ms"],
+        check=True, capture_output=True, timeout=30,
+    )
 
 
 def _mtu(namespace: str | None, interface: str) -> int | None:
@@ -154,8 +178,10 @@ def sweep_stale() -> list[str]:
 
 
 @contextlib.contextmanager
-def namespaces(size: int) -> Iterator[Topology]:
+def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
     """`size` nodes in namespaces of their own: a veth pair for 2, a bridge for more.
+
+    `rate` (tc syntax, e.g. "5gbit") caps what each node sends and receives.
 
     Every namespace is deleted on the way out, however the block ends; stop
     the processes running inside first (a namespace with processes in it
@@ -185,6 +211,8 @@ def namespaces(size: int) -> Iterator[Topology]:
                     "peer", "name", port, "netns", hub)
                 _ip("-n", hub, "link", "set", port, "master", "gsbbr")
                 _ip("-n", hub, "link", "set", port, "up")
+                if rate:
+                    _shape(hub, port, rate)  # what the node receives
             shape = "veth pairs to a Linux bridge in a hub namespace"
         hosts = []
         for i, (node, interface) in enumerate(zip(nodes, interfaces, strict=True)):
@@ -192,12 +220,15 @@ def namespaces(size: int) -> Iterator[Topology]:
             _ip("-n", node, "addr", "add", f"{host}/24", "dev", interface)
             _ip("-n", node, "link", "set", interface, "up")
             _ip("-n", node, "link", "set", "lo", "up")
+            if rate:
+                _shape(node, interface, rate)  # what the node sends
             hosts.append(host)
         mtu = _mtu(nodes[0], interfaces[0])
+        shaped = f", every node's link shaped to {rate} each way (tbf)" if rate else ""
         yield Topology(
             "netns", tuple(hosts), tuple(nodes), tuple(interfaces),
             f"{size} network namespaces joined by {shape} (MTU {mtu or '?'}), "
-            f"addresses {SUBNET}.1-{size}/24",
+            f"addresses {SUBNET}.1-{size}/24{shaped}",
         )
     finally:
         left = _delete(list(reversed(created)))
