@@ -27,6 +27,16 @@ where the fold costs rhd 2n·beta more and ring pays 2(M-1)·alpha.
 `schedule_estimate_s` evaluates the same model on concrete schedules, which is
 how the tests hold these formulas to the algorithms as built.
 
+`choose` does not chase modelled gains smaller than the model's own error: it
+takes the first candidate (in the order given: ring, rhd, tree, star) whose
+estimate is within `PREFERENCE_MARGIN` (10 %) of the lowest.  Ring comes first
+because what the model leaves out favours it: it keeps one TCP connection per
+direction busy for the whole collective, while rhd and tree switch partners at
+every step and run several flows per node at once.  On links capped at
+2 Gbit/s (benchmarks/RESULTS.md, shaped namespaces, M = 4) rhd measured 15 %
+slower than ring from 16 MiB although both are modelled equal there, and on
+the CPU-bound runs the two measure alike.
+
 Every daemon must reach the same choice: feed `choose` the same inputs on all
 of them (for example, measurements agreed when the peers connect).
 """
@@ -39,6 +49,8 @@ from collections.abc import Sequence
 from gradsync.daemon.algorithms.schedule import Schedule
 
 ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
+#: A candidate must be modelled this much faster than an earlier one to be chosen.
+PREFERENCE_MARGIN = 0.10
 #: Upper bound on the tree's pipeline chunks per half chosen by the model.
 MAX_MODEL_TREE_CHUNKS = 256
 
@@ -157,18 +169,24 @@ def choose(
     beta_s_per_byte: float,
     gamma_s_per_byte: float = 0.0,
     candidates: Sequence[str] = ALGORITHM_NAMES,
+    margin: float = PREFERENCE_MARGIN,
 ) -> tuple[str, dict[str, float]]:
-    """The candidate with the lowest estimate, and every candidate's estimate.
+    """The first candidate modelled within `margin` of the lowest estimate, and
+    every candidate's estimate.
 
-    Ties go to the earlier candidate, so the choice is deterministic.
+    With `margin` 0 that is the argmin, ties going to the earlier candidate;
+    either way the choice is deterministic.
     """
     if not candidates:
         raise ValueError("no candidate algorithms")
+    if not margin >= 0:
+        raise ValueError(f"margin must be non-negative, got {margin!r}")
     estimates = {
         name: estimate_s(name, daemons, nbytes, alpha_s, beta_s_per_byte, gamma_s_per_byte)
         for name in candidates
     }
-    best = min(candidates, key=lambda name: estimates[name])
+    lowest = min(estimates.values())
+    best = next(name for name in candidates if estimates[name] <= lowest * (1 + margin))
     return best, estimates
 
 
