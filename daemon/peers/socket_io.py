@@ -1,9 +1,9 @@
 """A ZeroMQ socket driven directly by the event loop: no future per message.
 
 `zmq.asyncio` creates a future, registers events and schedules callbacks for
-every send and receive; on the peer links, where a collective moves a few
-dozen 1 MiB slices per operation and the daemon's CPU is the bottleneck, that
-bookkeeping cost as much as the reduction itself.  `LoopSocket` keeps the
+every send and receive; on the peer links, where a collective moves dozens of
+slices of a MiB or two per operation and the daemon's CPU is the bottleneck,
+that bookkeeping cost as much as the reduction itself.  `LoopSocket` keeps the
 socket's blocking API, always with `NOBLOCK`: a reader callback on the
 socket's file descriptor drains every message that is ready and hands each to
 a plain callback, and a send goes out at once unless ZeroMQ's queue is full,
