@@ -515,3 +515,32 @@ def test_killed_peer_is_noticed_within_the_peer_timeout() -> None:
 
 def test_stopped_peer_is_noticed_within_the_peer_timeout() -> None:
     notice_loss(signal.SIGSTOP)
+
+
+def test_sends_waiting_for_a_lost_peer_fail_instead_of_hanging() -> None:
+    """Beyond ZeroMQ's high-water mark, sends wait in the links' backlog; when the
+    stopped peer is declared lost, every waiting send fails with PeerLostError."""
+    peer_timeout_s = 1.0
+    names = endpoints(2)
+
+    async def main(child: subprocess.Popen[str]) -> None:
+        links = PeerLinks(names[0], names, insecure=True, kinds=KINDS,
+                          peer_timeout_s=peer_timeout_s, probe_bytes=0, probe_rounds=1)
+        await links.start()
+        try:
+            await links.wait_up(READY_S)
+            os.kill(child.pid, signal.SIGSTOP)
+            payload = np.zeros(16 * 1024, dtype=np.float32)  # 64 KiB, the same buffer each time
+            sends = [links.send_nowait(names[1], {"kind": "note"}, [payload]) for _ in range(3000)]
+            waiting = [sending for sending in sends if not sending.done()]
+            assert waiting, "nothing waited: the high-water mark was never reached"
+            await poll(lambda: links.peer_state(names[1]) == "lost", peer_timeout_s + 5, "loss")
+            await poll(lambda: all(s.done() for s in waiting), 2.0, "the waiting sends to end")
+            for sending in waiting:
+                with pytest.raises(PeerLostError, match=names[1]):
+                    sending.result()
+        finally:
+            await links.close()
+
+    with child_links(names[1], names, peer_timeout_s) as child:
+        run(main(child))
