@@ -505,7 +505,8 @@ class PeerLinks:
         For callers that must not yield between sends (a schedule's steps).  The
         returned future holds a `MessageTracker` when `track` is set: the payload
         buffers may be overwritten once the future is done and the tracker too.
-        Raises `PeerLostError` if the peer is not up.
+        Raises `PeerLostError` if the peer is not up; the future fails with it if
+        the peer is lost while the message still waits for room in ZeroMQ's queue.
         """
         link = self._link(peer)
         frames = self._frames(header, payloads)
