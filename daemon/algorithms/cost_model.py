@@ -32,11 +32,10 @@ takes the first candidate (in the order given: ring, rhd, tree, star) whose
 estimate is within `PREFERENCE_MARGIN` (10 %) of the lowest.  Ring comes first
 because what the model leaves out favours it: it keeps one TCP connection per
 direction busy for the whole collective, while rhd and tree switch partners at
-every step, so flows from two senders meet at one receiver and lose packets
-in shallow switch queues.  On links capped at 2 Gbit/s (benchmarks/RESULTS.md,
-shaped namespaces, M = 4) rhd measured 13 to 21 % slower than ring from
-16 MiB, with 30 times ring's TCP retransmissions, although both are modelled
-equal there; on the CPU-bound runs the two measure alike.
+every step, so flows from two senders meet at one receiver.  On links capped
+at 2 Gbit/s (benchmarks/RESULTS.md, shaped namespaces, M = 4) rhd measured 13
+to 21 % slower than ring from 16 MiB although both are modelled equal there;
+on the CPU-bound runs the two measure alike.
 
 Every daemon must reach the same choice: feed `choose` the same inputs on all
 of them (for example, measurements agreed when the peers connect).
