@@ -520,7 +520,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if reason:
             notes.append(f"{kind} placement skipped: {reason}")
             placements = tuple(p for p in placements if p != kind)
-            continue
+    if {"netns", "shaped"} & set(placements):
         stale = topology.sweep_stale()
         if stale:
             notes.append(f"deleted namespaces an interrupted earlier run left: {stale}")
