@@ -258,7 +258,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker(args)
+        code = worker(args)
+        if args.mode == "gloo":
+            # torch 2.13's DDP keeps its gloo group (and threads) alive past
+            # destroy_process_group(); a normal exit then aborts now and then
+            # ("terminate called without an active exception").  The result
+            # file is written: leave without C++ static destructors.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     signals_unwind()
     modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in modes) or args.nproc < 2:
