@@ -100,6 +100,7 @@ class Peering:
             curve,
             insecure=config.insecure,
             kinds=PEER_KINDS,
+            stream_kinds=("slice",),
             peer_timeout_s=config.peer_timeout_s,
             on_peer_up=self._peer_up,
             on_peer_lost=self._peer_lost,

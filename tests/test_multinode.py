@@ -8,6 +8,7 @@ import pytest
 from cluster import free_ports, peer_args, run_spread
 
 from conftest import DaemonProcess
+from gradsync.client.ping import query
 
 StartDaemon = Callable[..., DaemonProcess]
 
@@ -41,3 +42,8 @@ def test_every_algorithm_matches_numpy(
         assert summary["checked"] > 300
     for daemon in daemons:
         daemon.assert_alive()
+        # --insecure links: the slices went over the plain-TCP data streams.
+        counters = query(daemon.endpoint, 5.0)["counters"]
+        assert counters["links_stream_sent"] > 0 and counters["links_stream_received"] > 0
+        assert counters["links_stream_failed"] == counters["links_stream_refused"] == 0
+        assert counters["links_malformed"] == 0

@@ -155,4 +155,7 @@ def test_curve_links_work_and_unknown_keys_are_rejected(
     results = run_spread(daemons, (1, 1), "multinode_allreduce.py", ["ring,auto"], job="sealed")
     assert all(r.records()[-1]["failures"] == 0 for r in results)
     assert counters(daemons[0])["links_unknown_peer"] == 0
+    # CURVE links never fall back to the plain (unencrypted) data streams.
+    assert counters(daemons[0])["links_sent"] > 0
+    assert all(counters(daemon)["links_stream_sent"] == 0 for daemon in daemons)
     assert json.dumps(counters(daemons[0]))  # the snapshot is plain data

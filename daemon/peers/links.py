@@ -45,17 +45,19 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from gradsync.daemon.config import ConfigError
+from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
 from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
 from gradsync.daemon.peers.socket_io import LoopSocket
+from gradsync.daemon.peers.stream import StreamSender, message_head
 from gradsync.daemon.peers.wire import (
     BULK,
     LINK_KINDS,
@@ -67,7 +69,7 @@ from gradsync.daemon.peers.wire import (
     encode_header,
 )
 from gradsync.daemon.peers.zap import ZapHandler
-from gradsync.protocol.codec import Message
+from gradsync.protocol.codec import MAX_FRAME_BYTES, Message
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
     InvalidArgumentError,
@@ -108,6 +110,10 @@ COUNTERS = (
     "rejected_keys",  # CURVE handshakes refused by the ZAP handler
     "handshake_failed",  # our DEALER's handshake with a peer failed
     "peer_lost",  # up → lost transitions
+    "stream_sent",  # application messages sent over a plain-TCP data stream
+    "stream_received",  # ... and accepted from one
+    "stream_refused",  # incoming data streams closed: bad hello, wrong token, stranger
+    "stream_failed",  # data streams that could not open or broke
 )
 
 
@@ -125,12 +131,13 @@ class PeerMessage:
 
     peer: str
     header: Message
-    frames: list[zmq.Frame]
+    #: ZeroMQ frames, or memoryviews for messages that came over a data stream.
+    frames: list[Any]
 
     @property
     def payloads(self) -> list[memoryview]:
-        """Read-only views of the payload frames, valid while the frames live."""
-        return [frame.buffer for frame in self.frames]
+        """Views of the payloads, valid while the frames live."""
+        return [f.buffer if isinstance(f, zmq.Frame) else f for f in self.frames]
 
 
 @dataclasses.dataclass(eq=False)
@@ -195,6 +202,7 @@ class PeerLinks:
         *,
         insecure: bool = False,
         kinds: Collection[str] = (),
+        stream_kinds: Collection[str] = (),
         peer_timeout_s: float = 10.0,
         heartbeat_ivl_s: float | None = None,
         probe_rounds: int = 5,
@@ -209,10 +217,12 @@ class PeerLinks:
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
-        `kinds` are the application message kinds accepted from peers;
-        `validate(header)` may raise `ProtocolError` to drop a message as
-        malformed.  With `on_message`, accepted messages go to it instead of
-        `recv()`: no queue, no task switch per message.  Raises `ConfigError`
+        `kinds` are the application message kinds accepted from peers; on
+        `insecure` links, those of `stream_kinds` go over plain-TCP data streams
+        once they are open (see `stream.py`); `validate(header)` may raise
+        `ProtocolError` to drop a message as malformed.  With `on_message`,
+        accepted messages go to it instead of `recv()`: no queue, no task switch
+        per message.  Raises `ConfigError`
         (`KeyFileError` for key files) with a message naming the setting when
         something cannot work.
         """
@@ -257,6 +267,10 @@ class PeerLinks:
         self.curve = curve
         self.insecure = insecure
         self._kinds = check_kinds(kinds)
+        self._stream_kinds = frozenset(stream_kinds)
+        if not self._stream_kinds <= self._kinds:
+            raise InvalidArgumentError("stream_kinds must be among kinds")
+        self._data: DataPlane | None = None
         self._accepted = self._kinds | {PING, BULK}
         self._validate = validate
         self._peer_timeout_s = float(peer_timeout_s)
@@ -380,6 +394,8 @@ class PeerLinks:
             await self.close()
             raise ConfigError(f"cannot listen for peers on {self._listen}: {exc}") from None
         self._router = LoopSocket(router, loop, self._on_router_frames, "the peer router")
+        if self.insecure and self._stream_kinds:
+            self._start_data_plane(loop)
         for link in self._links.values():
             self._connect(loop, link, sockets)
         log.info(
@@ -387,6 +403,22 @@ class PeerLinks:
             self.endpoint, len(self._links), "CURVE" if self._secret else "insecure",
             self._peer_timeout_s, self._heartbeat_ivl_s,
         )
+
+    def _start_data_plane(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Listen for data streams; without them the slices stay on ZeroMQ."""
+        plane = DataPlane(
+            loop, self._listen, name=self.endpoint,
+            identify=lambda name: self._match_routing_id(name.encode()),
+            on_message=self._on_stream_message, on_event=self._on_stream_event,
+            limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
+            connect_timeout_s=max(5.0, self._peer_timeout_s),
+        )
+        try:
+            plane.start()
+        except OSError as exc:
+            log.warning("no data streams on %s (%s): slices go over ZeroMQ", self._listen, exc)
+            return
+        self._data = plane
 
     def _connect(
         self, loop: asyncio.AbstractEventLoop, link: _Link, sockets: zmq.Context[Any]
@@ -434,6 +466,16 @@ class PeerLinks:
     def link_stats(self, peer: str) -> LinkStats | None:
         """`(rtt_s, bytes_per_s)` measured when the link last came up, or None yet."""
         return self._link(peer).stats
+
+    @property
+    def data_port(self) -> int | None:
+        """The port our data streams are accepted on (None: no data streams)."""
+        return None if self._data is None else self._data.port
+
+    def stream_open(self, peer: str) -> bool:
+        """Whether our data stream to `peer` is open (stream kinds then take it)."""
+        self._link(peer)
+        return self._data is not None and self._data.sender(peer) is not None
 
     def heard_age_s(self, peer: str) -> float | None:
         """Seconds since anything last came from `peer` (None: nothing yet).
@@ -489,6 +531,14 @@ class PeerLinks:
         """
         link = self._link(peer)
         frames = self._frames(header, payloads)
+        if self._stream_for(link, header) is not None:
+            written = self.send_nowait(peer, header, payloads)
+            down = link.down
+            assert down is not None  # send_nowait checked that the link is up
+            await asyncio.wait((written, down), return_when=asyncio.FIRST_COMPLETED)
+            if not written.done() or written.exception() is not None:
+                self._raise_down(link, down)
+            return
         await self._send_frames(link, frames, wait_sent)
         self.counters["sent"] += 1
 
@@ -516,9 +566,23 @@ class PeerLinks:
             raise PeerLostError(
                 f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
             )
+        stream = self._stream_for(link, header)
+        if stream is not None:
+            written = stream.send(message_head(frames[0], [f.nbytes for f in frames[1:]]),
+                                  frames[1:])
+            self.counters["sent"] += 1
+            self.counters["stream_sent"] += 1
+            # Done (with None: no tracker to wait for) once the kernel has it all.
+            return cast("asyncio.Future[zmq.MessageTracker | None]", written)
         sending: asyncio.Future[zmq.MessageTracker | None] = link.dealer.send(frames, track)
         self.counters["sent"] += 1
         return sending
+
+    def _stream_for(self, link: _Link, header: Mapping[str, Any]) -> StreamSender | None:
+        """The data stream a message of this kind takes to the link's peer, if any."""
+        if self._data is None or header.get("kind") not in self._stream_kinds:
+            return None
+        return self._data.sender(link.name)
 
     def _frames(self, header: Mapping[str, Any], payloads: Sequence[Payload]) -> list[Any]:
         kind = header.get("kind")
@@ -542,8 +606,11 @@ class PeerLinks:
     async def recv(self) -> PeerMessage:
         """The next application message from any peer (in order per peer)."""
         message = await self._inbox.get()
-        if self._router is not None and not self._inbox.full():
-            self._router.resume_reading()
+        if not self._inbox.full():
+            if self._router is not None:
+                self._router.resume_reading()
+            if self._data is not None:
+                self._data.resume()
         if message is None:
             self._inbox.put_nowait(None)  # wake the next waiter too
             raise DaemonShuttingDownError("peer links are closed")
@@ -572,6 +639,8 @@ class PeerLinks:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._data is not None:
+            await self._data.close(DaemonShuttingDownError("peer links are closed"))
         if self._zap is not None:
             await self._zap.close()
         closed = DaemonShuttingDownError("peer links are closed")
@@ -692,17 +761,48 @@ class PeerLinks:
         kind = message.header["kind"]
         if kind in (PING, BULK):
             assert self._router is not None
-            pong = encode_header(self.endpoint, {"kind": PONG, "seq": message.header["seq"]})
+            answer = {"kind": PONG, "seq": message.header["seq"]}
+            if self._data is not None:
+                answer.update(self._data.advertisement())
+            pong = encode_header(self.endpoint, answer)
             # A probe answer that does not fit is dropped, never waited for.
             self._router.try_send([frames[0], pong])
             return
+        self._deliver(message)
+
+    def _deliver(self, message: PeerMessage) -> None:
+        """Hand an accepted application message to the callback or the inbox."""
         self.counters["received"] += 1
         if self._on_message is not None:
             self._on_message(message)
             return
         self._inbox.put_nowait(message)
-        if self._inbox.full() and self._router is not None:
-            self._router.pause_reading()  # until recv() makes room
+        if self._inbox.full():  # until recv() makes room
+            if self._router is not None:
+                self._router.pause_reading()
+            if self._data is not None:
+                self._data.pause()
+
+    def _on_stream_message(
+        self, peer: str, name: str, body: bytes, payloads: list[memoryview]
+    ) -> None:
+        """One message from a data stream (`name`: the sender, as its hello said)."""
+        try:
+            header = decode_header(body, self._stream_kinds)
+            if header["src"] != name:
+                raise ProtocolError(f"'src' {header['src'][:80]!r} is not the stream's sender")
+            if self._validate is not None:
+                self._validate(header)
+        except (ProtocolError, ValueError, TypeError) as exc:
+            self._drop("malformed", peer, str(exc))
+            return
+        self._links[peer].last_heard = time.monotonic()
+        self.counters["stream_received"] += 1
+        self._deliver(PeerMessage(peer, header, list(payloads)))
+
+    def _on_stream_event(self, counter: str, peer: str, reason: str) -> None:
+        self.counters[counter] += 1
+        self._warn_once(f"{counter}:{peer}", "peer %s: %s", peer, reason)
 
     def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
         """Check one message from the ROUTER; count and drop it if it is bad."""
@@ -735,6 +835,8 @@ class PeerLinks:
             self._drop("malformed", link.name, str(exc))
             return
         link.last_heard = time.monotonic()
+        if self._data is not None and link.state == "up":
+            self._data.offer(link.name, link.endpoint.host, header)
         waiter = link.pongs.pop(header["seq"], None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -813,6 +915,8 @@ class PeerLinks:
         """Wake whatever waits on the link: pending sends and probe answers."""
         if link.dealer is not None:
             link.dealer.fail_backlog(exc)
+        if self._data is not None:
+            self._data.drop(link.name, exc)
         if link.down is not None and not link.down.done():
             link.down.set_exception(exc)
             link.down.exception()  # retrieved: no "never retrieved" warning if nobody waits

@@ -1,0 +1,251 @@
+"""The data streams of one daemon's insecure peer links: listen, connect, route.
+
+Each daemon listens on an ephemeral TCP port on its peer address and
+advertises the port and a random token in its answers to link probes (the
+ZeroMQ link carries them).  A daemon that hears them opens one stream to that
+peer, says hello with its own endpoint name and the token, and from then on
+sends the stream kinds (the collectives' slices) over it.  The token only
+proves that the connecting side talked to this daemon over its ZeroMQ link;
+like the rest of `--insecure`, it is not authentication.
+
+A stream that breaks is dropped and reopened on the next advertisement; sends
+that were waiting on it fail (the collective fails, as it would on a lost
+peer).  When the ZeroMQ link is lost, the stream to that peer is closed too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from gradsync.daemon.peers.endpoints import TcpEndpoint
+from gradsync.daemon.peers.stream import (
+    StreamError,
+    StreamReceiver,
+    StreamSender,
+    encode_hello,
+)
+
+log = logging.getLogger("gradsync.daemon.peers")
+
+#: Connections that have not said hello yet, at most.
+_MAX_UNIDENTIFIED = 64
+
+
+class DataPlane:
+    """Listener, outgoing streams (one per peer) and incoming streams of a daemon."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        listen: TcpEndpoint,
+        *,
+        name: str,
+        identify: Callable[[str], str | None],
+        on_message: Callable[[str, str, bytes, list[memoryview]], None],
+        on_event: Callable[[str, str, str], None],
+        limits: tuple[int, int, int],
+        connect_timeout_s: float,
+    ) -> None:
+        """`identify(name)` maps a hello's endpoint name to a peer (None: a stranger);
+        `on_message(peer, name, header, payloads)` gets each received message;
+        `on_event(counter, peer, reason)` counts and reports refusals and breaks."""
+        self._loop = loop
+        self._listen = listen
+        self._name = name
+        self._identify = identify
+        self._on_message = on_message
+        self._on_event = on_event
+        self._limits = limits
+        self._connect_timeout_s = connect_timeout_s
+        self.token = secrets.token_bytes(16)
+        self.port = 0
+        self._listener: socket.socket | None = None
+        self._senders: dict[str, StreamSender] = {}
+        self._connecting: dict[str, asyncio.Task[None]] = {}
+        self._receivers: set[StreamReceiver] = set()
+        self._names: dict[StreamReceiver, str] = {}
+        self._paused = False
+
+    def start(self) -> None:
+        """Listen on an ephemeral port of the peer address; raises OSError if it cannot."""
+        host = self._listen.host
+        family = socket.AF_INET6 if self._listen.is_ipv6 else socket.AF_INET
+        if self._listen.is_wildcard:
+            host = "::" if family == socket.AF_INET6 else "0.0.0.0"
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(64)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._loop.add_reader(listener.fileno(), self._accept)
+
+    def advertisement(self) -> dict[str, Any]:
+        """Fields for our probe answers: where and how to open a stream to us."""
+        return {"data_port": self.port, "data_token": self.token}
+
+    def sender(self, peer: str) -> StreamSender | None:
+        """The open stream to `peer`, if any."""
+        return self._senders.get(peer)
+
+    def offer(self, peer: str, host: str, fields: dict[str, Any]) -> None:
+        """A peer advertised its stream port: connect, unless already done or under way."""
+        port, token = fields.get("data_port"), fields.get("data_token")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            return
+        if not isinstance(token, bytes) or not 0 < len(token) < 256:
+            return
+        if peer in self._senders or peer in self._connecting or self._listener is None:
+            return
+        self._connecting[peer] = self._loop.create_task(
+            self._connect(peer, host, port, token), name=f"peer-stream {peer}"
+        )
+
+    async def _connect(self, peer: str, host: str, port: int, token: bytes) -> None:
+        sock: socket.socket | None = None
+        try:
+            sock = await self._open(host, port)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sender = StreamSender(sock, self._loop, self._broken, f"the stream to {peer}")
+            sock = None  # the sender owns it now
+            sender.send(encode_hello(self._name, token), ())
+            self._senders[peer] = sender
+            log.info("data stream to %s open (port %d)", peer, port)
+        except (OSError, TimeoutError) as exc:
+            self._on_event("stream_failed", peer, f"cannot open a data stream: {exc}")
+        finally:
+            if sock is not None:
+                sock.close()
+            self._connecting.pop(peer, None)
+
+    async def _open(self, host: str, port: int) -> socket.socket:
+        """Connect to the first address of `host` that answers (like create_connection)."""
+        infos = await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        error: Exception = OSError(f"{host} has no address")
+        for family, _, _, _, address in infos:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(
+                    self._loop.sock_connect(sock, address), self._connect_timeout_s
+                )
+                return sock
+            except (OSError, TimeoutError) as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error
+
+    def _broken(self, sender: StreamSender, exc: Exception) -> None:
+        for peer, open_sender in list(self._senders.items()):
+            if open_sender is sender:
+                del self._senders[peer]
+                self._on_event("stream_failed", peer, f"data stream broke: {exc}")
+
+    def drop(self, peer: str, exc: Exception) -> None:
+        """The link to `peer` went down: close our stream to it (waiting sends fail)."""
+        task = self._connecting.pop(peer, None)
+        if task is not None:
+            task.cancel()
+        sender = self._senders.pop(peer, None)
+        if sender is not None:
+            sender.close(exc)
+
+    # -- incoming -----------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, address = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("accepting a data stream failed: %s", exc)
+            return
+        unidentified = sum(1 for r in self._receivers if r.peer is None)
+        if unidentified >= _MAX_UNIDENTIFIED:
+            sock.close()
+            self._on_event("stream_refused", str(address[0]), "too many streams without hello")
+            return
+        max_header, max_payloads, max_payload = self._limits
+        receiver = StreamReceiver(
+            sock, self._loop, max_header_bytes=max_header, max_payloads=max_payloads,
+            max_payload_bytes=max_payload,
+            on_hello=lambda name, token: self._hello(receiver, name, token),
+            on_message=self._received, on_closed=self._closed,
+        )
+        self._receivers.add(receiver)
+        if self._paused:
+            receiver.pause()
+        # A connection that never says hello is closed, not kept.
+        self._loop.call_later(self._connect_timeout_s, self._expire, receiver)
+
+    def _expire(self, receiver: StreamReceiver) -> None:
+        if receiver.peer is None and not receiver.closed:
+            receiver.close(StreamError(f"no hello within {self._connect_timeout_s:g}s"))
+
+    def _hello(self, receiver: StreamReceiver, name: str, token: bytes) -> str:
+        if not secrets.compare_digest(token, self.token):
+            raise StreamError(f"wrong token from {name[:80]!r}")
+        peer = self._identify(name)
+        if peer is None:
+            raise StreamError(f"{name[:80]!r} is not one of our peers")
+        for other in list(self._receivers):
+            if other is not receiver and other.peer == peer:
+                other.close(None)  # the peer reconnected: its old stream is dead
+        self._names[receiver] = name
+        return peer
+
+    def _received(
+        self, receiver: StreamReceiver, header: bytes, payloads: list[memoryview]
+    ) -> None:
+        assert receiver.peer is not None
+        self._on_message(receiver.peer, self._names[receiver], header, payloads)
+
+    def _closed(self, receiver: StreamReceiver, exc: Exception | None) -> None:
+        self._receivers.discard(receiver)
+        self._names.pop(receiver, None)
+        if exc is not None:
+            label = receiver.peer or "a stranger"
+            counter = "stream_refused" if receiver.peer is None else "stream_failed"
+            self._on_event(counter, label, f"incoming data stream closed: {exc}")
+
+    def pause(self) -> None:
+        """Stop reading every incoming stream (the consumer's queue is full)."""
+        self._paused = True
+        for receiver in list(self._receivers):
+            receiver.pause()
+
+    def resume(self) -> None:
+        self._paused = False
+        for receiver in list(self._receivers):
+            receiver.resume()
+
+    async def close(self, exc: Exception) -> None:
+        """Close everything; waiting sends fail with `exc`."""
+        tasks = list(self._connecting.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sender in list(self._senders.values()):
+            sender.close(exc)
+        self._senders.clear()
+        for receiver in list(self._receivers):
+            receiver.close(None)
+        if self._listener is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
