@@ -462,7 +462,9 @@ def render(
         "compared with the same inference from its own probes.\n"
         "- Encryption: on 127.0.0.1, M = 2, two fresh daemon pairs back to back, one with "
         "`--insecure`, one with CURVE keys from `gradsync keygen` (`--curve-secret`, "
-        "`--curve-authorized`), ring at 16 MiB only.\n"
+        "`--curve-authorized`), ring at 16 MiB only. With `--insecure` the slices take "
+        "the plain-TCP data streams; with CURVE everything stays on ZeroMQ, so the "
+        "difference is encryption plus transport.\n"
     )
     for line in run.notes:
         add(f"- Note: {line}")
