@@ -524,7 +524,9 @@ class PeerLinks:
         """Send `header` (with its "kind") and payload frames to `peer`, without copying.
 
         With `wait_sent`, returns once ZeroMQ let go of the payload buffers (they
-        were handed to the kernel): the caller may then overwrite them.  Without,
+        were handed to the kernel): the caller may then overwrite them.  A
+        stream kind on an open data stream always returns once the kernel has
+        every byte.  Without,
         it returns once queued, and the buffers must stay untouched until a later
         `wait_sent` send to the same peer returned.  Raises `PeerLostError` if the
         peer is not up or is lost before the message left.
