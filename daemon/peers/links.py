@@ -222,9 +222,8 @@ class PeerLinks:
         once they are open (see `stream.py`); `validate(header)` may raise
         `ProtocolError` to drop a message as malformed.  With `on_message`,
         accepted messages go to it instead of `recv()`: no queue, no task switch
-        per message.  Raises `ConfigError`
-        (`KeyFileError` for key files) with a message naming the setting when
-        something cannot work.
+        per message.  Raises `ConfigError` (`KeyFileError` for key files) with a
+        message naming the setting when something cannot work.
         """
         try:
             self._listen = parse_tcp_endpoint(listen)
@@ -524,12 +523,11 @@ class PeerLinks:
         """Send `header` (with its "kind") and payload frames to `peer`, without copying.
 
         With `wait_sent`, returns once ZeroMQ let go of the payload buffers (they
-        were handed to the kernel): the caller may then overwrite them.  A
-        stream kind on an open data stream always returns once the kernel has
-        every byte.  Without,
+        were handed to the kernel): the caller may then overwrite them.  Without,
         it returns once queued, and the buffers must stay untouched until a later
-        `wait_sent` send to the same peer returned.  Raises `PeerLostError` if the
-        peer is not up or is lost before the message left.
+        `wait_sent` send to the same peer returned.  A stream kind on an open
+        data stream always returns once the kernel has every byte.  Raises
+        `PeerLostError` if the peer is not up or is lost before the message left.
         """
         link = self._link(peer)
         frames = self._frames(header, payloads)
