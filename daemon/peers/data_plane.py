@@ -69,7 +69,6 @@ class DataPlane:
         self._senders: dict[str, StreamSender] = {}
         self._connecting: dict[str, asyncio.Task[None]] = {}
         self._receivers: set[StreamReceiver] = set()
-        self._names: dict[StreamReceiver, str] = {}
         self._paused = False
 
     def start(self) -> None:
@@ -205,18 +204,16 @@ class DataPlane:
         for other in list(self._receivers):
             if other is not receiver and other.peer == peer:
                 other.close(None)  # the peer reconnected: its old stream is dead
-        self._names[receiver] = name
         return peer
 
     def _received(
         self, receiver: StreamReceiver, header: bytes, payloads: list[memoryview]
     ) -> None:
-        assert receiver.peer is not None
-        self._on_message(receiver.peer, self._names[receiver], header, payloads)
+        assert receiver.peer is not None and receiver.name is not None
+        self._on_message(receiver.peer, receiver.name, header, payloads)
 
     def _closed(self, receiver: StreamReceiver, exc: Exception | None) -> None:
         self._receivers.discard(receiver)
-        self._names.pop(receiver, None)
         if exc is not None:
             label = receiver.peer or "a stranger"
             counter = "stream_refused" if receiver.peer is None else "stream_failed"

@@ -530,16 +530,15 @@ class PeerLinks:
         `PeerLostError` if the peer is not up or is lost before the message left.
         """
         link = self._link(peer)
-        frames = self._frames(header, payloads)
         if self._stream_for(link, header) is not None:
-            written = self.send_nowait(peer, header, payloads)
+            written = self.send_nowait(peer, header, payloads)  # checks and counts it
             down = link.down
             assert down is not None  # send_nowait checked that the link is up
             await asyncio.wait((written, down), return_when=asyncio.FIRST_COMPLETED)
             if not written.done() or written.exception() is not None:
                 self._raise_down(link, down)
             return
-        await self._send_frames(link, frames, wait_sent)
+        await self._send_frames(link, self._frames(header, payloads), wait_sent)
         self.counters["sent"] += 1
 
     def send_nowait(

@@ -191,6 +191,8 @@ class StreamReceiver:
     ) -> None:
         sock.setblocking(False)
         self.sock = sock
+        #: The sender's name as its hello gave it, and the peer that name is.
+        self.name: str | None = None
         self.peer: str | None = None
         self._loop = loop
         self._limits = (max_header_bytes, max_payloads, max_payload_bytes)
@@ -272,6 +274,7 @@ class StreamReceiver:
         except UnicodeDecodeError:
             raise StreamError("the hello's name is not UTF-8") from None
         self.peer = self._on_hello(name, body[self._name_len :])
+        self.name = name
         self._expect(_PREFIX.size, self._prefix)
 
     def _prefix(self) -> None:
