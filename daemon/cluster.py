@@ -243,6 +243,38 @@ class ClusterJobs:
         if run is not None:
             run.fail(error)
 
+    def place(
+        self, peer: str, header: dict[str, Any], sizes: list[int], jobs: dict[str, Job]
+    ) -> list[Any] | None:
+        """Where a slice's payload can go before it arrives (see `ScheduleRun.place`).
+
+        Only a slice that `on_slice` would hand to a running collective's current
+        step is placed; everything else (and everything odd) arrives the usual
+        way and is judged there.
+        """
+        name = header.get("job")
+        if header.get("kind") != "slice" or len(sizes) != 1 or not isinstance(name, str):
+            return None
+        job = jobs.get(name)
+        formation = job.formation if job is not None else None
+        if job is None or formation is None or header.get("gen") != formation.generation:
+            return None
+        try:
+            key = header["key"]
+            run = job.runs.get(key)
+            if run is None or key in job.failed or peer not in formation.daemons:
+                return None
+            if list(header.get("fp") or []) != list(run.fingerprint):
+                return None
+            placement = run.place(formation.index_of(peer), int(header["step"]),
+                                  int(header["t"]), int(header["off"]), sizes[0])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if placement is None:
+            return None
+        self.counters["slices_placed"] += 1
+        return [placement]
+
     def on_slice(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
         formation = job.formation
         if formation is None:
@@ -455,6 +487,7 @@ class ClusterJobs:
                 job, ready, run, formation, algorithm, deadline))
         finally:
             job.runs.pop(ready.key, None)
+            run.release()
         if self.trace is not None and self.trace.active:
             for number, (started, ended, sources) in enumerate(run.step_times):
                 for source in sources or [me]:

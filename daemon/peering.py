@@ -105,6 +105,7 @@ class Peering:
             on_peer_up=self._peer_up,
             on_peer_lost=self._peer_lost,
             on_message=self._on_message,
+            on_place=self._on_place,
         )
         self.cluster = ClusterJobs(
             config, service.loop, LinksTransport(self.links), service.run_call,
@@ -137,6 +138,16 @@ class Peering:
             self.service.counters["malformed"] += 1
             log.exception("failed to handle a %r message from %s",
                           message.header.get("kind"), message.peer)
+
+    def _on_place(
+        self, peer: str, header: dict[str, Any], sizes: list[int]
+    ) -> list[Any] | None:
+        """Called by the links when a slice's header is in, before its payload."""
+        try:
+            return self.cluster.place(peer, header, sizes, self.service.jobs)
+        except Exception:
+            log.exception("placing a slice from %s failed; it arrives the usual way", peer)
+            return None
 
     def _peer_up(self, peer: str) -> None:
         self.cluster.peer_up(peer, self.service.jobs)

@@ -106,6 +106,65 @@ def test_stream_kinds_take_the_streams_intact_and_in_order() -> None:
     run(main(), timeout_s=50)
 
 
+class Sink:
+    """A placed payload's destination, filled through small windows."""
+
+    def __init__(self, size: int) -> None:
+        self.data = bytearray(size)
+        self.remaining = size
+        self.windows = 0
+
+    def window(self) -> memoryview:
+        self.windows += 1
+        start = len(self.data) - self.remaining
+        return memoryview(self.data)[start : start + 65_536]
+
+    def advance(self, count: int) -> None:
+        self.remaining -= count
+
+
+def test_placed_payloads_are_read_into_their_sinks() -> None:
+    """`on_place` sees each stream message's header before its payloads; the
+    payloads it places land in its sinks (the message carries the sinks), the
+    others in fresh buffers, and messages it declines arrive as usual."""
+    placed: dict[int, list[Sink | None]] = {}
+    asked: list[tuple[str, int, list[int]]] = []
+
+    def on_place(peer: str, header: dict[str, Any], sizes: list[int]) -> list[Sink | None] | None:
+        asked.append((peer, header["seq"], sizes))
+        if header["seq"] % 3 == 2:
+            return None  # declined: fresh buffers
+        placed[header["seq"]] = [Sink(sizes[0]), None]
+        return placed[header["seq"]]
+
+    async def main() -> None:
+        a, b = await start_streaming(endpoints(2), on_place=on_place)
+        try:
+            rng = np.random.default_rng(3)
+            sent = []
+            for seq in range(12):
+                data = rng.integers(0, 256, int(rng.choice([1, 70_000, 1 << 20])), np.uint8)
+                a.send_nowait(b.endpoint, {"kind": "chunk", "seq": seq}, [data, b"tail"])
+                sent.append(data.tobytes())
+            for seq in range(12):
+                message = await b.recv()
+                assert message.header["seq"] == seq
+                first, tail = message.frames
+                assert isinstance(tail, memoryview) and bytes(tail) == b"tail"
+                if seq % 3 == 2:
+                    assert isinstance(first, memoryview) and bytes(first) == sent[seq]
+                    continue
+                assert first is placed[seq][0]
+                assert first.remaining == 0 and bytes(first.data) == sent[seq]
+                assert first.windows >= len(sent[seq]) // 65_536
+            assert asked == [(a.endpoint, seq, [len(sent[seq]), 4]) for seq in range(12)]
+            assert b.counters["malformed"] == b.counters["stream_failed"] == 0
+        finally:
+            await close_all([a, b])
+
+    run(main())
+
+
 def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
     async def main() -> None:
         a, b = await start_streaming(endpoints(2))

@@ -18,6 +18,7 @@ import pytest
 from gradsync.daemon.algorithms import build_schedules
 from gradsync.daemon.executor import ScheduleRun
 from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.errors import CollectiveError, ProtocolError
 
 SLICE_BYTES = 4096
 
@@ -96,5 +97,104 @@ def test_a_ring_forwards_each_reduced_slice_before_its_step_ends() -> None:
             wire.deliver(0)
         assert all(run.done.done() for run in wire.runs)
         np.testing.assert_array_equal(buffers[0], buffers[1])
+
+    asyncio.run(main())
+
+
+def feed(placement: Any, data: bytes, rng: random.Random, upto: int | None = None) -> int:
+    """Write `data` (from where the placement stands) into its windows, in pieces of
+    random, unaligned sizes, as a stream receiver would; stop after `upto` bytes."""
+    start = len(data) - placement.remaining
+    stop = len(data) if upto is None else min(len(data), start + upto)
+    position = start
+    while position < stop:
+        window = placement.window()
+        assert 0 < window.nbytes <= placement.remaining
+        count = min(window.nbytes, stop - position, rng.randint(1, 70_000))
+        window[:count] = data[position : position + count]
+        placement.advance(count)
+        position += count
+    return position - start
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rhd", "tree"])
+def test_slices_placed_as_they_arrive_give_the_exact_sum(algorithm: str) -> None:
+    """Slices of the current step are placed (copies straight into the buffer,
+    reductions chunk by chunk) and filled in odd-sized pieces, several at once,
+    between ordinary deliveries: the result is exact."""
+
+    async def main() -> None:
+        daemons, count = 3, 150_001  # slices of 512 KiB: reductions in several chunks
+        wire = Wire()
+        buffers = [np.arange(count, dtype=np.float64) * (d + 1) + d for d in range(daemons)]
+        for me, schedule in enumerate(build_schedules(algorithm, daemons, count)):
+            wire.runs.append(ScheduleRun(
+                schedule, buffers[me], ReduceOp.SUM, wire.sender(me), 512 * 1024,
+                asyncio.get_running_loop(),
+            ))
+        want = sum(np.arange(count, dtype=np.float64) * (d + 1) + d for d in range(daemons))
+        rng = random.Random(len(algorithm))
+        for run in wire.runs:
+            run.start()
+        filling: list[tuple[int, int, dict[str, Any], bytes, Any]] = []
+        placed = {True: 0, False: 0}
+        while wire.queue or filling:
+            if filling and (not wire.queue or rng.random() < 0.5):
+                index = rng.randrange(len(filling))
+                source, target, header, payload, placement = filling[index]
+                feed(placement, payload, rng, upto=rng.randint(1, 300_000))
+                if placement.remaining == 0:
+                    filling.pop(index)
+                    wire.runs[target].deliver(
+                        source, header["step"], header["t"], header["off"], placement)
+                continue
+            source, target, header, payload = wire.queue.pop(rng.randrange(len(wire.queue)))
+            placement = wire.runs[target].place(
+                source, header["step"], header["t"], header["off"], len(payload))
+            if placement is None:
+                wire.runs[target].deliver(
+                    source, header["step"], header["t"], header["off"], payload)
+            else:
+                placed[placement.expected.reduce] += 1
+                filling.append((source, target, header, payload, placement))
+        assert placed[True] > 0 and placed[False] > 0, placed
+        for run, buffer in zip(wire.runs, buffers, strict=True):
+            assert run.done.done() and run.done.exception() is None
+            np.testing.assert_array_equal(buffer, want)
+
+    asyncio.run(main())
+
+
+def test_a_placed_slice_is_reserved_and_a_failed_run_stops_writing() -> None:
+    """A slice placed once cannot be placed or delivered again; once the run
+    fails, the rest of a placed payload is read and dropped, not written."""
+
+    async def main() -> None:
+        count = 40_000
+        wire, buffers = make_runs("ring", 2, count, asyncio.get_running_loop())
+        for run in wire.runs:
+            run.start()
+        source, target, header, payload = next(m for m in wire.queue if m[1] == 1)
+        wire.queue.clear()
+        run = wire.runs[target]
+        address = (source, header["step"], header["t"], header["off"])
+        placement = run.place(*address, len(payload))
+        assert placement is not None
+        assert run.place(*address, len(payload)) is None
+        with pytest.raises(ProtocolError, match="unexpected slice"):
+            run.deliver(*address, payload)
+        # Misfits are left to the ordinary path, which rejects them.
+        assert run.place(source, header["step"] + 1, header["t"], header["off"], 8) is None
+        assert run.place(source, header["step"], header["t"], header["off"] + 1, 7) is None
+        rng = random.Random(5)
+        feed(placement, payload, rng, upto=len(payload) // 3)
+        run.fail(CollectiveError("a peer went away"))
+        before = buffers[target].copy()
+        feed(placement, payload, rng)
+        assert placement.remaining == 0
+        np.testing.assert_array_equal(buffers[target], before)
+        run.deliver(source, header["step"], header["t"], header["off"], placement)  # moot now
+        with pytest.raises(CollectiveError):
+            run.done.result()
 
     asyncio.run(main())

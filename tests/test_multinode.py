@@ -46,4 +46,6 @@ def test_every_algorithm_matches_numpy(
         counters = query(daemon.endpoint, 5.0)["counters"]
         assert counters["links_stream_sent"] > 0 and counters["links_stream_received"] > 0
         assert counters["links_stream_failed"] == counters["links_stream_refused"] == 0
+        # Slices of the running step were read straight into place.
+        assert counters["slices_placed"] > 0
         assert counters["links_malformed"] == 0

@@ -20,11 +20,12 @@ import contextlib
 import logging
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradsync.daemon.peers.endpoints import TcpEndpoint
 from gradsync.daemon.peers.stream import (
+    PayloadSink,
     StreamError,
     StreamReceiver,
     StreamSender,
@@ -47,19 +48,25 @@ class DataPlane:
         *,
         name: str,
         identify: Callable[[str], str | None],
-        on_message: Callable[[str, str, bytes, list[memoryview]], None],
+        on_message: Callable[[str, str, bytes, list[memoryview | PayloadSink]], None],
         on_event: Callable[[str, str, str], None],
         limits: tuple[int, int, int],
         connect_timeout_s: float,
+        on_head: Callable[
+            [str, str, bytes, list[int]], Sequence[PayloadSink | None] | None
+        ] | None = None,
     ) -> None:
         """`identify(name)` maps a hello's endpoint name to a peer (None: a stranger);
         `on_message(peer, name, header, payloads)` gets each received message;
-        `on_event(counter, peer, reason)` counts and reports refusals and breaks."""
+        `on_head(peer, name, header, sizes)` may place its payloads (see
+        `StreamReceiver`); `on_event(counter, peer, reason)` counts and reports
+        refusals and breaks."""
         self._loop = loop
         self._listen = listen
         self._name = name
         self._identify = identify
         self._on_message = on_message
+        self._on_head = on_head
         self._on_event = on_event
         self._limits = limits
         self._connect_timeout_s = connect_timeout_s
@@ -184,6 +191,7 @@ class DataPlane:
             max_payload_bytes=max_payload,
             on_hello=lambda name, token: self._hello(receiver, name, token),
             on_message=self._received, on_closed=self._closed,
+            on_head=self._head if self._on_head is not None else None,
         )
         self._receivers.add(receiver)
         if self._paused:
@@ -206,8 +214,15 @@ class DataPlane:
                 other.close(None)  # the peer reconnected: its old stream is dead
         return peer
 
+    def _head(
+        self, receiver: StreamReceiver, header: bytes, sizes: list[int]
+    ) -> Sequence[PayloadSink | None] | None:
+        assert self._on_head is not None and receiver.peer is not None
+        assert receiver.name is not None
+        return self._on_head(receiver.peer, receiver.name, header, sizes)
+
     def _received(
-        self, receiver: StreamReceiver, header: bytes, payloads: list[memoryview]
+        self, receiver: StreamReceiver, header: bytes, payloads: list[memoryview | PayloadSink]
     ) -> None:
         assert receiver.peer is not None and receiver.name is not None
         self._on_message(receiver.peer, receiver.name, header, payloads)

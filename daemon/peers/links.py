@@ -57,7 +57,7 @@ from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, sam
 from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
 from gradsync.daemon.peers.socket_io import LoopSocket
-from gradsync.daemon.peers.stream import StreamSender, message_head
+from gradsync.daemon.peers.stream import PayloadSink, StreamSender, message_head
 from gradsync.daemon.peers.wire import (
     BULK,
     LINK_KINDS,
@@ -131,12 +131,13 @@ class PeerMessage:
 
     peer: str
     header: Message
-    #: ZeroMQ frames, or memoryviews for messages that came over a data stream.
+    #: ZeroMQ frames, or memoryviews (or `PayloadSink`s the payloads were
+    #: placed in) for messages that came over a data stream.
     frames: list[Any]
 
     @property
-    def payloads(self) -> list[memoryview]:
-        """Views of the payloads, valid while the frames live."""
+    def payloads(self) -> list[Any]:
+        """Views of the payloads (or their sinks), valid while the frames live."""
         return [f.buffer if isinstance(f, zmq.Frame) else f for f in self.frames]
 
 
@@ -214,6 +215,8 @@ class PeerLinks:
         on_peer_up: Callable[[str], None] | None = None,
         on_peer_lost: Callable[[str], None] | None = None,
         on_message: Callable[[PeerMessage], None] | None = None,
+        on_place: Callable[[str, Message, list[int]], Sequence[PayloadSink | None] | None]
+        | None = None,
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
@@ -222,7 +225,10 @@ class PeerLinks:
         once they are open (see `stream.py`); `validate(header)` may raise
         `ProtocolError` to drop a message as malformed.  With `on_message`,
         accepted messages go to it instead of `recv()`: no queue, no task switch
-        per message.  Raises `ConfigError` (`KeyFileError` for key files) with a
+        per message.  `on_place(peer, header, sizes)` may give a stream message's
+        payloads their place before they arrive (`PayloadSink`s; the message then
+        carries the sinks instead of memoryviews); it must not raise.  Raises
+        `ConfigError` (`KeyFileError` for key files) with a
         message naming the setting when something cannot work.
         """
         try:
@@ -282,6 +288,7 @@ class PeerLinks:
         self._on_peer_up = on_peer_up
         self._on_peer_lost = on_peer_lost
         self._on_message = on_message
+        self._on_place = on_place
         self._secret: tuple[bytes, bytes] | None = None
         self._authorized: set[bytes] = set()
         self._peer_by_key: dict[bytes, str] = {}
@@ -409,6 +416,7 @@ class PeerLinks:
             loop, self._listen, name=self.endpoint,
             identify=lambda name: self._match_routing_id(name.encode()),
             on_message=self._on_stream_message, on_event=self._on_stream_event,
+            on_head=self._on_stream_head if self._on_place is not None else None,
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
             connect_timeout_s=max(5.0, self._peer_timeout_s),
         )
@@ -782,16 +790,32 @@ class PeerLinks:
             if self._data is not None:
                 self._data.pause()
 
+    def _stream_header(self, name: str, body: bytes) -> Message:
+        """A data stream message's header, checked; raises ProtocolError and co."""
+        header = decode_header(body, self._stream_kinds)
+        if header["src"] != name:
+            raise ProtocolError(f"'src' {header['src'][:80]!r} is not the stream's sender")
+        if self._validate is not None:
+            self._validate(header)
+        return header
+
+    def _on_stream_head(
+        self, peer: str, name: str, body: bytes, sizes: list[int]
+    ) -> Sequence[PayloadSink | None] | None:
+        """A stream message's header is in: ask `on_place` where its payloads go."""
+        assert self._on_place is not None
+        try:
+            header = self._stream_header(name, body)
+        except (ProtocolError, ValueError, TypeError):
+            return None  # dropped, and counted, once the whole message is in
+        return self._on_place(peer, header, sizes)
+
     def _on_stream_message(
-        self, peer: str, name: str, body: bytes, payloads: list[memoryview]
+        self, peer: str, name: str, body: bytes, payloads: list[memoryview | PayloadSink]
     ) -> None:
         """One message from a data stream (`name`: the sender, as its hello said)."""
         try:
-            header = decode_header(body, self._stream_kinds)
-            if header["src"] != name:
-                raise ProtocolError(f"'src' {header['src'][:80]!r} is not the stream's sender")
-            if self._validate is not None:
-                self._validate(header)
+            header = self._stream_header(name, body)
         except (ProtocolError, ValueError, TypeError) as exc:
             self._drop("malformed", peer, str(exc))
             return
