@@ -217,6 +217,7 @@ class PeerLinks:
         on_message: Callable[[PeerMessage], None] | None = None,
         on_place: Callable[[str, Message, list[int]], Sequence[PayloadSink | None] | None]
         | None = None,
+        place_min_bytes: int = 64 * 1024,
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
@@ -227,7 +228,9 @@ class PeerLinks:
         accepted messages go to it instead of `recv()`: no queue, no task switch
         per message.  `on_place(peer, header, sizes)` may give a stream message's
         payloads their place before they arrive (`PayloadSink`s; the message then
-        carries the sinks instead of memoryviews); it must not raise.  Raises
+        carries the sinks instead of memoryviews); it must not raise.  Messages
+        whose payloads add up to less than `place_min_bytes` are not offered:
+        copying them costs less than placing them.  Raises
         `ConfigError` (`KeyFileError` for key files) with a
         message naming the setting when something cannot work.
         """
@@ -289,6 +292,7 @@ class PeerLinks:
         self._on_peer_lost = on_peer_lost
         self._on_message = on_message
         self._on_place = on_place
+        self._place_min_bytes = place_min_bytes
         self._secret: tuple[bytes, bytes] | None = None
         self._authorized: set[bytes] = set()
         self._peer_by_key: dict[bytes, str] = {}
@@ -804,6 +808,8 @@ class PeerLinks:
     ) -> Sequence[PayloadSink | None] | None:
         """A stream message's header is in: ask `on_place` where its payloads go."""
         assert self._on_place is not None
+        if sum(sizes) < self._place_min_bytes:
+            return None
         try:
             header = self._stream_header(name, body)
         except (ProtocolError, ValueError, TypeError):
