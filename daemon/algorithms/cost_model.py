@@ -27,15 +27,24 @@ where the fold costs rhd 2n·beta more and ring pays 2(M-1)·alpha.
 `schedule_estimate_s` evaluates the same model on concrete schedules, which is
 how the tests hold these formulas to the algorithms as built.
 
-`choose` does not chase modelled gains smaller than the model's own error: it
-takes the first candidate (in the order given: ring, rhd, tree, star) whose
-estimate is within `PREFERENCE_MARGIN` (10 %) of the lowest.  Ring comes first
-because what the model leaves out favours it: it keeps one TCP connection per
-direction busy for the whole collective, while rhd and tree switch partners at
-every step, so flows from two senders meet at one receiver.  On links capped
-at 2 Gbit/s (benchmarks/RESULTS.md, shaped namespaces, M = 4) rhd measured 13
-to 21 % slower than ring from 16 MiB although both are modelled equal there;
-on the CPU-bound runs the two measure alike.
+`choose` does not chase modelled gains smaller than the model's own error:
+among the candidates whose estimate is within `PREFERENCE_MARGIN` (10 %) of
+the lowest it takes the one that what the model leaves out favours.
+
+* Bandwidth-bound (the lowest estimate mostly beta and gamma): the first in
+  the order given (ring, rhd, tree, star).  Ring keeps one TCP connection per
+  direction busy for the whole collective, while rhd and tree switch partners
+  at every step, so flows from two senders meet at one receiver.  On links
+  capped at 2 Gbit/s (benchmarks/RESULTS.md, shaped namespaces, M = 4) rhd
+  measured 13 to 21 % slower than ring from 16 MiB although both are
+  modelled equal there; on the CPU-bound runs the two measure alike.
+* Latency-bound (alpha is at least `LATENCY_BOUND_SHARE` of the lowest
+  estimate): the one with the fewest steps.  A step costs more than alpha
+  when every daemon handles a message at once on busy cores: at M = 4 on two
+  shared cores ring and rhd steps measured 0.35 to 0.6 ms at 4 and 64 KiB
+  against probe round trips of 0.2 to 0.4 ms, while star (two steps) was the
+  fastest algorithm there at every placement, also where the model put rhd
+  within 1 % of it.
 
 Every daemon must reach the same choice: feed `choose` the same inputs on all
 of them (for example, measurements agreed when the peers connect).
@@ -49,8 +58,10 @@ from collections.abc import Sequence
 from gradsync.daemon.algorithms.schedule import Schedule
 
 ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
-#: A candidate must be modelled this much faster than an earlier one to be chosen.
+#: Estimates within this fraction of the lowest are ties for `choose`.
 PREFERENCE_MARGIN = 0.10
+#: A collective is latency-bound when alpha makes up this much of its lowest estimate.
+LATENCY_BOUND_SHARE = 0.5
 #: Upper bound on the tree's pipeline chunks per half chosen by the model.
 MAX_MODEL_TREE_CHUNKS = 256
 
@@ -131,6 +142,33 @@ def best_tree_chunks(
     )
 
 
+def steps(
+    algorithm: str,
+    daemons: int,
+    nbytes: float,
+    alpha_s: float,
+    beta_s_per_byte: float,
+    gamma_s_per_byte: float = 0.0,
+) -> int:
+    """How many alphas `estimate_s` charges `algorithm`: its steps in the model."""
+    _check(daemons, nbytes)
+    if daemons == 1:
+        return 0
+    levels = daemons.bit_length() - 1
+    if algorithm == "ring":
+        return 2 * (daemons - 1)
+    if algorithm == "rhd":
+        return 2 * levels + (0 if daemons == 1 << levels else 2)
+    if algorithm == "tree":
+        chunks = best_tree_chunks(daemons, nbytes, alpha_s, beta_s_per_byte, gamma_s_per_byte)
+        return chunks + 2 * levels - 1
+    if algorithm == "star":
+        return 2
+    raise ValueError(
+        f"unknown algorithm {algorithm!r}; expected one of: {', '.join(ALGORITHM_NAMES)}"
+    )
+
+
 def estimate_s(
     algorithm: str,
     daemons: int,
@@ -171,11 +209,13 @@ def choose(
     candidates: Sequence[str] = ALGORITHM_NAMES,
     margin: float = PREFERENCE_MARGIN,
 ) -> tuple[str, dict[str, float]]:
-    """The first candidate modelled within `margin` of the lowest estimate, and
-    every candidate's estimate.
+    """The candidate to run, and every candidate's estimate.
 
-    With `margin` 0 that is the argmin, ties going to the earlier candidate;
-    either way the choice is deterministic.
+    Among the candidates modelled within `margin` of the lowest estimate: the
+    first in `candidates` order, or, when the lowest estimate is latency-bound
+    (see the module's docstring), the one with the fewest steps (the earlier
+    one on equal steps).  With `margin` 0 that is the argmin; either way the
+    choice is deterministic.
     """
     if not candidates:
         raise ValueError("no candidate algorithms")
@@ -186,8 +226,12 @@ def choose(
         for name in candidates
     }
     lowest = min(estimates.values())
-    best = next(name for name in candidates if estimates[name] <= lowest * (1 + margin))
-    return best, estimates
+    near = [name for name in candidates if estimates[name] <= lowest * (1 + margin)]
+    args = (daemons, nbytes, alpha_s, beta_s_per_byte, gamma_s_per_byte)
+    fastest = min(candidates, key=estimates.__getitem__)
+    if lowest > 0 and alpha_s * steps(fastest, *args) >= LATENCY_BOUND_SHARE * lowest:
+        return min(near, key=lambda name: steps(name, *args)), estimates
+    return near[0], estimates
 
 
 def schedule_estimate_s(
