@@ -87,12 +87,12 @@ def test_choose_takes_a_candidate_within_the_margin(daemons: int, nbytes: int) -
     near = [other for other in ALGORITHM_NAMES
             if estimates[other] <= lowest * (1 + PREFERENCE_MARGIN)]
     assert name in near
-    args = (daemons, nbytes, ALPHA, BETA, GAMMA)
+    chunks = best_tree_chunks(daemons, nbytes, ALPHA, BETA, GAMMA)
+    count = {other: steps(other, daemons, chunks) for other in ALGORITHM_NAMES}
     fastest = min(ALGORITHM_NAMES, key=estimates.__getitem__)
-    if ALPHA * steps(fastest, *args) >= LATENCY_BOUND_SHARE * lowest:
-        assert steps(name, *args) == min(steps(other, *args) for other in near)
-        assert all(steps(other, *args) > steps(name, *args)
-                   for other in near[: near.index(name)])
+    if ALPHA * count[fastest] >= LATENCY_BOUND_SHARE * lowest:
+        assert count[name] == min(count[other] for other in near)
+        assert all(count[other] > count[name] for other in near[: near.index(name)])
     else:
         assert name == near[0]
     for algorithm, value in estimates.items():
@@ -149,8 +149,7 @@ def test_closed_forms_match_the_schedules(algorithm: str, daemons: int) -> None:
         built = schedule_estimate_s(schedules, 1, alpha, beta, gamma)
         formula = estimate_s(algorithm, daemons, count, alpha, beta, gamma)
         assert formula == pytest.approx(built, rel=1e-3)  # chunk rounding only
-    assert steps(algorithm, daemons, count, 1.0, 0.0) == round(
-        schedule_estimate_s(schedules, 1, 1.0, 0.0, 0.0))
+    assert steps(algorithm, daemons) == round(schedule_estimate_s(schedules, 1, 1.0, 0.0, 0.0))
 
 
 @pytest.mark.parametrize("daemons", range(2, 18))
@@ -162,9 +161,8 @@ def test_tree_formula_tracks_the_schedule(daemons: int, chunks: int) -> None:
         built = schedule_estimate_s(schedules, 1, alpha, beta, gamma)
         formula = tree_estimate_s(daemons, count, alpha, beta, gamma, chunks)
         assert formula == pytest.approx(built, rel=0.25)
-    # Steps exactly: C + 2L - 1 (the chunk count `steps` takes is the model's best).
-    assert round(schedule_estimate_s(schedules, 1, 1.0, 0.0, 0.0)) == (
-        chunks + 2 * (daemons.bit_length() - 1) - 1)
+    assert round(schedule_estimate_s(schedules, 1, 1.0, 0.0, 0.0)) == steps(
+        "tree", daemons, chunks)
 
 
 @pytest.mark.parametrize("daemons", [3, 4, 9, 17, 64])

@@ -142,28 +142,24 @@ def best_tree_chunks(
     )
 
 
-def steps(
-    algorithm: str,
-    daemons: int,
-    nbytes: float,
-    alpha_s: float,
-    beta_s_per_byte: float,
-    gamma_s_per_byte: float = 0.0,
-) -> int:
-    """How many alphas `estimate_s` charges `algorithm`: its steps in the model."""
-    _check(daemons, nbytes)
+def steps(algorithm: str, daemons: int, tree_chunks: int = 1) -> int:
+    """How many alphas `estimate_s` charges `algorithm` (the tree cut into
+    `tree_chunks` chunks per half): its steps in the model."""
+    _check(daemons, 0)
+    if algorithm not in ALGORITHM_NAMES:
+        return _unknown(algorithm)
     if daemons == 1:
         return 0
     levels = daemons.bit_length() - 1
-    if algorithm == "ring":
-        return 2 * (daemons - 1)
-    if algorithm == "rhd":
-        return 2 * levels + (0 if daemons == 1 << levels else 2)
-    if algorithm == "tree":
-        chunks = best_tree_chunks(daemons, nbytes, alpha_s, beta_s_per_byte, gamma_s_per_byte)
-        return chunks + 2 * levels - 1
-    if algorithm == "star":
-        return 2
+    return {
+        "ring": 2 * (daemons - 1),
+        "rhd": 2 * levels + (0 if daemons == 1 << levels else 2),
+        "tree": tree_chunks + 2 * levels - 1,
+        "star": 2,
+    }[algorithm]
+
+
+def _unknown(algorithm: str) -> int:
     raise ValueError(
         f"unknown algorithm {algorithm!r}; expected one of: {', '.join(ALGORITHM_NAMES)}"
     )
@@ -195,9 +191,7 @@ def estimate_s(
         return tree_estimate_s(daemons, nbytes, a, b, g, chunks)
     if algorithm == "star":
         return 0.0 if daemons == 1 else 2 * a + (daemons - 1) * nbytes * (2 * b + g)
-    raise ValueError(
-        f"unknown algorithm {algorithm!r}; expected one of: {', '.join(ALGORITHM_NAMES)}"
-    )
+    return _unknown(algorithm)
 
 
 def choose(
@@ -227,10 +221,10 @@ def choose(
     }
     lowest = min(estimates.values())
     near = [name for name in candidates if estimates[name] <= lowest * (1 + margin)]
-    args = (daemons, nbytes, alpha_s, beta_s_per_byte, gamma_s_per_byte)
+    chunks = best_tree_chunks(daemons, nbytes, alpha_s, beta_s_per_byte, gamma_s_per_byte)
     fastest = min(candidates, key=estimates.__getitem__)
-    if lowest > 0 and alpha_s * steps(fastest, *args) >= LATENCY_BOUND_SHARE * lowest:
-        return min(near, key=lambda name: steps(name, *args)), estimates
+    if lowest > 0 and alpha_s * steps(fastest, daemons, chunks) >= LATENCY_BOUND_SHARE * lowest:
+        return min(near, key=lambda name: steps(name, daemons, chunks)), estimates
     return near[0], estimates
 
 
