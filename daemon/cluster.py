@@ -11,6 +11,7 @@ slices, aborts, and peers lost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -51,6 +52,19 @@ log = logging.getLogger("gradsync.daemon.cluster")
 #: root's per-message cost, which the model does not charge, rules it out beyond.
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
 STAR_MAX_DAEMONS = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def auto_pick(
+    daemons: int, nbytes: int, alpha_s: float, beta_s_per_byte: float
+) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """`auto`'s choice and the estimates behind it; remembered, since a job asks
+    the same question (its formation's figures, the same sizes) every step."""
+    best, estimates = choose(
+        daemons, nbytes, alpha_s, beta_s_per_byte,
+        candidates=AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ()),
+    )
+    return best, tuple(estimates.items())
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
 DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
@@ -388,14 +402,11 @@ class ClusterJobs:
                     f"unknown algorithm {name!r}; expected auto or one of {', '.join(ALGORITHMS)}"
                 )
             return name
-        best, estimates = choose(
-            len(formation.daemons), nbytes, formation.alpha_s, formation.beta_s_per_byte,
-            candidates=AUTO_CANDIDATES + (
-                ("star",) if len(formation.daemons) <= STAR_MAX_DAEMONS else ()
-            ),
-        )
-        log.debug("auto picked %s for %d bytes over %d daemons; estimates %s", best, nbytes,
-                  len(formation.daemons), {k: f"{v * 1e6:.0f}us" for k, v in estimates.items()})
+        daemons = len(formation.daemons)
+        best, estimates = auto_pick(daemons, nbytes, formation.alpha_s, formation.beta_s_per_byte)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("auto picked %s for %d bytes over %d daemons; estimates %s", best, nbytes,
+                      daemons, {k: f"{v * 1e6:.0f}us" for k, v in estimates})
         return best
 
     async def run(

@@ -174,3 +174,20 @@ def test_best_tree_chunks_minimises_the_estimate(daemons: int, nbytes: int) -> N
     for chunks in range(1, 257):
         assert cost <= tree_estimate_s(daemons, nbytes, ALPHA, BETA, GAMMA, chunks) * (1 + 1e-12)
     assert estimate_s("tree", daemons, nbytes, ALPHA, BETA, GAMMA) == cost
+
+
+def test_the_daemons_auto_pick_is_choose_over_its_candidates() -> None:
+    """What the daemon runs for `auto`: `choose` over ring, rhd, tree (and star up
+    to 8 daemons), remembered per question."""
+    from gradsync.daemon.cluster import AUTO_CANDIDATES, STAR_MAX_DAEMONS, auto_pick
+
+    for daemons in (2, 4, 8, 9, 64):
+        candidates = AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ())
+        for nbytes in NBYTES:
+            best, estimates = auto_pick(daemons, nbytes, ALPHA, BETA)
+            assert (best, dict(estimates)) == choose(
+                daemons, nbytes, ALPHA, BETA, candidates=candidates)
+    hits = auto_pick.cache_info().hits
+    assert auto_pick(4, 1 << 20, ALPHA, BETA)[0] == choose(
+        4, 1 << 20, ALPHA, BETA, candidates=(*AUTO_CANDIDATES, "star"))[0]
+    assert auto_pick.cache_info().hits == hits + 1
