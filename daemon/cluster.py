@@ -53,21 +53,22 @@ log = logging.getLogger("gradsync.daemon.cluster")
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
 STAR_MAX_DAEMONS = 8
 
+#: Link costs assumed until a peer's have been measured.
+DEFAULT_ALPHA_S = 50e-6
+DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
+
 
 @functools.lru_cache(maxsize=4096)
 def auto_pick(
     daemons: int, nbytes: int, alpha_s: float, beta_s_per_byte: float
 ) -> tuple[str, tuple[tuple[str, float], ...]]:
     """`auto`'s choice and the estimates behind it; remembered, since a job asks
-    the same question (its formation's figures, the same sizes) every step."""
+    the same question (its formation's figures, the same sizes) every collective."""
     best, estimates = choose(
         daemons, nbytes, alpha_s, beta_s_per_byte,
         candidates=AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ()),
     )
     return best, tuple(estimates.items())
-#: Link costs assumed until a peer's have been measured.
-DEFAULT_ALPHA_S = 50e-6
-DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
 
 
 class PeerTransport(Protocol):
