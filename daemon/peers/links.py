@@ -293,6 +293,8 @@ class PeerLinks:
         self._on_message = on_message
         self._on_place = on_place
         self._place_min_bytes = place_min_bytes
+        #: Per peer, the stream message whose header `_on_stream_head` decoded.
+        self._stream_heads: dict[str, tuple[bytes, Message]] = {}
         self._secret: tuple[bytes, bytes] | None = None
         self._authorized: set[bytes] = set()
         self._peer_by_key: dict[bytes, str] = {}
@@ -814,14 +816,18 @@ class PeerLinks:
             header = self._stream_header(name, body)
         except (ProtocolError, ValueError, TypeError):
             return None  # dropped, and counted, once the whole message is in
+        # One stream per peer: its next message is this one, so decode it once.
+        self._stream_heads[peer] = (body, header)
         return self._on_place(peer, header, sizes)
 
     def _on_stream_message(
         self, peer: str, name: str, body: bytes, payloads: list[memoryview | PayloadSink]
     ) -> None:
         """One message from a data stream (`name`: the sender, as its hello said)."""
+        decoded = self._stream_heads.pop(peer, None)
         try:
-            header = self._stream_header(name, body)
+            header = (decoded[1] if decoded is not None and decoded[0] is body
+                      else self._stream_header(name, body))
         except (ProtocolError, ValueError, TypeError) as exc:
             self._drop("malformed", peer, str(exc))
             return
