@@ -18,6 +18,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -175,20 +176,19 @@ def run_contender(
             "--nproc-per-node", str(nproc), "--daemon", daemon.endpoint,
             "--job", f"bench-{key}-n{nproc}", *worker[1:],
         ]
-        processes = [start_group(command, rank_env(), log_path)]
+        commands = [(command, rank_env())]
     elif key == "gloo":
-        processes = [
-            start_group(
-                worker,
-                rank_env(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                         LOCAL_WORLD_SIZE=str(nproc), GLOO_SOCKET_IFNAME="lo"),
-                log_path,
-            )
+        commands = [
+            (worker, rank_env(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                              LOCAL_WORLD_SIZE=str(nproc), GLOO_SOCKET_IFNAME="lo"))
             for r in range(nproc)
         ]
     else:
-        processes = [start_group([*mpirun_prefix(nproc), *worker], rank_env(), log_path)]
+        commands = [([*mpirun_prefix(nproc), *worker], rank_env())]
+    processes: list[subprocess.Popen[bytes]] = []
     try:
+        for command, env in commands:  # started inside the try: each is stopped below
+            processes.append(start_group(command, env, log_path))
         failure = wait_all(processes, settings.timeout_s)
     finally:  # an interrupt must not leave ranks behind in their own sessions
         for process in processes:
@@ -248,12 +248,12 @@ def _main(argv: Sequence[str] | None) -> int:
                           max_samples=args.max_samples)
     started_at = datetime.datetime.now().astimezone()
     started = time.perf_counter()
-    run_dir = tempfile.mkdtemp(prefix="gsb-run-", dir="/tmp")
+    info = machine.describe()
+    load_average = machine.load_average()
+    run_dir = tempfile.mkdtemp(prefix="gsb-run-", dir="/tmp")  # removed in the finally below
     settings = Settings(
         sizes, nprocs, contenders, policy, args.timeout_s, run_dir, args.quiet_wait_s
     )
-    info = machine.describe()
-    load_average = machine.load_average()
     log(f"sizes {', '.join(format_size(s) for s in sizes)}; N = {nprocs}; "
         f"contenders {', '.join(contenders)}; scratch {run_dir}")
     for key in contenders:
@@ -295,7 +295,13 @@ def _main(argv: Sequence[str] | None) -> int:
                             f" (repeat {repeat}/{args.repeat})" if args.repeat > 1 else ""
                         )
                         log(f"{title} ...")
-                        run = run_contender(key, nproc, settings, daemon)
+                        # Each repeat in its own folder: nothing of an earlier
+                        # one (result files, gloo's file store) can be read again.
+                        repeat_dir = os.path.join(run_dir, f"r{repeat}")
+                        os.makedirs(repeat_dir, exist_ok=True)
+                        run = run_contender(key, nproc,
+                                            dataclasses.replace(settings, run_dir=repeat_dir),
+                                            daemon)
                         run.repeat = repeat
                         all_runs.append(run)
                         load = run.background_cores

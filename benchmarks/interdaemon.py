@@ -10,9 +10,11 @@ and `auto` side by side (the algorithms take turns at each size); then torch
 gloo with one process per node over the same network, and raw pyzmq TCP
 throughput between the same addresses (one way, and a ring exchange).  On
 127.0.0.1 with M = 2 it also times `ring` at 16 MiB over CURVE-encrypted links
-against --insecure ones.  `auto`'s choices are read from the daemons' debug
-logs.  Prints the tables; with --out, writes them as the "interdaemon" section
-of RESULTS.md (the rest of the file is kept).  See README.md.
+against --insecure ones.  `auto`'s choices are inferred from the link probes
+the daemons log at info level, and checked against an untimed cluster that
+logs each pick at debug level.  Prints the tables; with --out, writes them as
+the "interdaemon" section of RESULTS.md (the rest of the file is kept).  See
+README.md.
 """
 
 from __future__ import annotations
@@ -270,7 +272,10 @@ def run_gradsync(
     log_path = os.path.join(out_dir, f"{label}.log")
     keys_out = [algorithm_key(a, label) for a in algorithms]
     job = f"bench-{label}-{topo.kind}-m{nproc}-{os.getpid()}"
-    with daemon_cluster(flags, [topo.prefix(i) for i in range(nproc)]) as daemons:
+    logs_to = os.path.join(out_dir, f"{label}-daemon-logs")  # kept with --keep
+    os.makedirs(logs_to)
+    with daemon_cluster(flags, [topo.prefix(i) for i in range(nproc)],
+                        logs_to=logs_to) as daemons:
         info.commands = [d.shown_command() for d in daemons]
         pids = [d.pid for d in daemons]
         meter = machine.LoadMeter(pids)
@@ -351,7 +356,7 @@ def run_gloo(topo: topology.Topology, settings: Settings, out_dir: str) -> Conte
 
 
 def run_raw(topo: topology.Topology, settings: Settings, out_dir: str) -> RawResult:
-    """Raw pyzmq between the same addresses (other ports): one way and ring exchange."""
+    """Raw pyzmq between the same addresses (its own sockets): one way and ring exchange."""
     nproc = topo.size
     endpoints = topo.endpoints()[0]
     log_path = os.path.join(out_dir, "raw.log")

@@ -62,7 +62,9 @@ def select_groups(groups: Sequence[Group]) -> list[Group]:
     """Per placement and M, the repeat with the least background load (failures last)."""
 
     def badness(group: Group) -> tuple[int, float]:
-        failed = any(run.status == "failed" for run in group.runs)
+        runs = [*group.runs, *group.check_runs, *group.curve_runs]
+        failed = (any(run.status == "failed" for run in runs)
+                  or (group.raw is not None and group.raw.status == "failed"))
         load = group.background_cores if group.background_cores is not None else float("inf")
         return (1 if failed else 0, load)
 
@@ -443,7 +445,8 @@ def render(
         "- torch gloo: one process per node, `init_process_group('gloo')` through a file "
         "store, GLOO_SOCKET_IFNAME = the node's interface, `all_reduce` on "
         "`torch.from_numpy` views; same sizes and method.\n"
-        "- raw pyzmq: one process per node on the same addresses (other ports), ROUTER bound, "
+        "- raw pyzmq: one process per node on the same addresses (its own sockets, no "
+        "daemon running), ROUTER bound, "
         "DEALER to the next node, as the daemons' links are; 1 MiB frames sent zero-copy. "
         "*One way*: node 0 streams to node 1, which answers when all arrived. *Ring "
         "exchange*: every node sends to the next while receiving from the previous, the "

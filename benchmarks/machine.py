@@ -218,9 +218,14 @@ def _pinned(mine: set[int] | None, daemon_pid: int, daemons: set[int] | None) ->
         yield
     finally:
         os.sched_setaffinity(0, saved_mine)
-        for tid, cpus in saved.items():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, cpus)
+        # Threads the daemon started meanwhile inherited the pin: give them the
+        # mask its main thread had.
+        default = saved.get(daemon_pid)
+        for tid in set(saved) | set(_threads_of(daemon_pid)):
+            cpus = saved.get(tid, default)
+            if cpus is not None:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(tid, cpus)
 
 
 def daemon_round_trips_us(

@@ -143,11 +143,15 @@ def _private_folder() -> str:
 
 @contextlib.contextmanager
 def private_daemon(*daemon_args: str) -> Iterator[DaemonRun]:
-    """Yield a ready daemon in a fresh 0700 folder; stop it and clean up afterwards."""
+    """Yield a ready daemon in a fresh 0700 folder; stop it and clean up afterwards.
+
+    Like `daemon_cluster`, it gets no GRADSYNC_* variable from this environment:
+    `daemon_args` alone configure it, so the command a report shows is the whole truth.
+    """
     folder = _private_folder()
     try:
         run = _launch(f"ipc://{folder}/d.sock", os.path.join(folder, "gradsyncd.log"),
-                      daemon_args)
+                      daemon_args, env=clean_env())
         try:
             _wait_ready(run)
             yield run
@@ -162,6 +166,7 @@ def daemon_cluster(
     daemon_args: Sequence[Sequence[str]],
     prefixes: Sequence[Sequence[str]] | None = None,
     ready_timeout_s: float = _READY_TIMEOUT_S,
+    logs_to: str | None = None,
 ) -> Iterator[list[DaemonRun]]:
     """Yield len(daemon_args) ready daemons, daemon i started with `daemon_args[i]`
     (its --listen, --peers, keys ...) after `prefixes[i]`.
@@ -191,4 +196,8 @@ def daemon_cluster(
                     run.process.send_signal(signal.SIGTERM)
         for run in runs:
             _finish(run)
+        if logs_to is not None:
+            for index, run in enumerate(runs):
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(run.log_path, os.path.join(logs_to, f"d{index}.log"))
         shutil.rmtree(folder, ignore_errors=True)

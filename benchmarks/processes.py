@@ -45,14 +45,17 @@ def start_group(
 
 
 def stop_group(process: subprocess.Popen[bytes], grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM this process's own session (it and what it started), then SIGKILL."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        if process.poll() is not None:
-            return
+    """SIGTERM this process's own session (it and what it started), then SIGKILL
+    whatever is left of it, even when the leader itself has already exited."""
+    if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
+            os.killpg(process.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):  # nobody left in the group
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace_s)
 
 
 def wait_all(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> str | None:

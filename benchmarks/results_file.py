@@ -175,7 +175,8 @@ def render(
         add(f"MPI launch: `{run.mpirun_command}`.")
     add("")
     for nproc in nprocs:
-        note = " (2 cores: oversubscribed)" if nproc > (os.cpu_count() or 1) else ""
+        cores = os.cpu_count() or 1
+        note = f" ({cores} cores: oversubscribed)" if nproc > cores else ""
         add(f"## N = {nproc}{note}\n")
         add(results_table(runs, sizes, nproc))
         add("")
