@@ -25,6 +25,7 @@ from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
 from gradsync.daemon.executor import ScheduleRun
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
+from gradsync.daemon.peers.stream import StreamError
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -173,7 +174,7 @@ class ClusterJobs:
         early = job.early_slices
         job.early_slices = []
         for peer, header, frames in early:
-            self.on_slice(job, peer, header, frames)
+            self._replay(job, peer, header, frames)
 
     # -- messages from peers ------------------------------------------------
 
@@ -322,6 +323,14 @@ class ClusterJobs:
                 {"job": job.name, "key": key, "peer": peer},
             ))
 
+    def _replay(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
+        """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
+        try:
+            self.on_slice(job, peer, header, frames)
+        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+            self.counters["malformed"] += 1
+            log.warning("dropped an early slice of %s from %s: %s", job.describe(), peer, exc)
+
     def _mismatch(self, job: Job, key: Any, run: Any, peer: str, header: dict[str, Any]) -> None:
         theirs = list(header.get("fp") or [])
         formation = job.formation
@@ -359,6 +368,17 @@ class ClusterJobs:
         """Fail every collective of every job that spans the lost peer."""
         for table in self.remote.values():
             table.pop(peer, None)
+        self._break_jobs_with(peer, jobs, f"was lost ({why})")
+
+    def stream_broken(self, peer: str, jobs: dict[str, Job], why: str) -> None:
+        """A data stream with `peer` broke and may have lost slices, of running
+        collectives or of ones not started here yet: the jobs spanning it end
+        their generation as on a lost peer, here and on every member, instead
+        of waiting for their deadlines.  The link itself is up: a new stream
+        opens, and the job can form again."""
+        self._break_jobs_with(peer, jobs, f"lost slices ({why})")
+
+    def _break_jobs_with(self, peer: str, jobs: dict[str, Job], what: str) -> None:
         for job in list(jobs.values()):
             if job.formation is None or peer not in job.formation.daemons:
                 continue
@@ -367,7 +387,7 @@ class ClusterJobs:
                 for key, run in job.runs.items()
             ) or "between collectives"
             self._break(job, PeerLostError(
-                f"peer daemon {peer} of {job.describe()} was lost ({why}); {steps}",
+                f"peer daemon {peer} of {job.describe()} {what}; {steps}",
                 {"job": job.name, "peer": peer},
             ))
 
@@ -535,7 +555,7 @@ class ClusterJobs:
         """Start the schedule, feed it what came early, wait until done and sent."""
         run.start()
         for peer, header, frames in job.early_by_key.pop(ready.key, []):
-            self.on_slice(job, peer, header, frames)
+            self._replay(job, peer, header, frames)
         try:
             await asyncio.wait_for(
                 asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
@@ -550,7 +570,15 @@ class ClusterJobs:
             )
             self.abort(job, ready.key, error)
             raise error from None
-        await run.wait_sent(max(1.0, deadline - time.monotonic()))
+        try:
+            await run.wait_sent(max(1.0, deadline - time.monotonic()))
+        except (OSError, StreamError) as exc:  # a data stream broke under our last slices
+            lost = PeerLostError(
+                f"key {ready.key!r} of {job.describe()}: sending this daemon's last slices "
+                f"of {algorithm} failed: {exc}", {"job": job.name, "key": ready.key},
+            )
+            self.abort(job, ready.key, lost)
+            raise lost from None
 
     def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
         if self.trace is not None and self.trace.active:

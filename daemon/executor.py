@@ -172,6 +172,8 @@ class ScheduleRun:
             self._check_agreed()
             return
         if step > self.step:
+            if step >= self.steps:
+                raise ProtocolError(f"slice for step {step} of a {self.steps}-step schedule")
             self._early.setdefault(step, []).append((peer, transfer, offset, payload))
             return
         if step < self.step:

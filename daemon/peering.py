@@ -104,6 +104,7 @@ class Peering:
             peer_timeout_s=config.peer_timeout_s,
             on_peer_up=self._peer_up,
             on_peer_lost=self._peer_lost,
+            on_stream_broken=self._stream_broken,
             on_message=self._on_message,
             on_place=self._on_place,
         )
@@ -157,6 +158,9 @@ class Peering:
             peer, self.service.jobs,
             f"its connection closed or it was silent for {self.peer_timeout_s:g}s",
         )
+
+    def _stream_broken(self, peer: str, why: str) -> None:
+        self.cluster.stream_broken(peer, self.service.jobs, why)
 
     def counters(self) -> dict[str, int]:
         return dict(self.links.counters)

@@ -169,6 +169,67 @@ def test_placed_payloads_are_read_into_their_sinks() -> None:
     run(main())
 
 
+class BrokenSink(Sink):
+    """A sink whose consumer fails part-way (a bug on the receiving side)."""
+
+    def advance(self, count: int) -> None:
+        super().advance(count)
+        raise RuntimeError("the sink broke")
+
+
+def test_a_stream_that_breaks_mid_message_is_reported_and_the_link_goes_on() -> None:
+    """A failure while a payload is being read closes that stream only: both
+    ends report it through `on_stream_broken` (a slice may be lost), the event
+    loop and the ZeroMQ link carry on, and later messages still arrive."""
+    broken: dict[str, list[tuple[str, str]]] = {}
+    breaking = [True]
+
+    def on_place(peer: str, header: dict[str, Any], sizes: list[int]) -> list[Sink | None]:
+        if breaking[0]:
+            breaking[0] = False
+            return [BrokenSink(sizes[0])]
+        return [Sink(sizes[0])]
+
+    async def main() -> None:
+        names = endpoints(2)
+        links = [
+            PeerLinks(name, names, insecure=True, kinds=KINDS, stream_kinds=STREAM,
+                      on_place=on_place if index == 1 else None,
+                      on_stream_broken=lambda peer, why, me=name: broken.setdefault(
+                          me, []).append((peer, why)),
+                      **FAST)
+            for index, name in enumerate(names)
+        ]
+        a, b = links
+        try:
+            for link in links:
+                await link.start()
+            for link in links:
+                await link.wait_up(READY_S)
+            await poll(lambda: a.stream_open(b.endpoint), READY_S, "a's stream to b")
+            first = np.ones(1 << 20, np.uint8)
+            a.send_nowait(b.endpoint, {"kind": "chunk", "seq": 0}, [first])
+            await poll(lambda: a.endpoint in dict(broken.get(b.endpoint, [])), READY_S,
+                       "b to report the broken stream from a")
+            await poll(lambda: b.endpoint in dict(broken.get(a.endpoint, [])), READY_S,
+                       "a to report its broken stream to b")
+            assert "from it" in dict(broken[b.endpoint])[a.endpoint]
+            assert "to it" in dict(broken[a.endpoint])[b.endpoint]
+            assert a.peer_state(b.endpoint) == b.peer_state(a.endpoint) == "up"
+            data = np.arange(1 << 20, dtype=np.uint8)
+            a.send_nowait(b.endpoint, {"kind": "chunk", "seq": 1}, [data])
+            message = await asyncio.wait_for(b.recv(), READY_S)
+            assert message.header["seq"] == 1
+            (payload,) = message.frames
+            got = bytes(payload.data) if isinstance(payload, Sink) else bytes(payload)
+            assert got == data.tobytes()
+            assert b.counters["stream_failed"] >= 1
+        finally:
+            await close_all(links)
+
+    run(main())
+
+
 def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
     async def main() -> None:
         a, b = await start_streaming(endpoints(2))

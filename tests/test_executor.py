@@ -183,6 +183,9 @@ def test_a_placed_slice_is_reserved_and_a_failed_run_stops_writing() -> None:
         assert run.place(*address, len(payload)) is None
         with pytest.raises(ProtocolError, match="unexpected slice"):
             run.deliver(*address, payload)
+        # A slice for a step past the schedule's end is refused, not kept for later.
+        with pytest.raises(ProtocolError, match="of a 2-step schedule"):
+            run.deliver(source, run.steps, 0, 0, payload)
         # Misfits are left to the ordinary path, which rejects them.
         assert run.place(source, header["step"] + 1, header["t"], header["off"], 8) is None
         assert run.place(source, header["step"], header["t"], header["off"] + 1, 7) is None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +68,53 @@ def test_lost_peer_fails_collectives_with_peer_lost(
     # The survivors go on serving: a new job across them works.
     results = run_spread(daemons[:2], (1, 1), "multinode_allreduce.py", ["ring"], job="after")
     assert all(r.records()[-1]["failures"] == 0 for r in results)
+
+
+def _data_port(daemon: DaemonProcess, peer: str) -> int | None:
+    """The data stream port of `peer` that `daemon` connected to (from its log)."""
+    found = re.findall(rf"data stream to {re.escape(peer)} open \(port (\d+)\)", daemon.log())
+    return int(found[-1]) if found else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
+                    reason="cutting one TCP connection needs root and `ss -K`")
+def test_a_cut_data_stream_fails_the_collective_at_once(
+    start_daemon: StartDaemon, short_tmp: str
+) -> None:
+    """The links stay up while one data stream is reset under a large allreduce: both
+    ranks get PeerLostError long before any timeout, and the job goes on working."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemons = [
+        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s", "60"))
+        for i in range(2)
+    ]
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    env = {"GRADSYNC_TIMEOUT_S": "90"}
+    ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py",
+                         [str(8 * 1024 * 1024), str(markers)], job="cut", env=env)
+    poll_until(lambda: len(list(markers.iterdir())) == 2, 60, "both ranks to start reducing")
+    port = _data_port(daemons[0], endpoints[1])
+    assert port is not None, daemons[0].log()
+    struck = time.monotonic()
+    # Reset daemon 0's stream to daemon 1 (only that connection), again if the
+    # first cut fell between two collectives and a new stream opened since.
+    while all(rank.poll() is None for rank in ranks) and time.monotonic() - struck < 20:
+        subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+                       capture_output=True, check=False, timeout=10)
+        time.sleep(0.5)
+    results = collect(ranks, timeout_s=30)
+    for result in results:
+        outcome = result.records()[-1]
+        assert outcome["error"] == "PeerLostError", result.stdout + result.stderr
+        assert "job 'cut'" in outcome["message"] and "slices" in outcome["message"], outcome
+        assert outcome["at"] - struck < 20, outcome  # not the 60 s peer or 90 s op timeout
+    assert any(endpoints[1] in r.records()[-1]["message"] for r in results)
+    assert counters(daemons[0])["links_stream_failed"] >= 1
+    # Nothing else broke: the same daemons serve a new job, streams and all.
+    after = run_spread(daemons, (1, 1), "multinode_allreduce.py", ["ring"], job="after-cut")
+    assert all(r.records()[-1]["failures"] == 0 for r in after)
 
 
 @pytest.mark.timeout(120)

@@ -9,8 +9,12 @@ proves that the connecting side talked to this daemon over its ZeroMQ link;
 like the rest of `--insecure`, it is not authentication.
 
 A stream that breaks is dropped and reopened on the next advertisement; sends
-that were waiting on it fail (the collective fails, as it would on a lost
-peer).  When the ZeroMQ link is lost, the stream to that peer is closed too.
+that were waiting on it fail, and `on_broken(peer, why)` reports the break of
+any stream to or from a peer that may have lost data (a send, or a message
+cut short), so that the jobs spanning that peer fail at once (as on a lost
+peer) instead of at their deadlines.  Until the stream is back, slices go over the
+ZeroMQ link.  When the ZeroMQ link is lost, the streams to and from that peer
+are closed too (the link's loss is reported by the links themselves).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class DataPlane:
         identify: Callable[[str], str | None],
         on_message: Callable[[str, str, bytes, list[memoryview | PayloadSink]], None],
         on_event: Callable[[str, str, str], None],
+        on_broken: Callable[[str, str], None],
         limits: tuple[int, int, int],
         connect_timeout_s: float,
         on_head: Callable[
@@ -60,7 +65,8 @@ class DataPlane:
         `on_message(peer, name, header, payloads)` gets each received message;
         `on_head(peer, name, header, sizes)` may place its payloads (see
         `StreamReceiver`); `on_event(counter, peer, reason)` counts and reports
-        refusals and breaks."""
+        refusals and breaks; `on_broken(peer, why)` is told of a break that may
+        have lost data (see the module docstring)."""
         self._loop = loop
         self._listen = listen
         self._name = name
@@ -68,6 +74,7 @@ class DataPlane:
         self._on_message = on_message
         self._on_head = on_head
         self._on_event = on_event
+        self._on_broken = on_broken
         self._limits = limits
         self._connect_timeout_s = connect_timeout_s
         self.token = secrets.token_bytes(16)
@@ -77,6 +84,7 @@ class DataPlane:
         self._connecting: dict[str, asyncio.Task[None]] = {}
         self._receivers: set[StreamReceiver] = set()
         self._paused = False
+        self._closed = False
 
     def start(self) -> None:
         """Listen on an ephemeral port of the peer address; raises OSError if it cannot."""
@@ -111,7 +119,8 @@ class DataPlane:
             return
         if not isinstance(token, bytes) or not 0 < len(token) < 256:
             return
-        if peer in self._senders or peer in self._connecting or self._listener is None:
+        if (self._closed or peer in self._senders or peer in self._connecting
+                or self._listener is None):
             return
         self._connecting[peer] = self._loop.create_task(
             self._connect(peer, host, port, token), name=f"peer-stream {peer}"
@@ -121,12 +130,15 @@ class DataPlane:
         sock: socket.socket | None = None
         try:
             sock = await self._open(host, port)
+            if self._closed:
+                return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sender = StreamSender(sock, self._loop, self._broken, f"the stream to {peer}")
             sock = None  # the sender owns it now
+            self._senders[peer] = sender  # before the hello: a failing send unregisters it
             sender.send(encode_hello(self._name, token), ())
-            self._senders[peer] = sender
-            log.info("data stream to %s open (port %d)", peer, port)
+            if not sender.closed:
+                log.info("data stream to %s open (port %d)", peer, port)
         except (OSError, TimeoutError) as exc:
             self._on_event("stream_failed", peer, f"cannot open a data stream: {exc}")
         finally:
@@ -159,15 +171,21 @@ class DataPlane:
             if open_sender is sender:
                 del self._senders[peer]
                 self._on_event("stream_failed", peer, f"data stream broke: {exc}")
+                if sender.sends > 1:  # more than the hello: a slice may be lost
+                    self._on_broken(peer, f"the data stream to it broke: {exc}")
 
     def drop(self, peer: str, exc: Exception) -> None:
-        """The link to `peer` went down: close our stream to it (waiting sends fail)."""
+        """The link to `peer` went down: close our streams to and from it (waiting
+        sends fail with `exc`); nothing more is reported."""
         task = self._connecting.pop(peer, None)
         if task is not None:
             task.cancel()
         sender = self._senders.pop(peer, None)
         if sender is not None:
             sender.close(exc)
+        for receiver in list(self._receivers):
+            if receiver.peer == peer:
+                receiver.close(None)
 
     # -- incoming -----------------------------------------------------------------
 
@@ -190,7 +208,7 @@ class DataPlane:
             sock, self._loop, max_header_bytes=max_header, max_payloads=max_payloads,
             max_payload_bytes=max_payload,
             on_hello=lambda name, token: self._hello(receiver, name, token),
-            on_message=self._received, on_closed=self._closed,
+            on_message=self._received, on_closed=self._stream_closed,
             on_head=self._head if self._on_head is not None else None,
         )
         self._receivers.add(receiver)
@@ -211,7 +229,9 @@ class DataPlane:
             raise StreamError(f"{name[:80]!r} is not one of our peers")
         for other in list(self._receivers):
             if other is not receiver and other.peer == peer:
-                other.close(None)  # the peer reconnected: its old stream is dead
+                # The peer reconnected: its old stream is dead (and lost data if cut short).
+                other.close(StreamError("replaced by a new stream from the same peer")
+                            if other.mid_message else None)
         return peer
 
     def _head(
@@ -227,12 +247,14 @@ class DataPlane:
         assert receiver.peer is not None and receiver.name is not None
         self._on_message(receiver.peer, receiver.name, header, payloads)
 
-    def _closed(self, receiver: StreamReceiver, exc: Exception | None) -> None:
+    def _stream_closed(self, receiver: StreamReceiver, exc: Exception | None) -> None:
         self._receivers.discard(receiver)
         if exc is not None:
             label = receiver.peer or "a stranger"
             counter = "stream_refused" if receiver.peer is None else "stream_failed"
             self._on_event(counter, label, f"incoming data stream closed: {exc}")
+            if receiver.peer is not None and not self._closed:
+                self._on_broken(receiver.peer, f"the data stream from it broke: {exc}")
 
     def pause(self) -> None:
         """Stop reading every incoming stream (the consumer's queue is full)."""
@@ -247,6 +269,7 @@ class DataPlane:
 
     async def close(self, exc: Exception) -> None:
         """Close everything; waiting sends fail with `exc`."""
+        self._closed = True
         tasks = list(self._connecting.values())
         for task in tasks:
             task.cancel()

@@ -214,6 +214,7 @@ class PeerLinks:
         validate: Callable[[Message], None] | None = None,
         on_peer_up: Callable[[str], None] | None = None,
         on_peer_lost: Callable[[str], None] | None = None,
+        on_stream_broken: Callable[[str, str], None] | None = None,
         on_message: Callable[[PeerMessage], None] | None = None,
         on_place: Callable[[str, Message, list[int]], Sequence[PayloadSink | None] | None]
         | None = None,
@@ -228,7 +229,10 @@ class PeerLinks:
         accepted messages go to it instead of `recv()`: no queue, no task switch
         per message.  `on_place(peer, header, sizes)` may give a stream message's
         payloads their place before they arrive (`PayloadSink`s; the message then
-        carries the sinks instead of memoryviews); it must not raise.  Messages
+        carries the sinks instead of memoryviews); it must not raise.
+        `on_stream_broken(peer, why)` hears of a data stream to or from a peer
+        that broke while it may have lost a message (the link itself may still
+        be up; see `data_plane.py`).  Messages
         whose payloads add up to less than `place_min_bytes` are not offered:
         copying them costs less than placing them.  Raises
         `ConfigError` (`KeyFileError` for key files) with a
@@ -290,6 +294,7 @@ class PeerLinks:
         self._io_threads = io_threads
         self._on_peer_up = on_peer_up
         self._on_peer_lost = on_peer_lost
+        self._on_stream_broken = on_stream_broken
         self._on_message = on_message
         self._on_place = on_place
         self._place_min_bytes = place_min_bytes
@@ -420,8 +425,9 @@ class PeerLinks:
         """Listen for data streams; without them the slices stay on ZeroMQ."""
         plane = DataPlane(
             loop, self._listen, name=self.endpoint,
-            identify=lambda name: self._match_routing_id(name.encode()),
+            identify=lambda name: self._peer_named(name.encode()),
             on_message=self._on_stream_message, on_event=self._on_stream_event,
+            on_broken=self._stream_broken,
             on_head=self._on_stream_head if self._on_place is not None else None,
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
             connect_timeout_s=max(5.0, self._peer_timeout_s),
@@ -739,12 +745,7 @@ class PeerLinks:
         handler accepted must also be the one recorded for that endpoint, so an
         authorised daemon cannot speak in the name of another.
         """
-        routing_id = frames[0].bytes
-        if routing_id not in self._by_routing_id:
-            if len(self._by_routing_id) > _MAX_WARNINGS + len(self._links):
-                self._by_routing_id = {name.encode(): name for name in self._links}
-            self._by_routing_id[routing_id] = self._match_routing_id(routing_id)
-        peer = self._by_routing_id[routing_id]
+        peer = self._peer_named(frames[0].bytes)
         if self._secret is not None and peer is not None:
             try:
                 user_id = str(frames[1].get("User-Id")).encode()
@@ -753,6 +754,15 @@ class PeerLinks:
             if self._peer_by_key.get(user_id) != peer:
                 return None
         return peer
+
+    def _peer_named(self, routing_id: bytes) -> str | None:
+        """The peer a routing id (or stream hello) names, remembered: matching
+        a name that is not a peer's own may resolve host names."""
+        if routing_id not in self._by_routing_id:
+            if len(self._by_routing_id) > _MAX_WARNINGS + len(self._links):
+                self._by_routing_id = {name.encode(): name for name in self._links}
+            self._by_routing_id[routing_id] = self._match_routing_id(routing_id)
+        return self._by_routing_id[routing_id]
 
     def _match_routing_id(self, routing_id: bytes) -> str | None:
         """The peer whose endpoint is the same socket as the one a routing id names."""
@@ -839,6 +849,10 @@ class PeerLinks:
         self.counters[counter] += 1
         self._warn_once(f"{counter}:{peer}", "peer %s: %s", peer, reason)
 
+    def _stream_broken(self, peer: str, why: str) -> None:
+        if not self._closed:
+            self._call(self._on_stream_broken, peer, why)
+
     def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
         """Check one message from the ROUTER; count and drop it if it is bad."""
         peer = self._sender(frames) if len(frames) >= 2 else None
@@ -870,7 +884,7 @@ class PeerLinks:
             self._drop("malformed", link.name, str(exc))
             return
         link.last_heard = time.monotonic()
-        if self._data is not None and link.state == "up":
+        if self._data is not None and link.state == "up" and not self._closed:
             self._data.offer(link.name, link.endpoint.host, header)
         waiter = link.pongs.pop(header["seq"], None)
         if waiter is not None and not waiter.done():
@@ -961,11 +975,11 @@ class PeerLinks:
                 waiter.exception()
         link.pongs.clear()
 
-    def _call(self, callback: Callable[[str], None] | None, peer: str) -> None:
+    def _call(self, callback: Callable[..., None] | None, peer: str, *args: Any) -> None:
         if callback is None:
             return
         try:
-            callback(peer)
+            callback(peer, *args)
         except Exception:
             log.exception("peer callback %r failed for %s", callback, peer)
 

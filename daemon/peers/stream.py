@@ -104,6 +104,8 @@ class StreamSender:
         )
         self._writing = False
         self.closed = False
+        #: Messages queued so far (the hello included).
+        self.sends = 0
         # Readable only when the receiver closed (or broke the protocol).
         loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -113,6 +115,7 @@ class StreamSender:
         if self.closed:
             done.set_exception(ConnectionError(f"{self.name} is closed"))
             return done
+        self.sends += 1
         views = [memoryview(head)]
         views += [view.cast("B") for view in payloads if view.nbytes]
         self._queue.append((views, done))
@@ -237,6 +240,11 @@ class StreamReceiver:
         self.closed = False
         loop.add_reader(sock.fileno(), self._on_readable)
 
+    @property
+    def mid_message(self) -> bool:
+        """True once part of a message is in: closing now loses it."""
+        return not (self._stage == self._prefix and self._got == 0)
+
     def pause(self) -> None:
         """Stop reading (the consumer is full); the kernel's buffers then fill."""
         if self._reading and not self.closed:
@@ -259,6 +267,13 @@ class StreamReceiver:
         self._on_closed(self, exc)
 
     def _on_readable(self) -> None:
+        try:
+            self._read()
+        except Exception as exc:  # a callback's or a sink's bug: end this stream, not the loop
+            log.exception("reading a data stream from %s failed", self.peer or "a stranger")
+            self.close(exc)
+
+    def _read(self) -> None:
         budget = READ_BUDGET
         while self._reading and not self.closed and budget > 0:
             sink = self._sink
@@ -273,8 +288,8 @@ class StreamReceiver:
                 self.close(exc)
                 return
             if count == 0:
-                between = self._stage == self._prefix and self._got == 0
-                self.close(None if between else StreamError("the stream ended mid-message"))
+                self.close(StreamError("the stream ended mid-message") if self.mid_message
+                           else None)
                 return
             budget -= count
             if sink is None:
