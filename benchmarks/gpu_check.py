@@ -1,4 +1,4 @@
-"""GPU check: gradsync's device buffers on one NVIDIA GPU, in one run of about three minutes.
+"""GPU check: gradsync's device buffers on one GPU, within --budget-s (default 390 s).
 
     python benchmarks/gpu_check.py --out DIR
 

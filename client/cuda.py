@@ -5,10 +5,11 @@ its IPC handle once (one import per slab, in the process's primary context
 for that device, the same one torch and cupy use) and returns a cupy array
 or torch tensor over it: gradients written there are reduced where they lie.
 Other device arrays go through a scratch slab with one device-to-device copy
-each way.  Nothing waits on the host: before submitting, the client records
+each way.  A collective never waits on the host: before submitting, the client records
 the slab's "ready" event on the array's current stream (the daemon's stream
 waits on it); when the daemon answers, that stream waits on the daemon's
-"done" event, so later kernels on it read the result.  Imported only when a
+"done" event, so later kernels on it read the result (only closing a slab
+synchronises its device).  Imported only when a
 device array or `device=` appears; cupy stays optional.
 """
 
@@ -167,10 +168,13 @@ class DeviceBuffers:
             except BaseException:
                 self.runtime.eventDestroy(ready)
                 raise
+            pointer = 0
             try:
                 pointer = int(self.runtime.ipcOpenMemHandle(bytes(reply["ipc_handle"])))
                 done = int(self.runtime.ipcOpenEventHandle(bytes(reply["event"])))
             except Exception as exc:
+                if pointer:  # opened: close it before the daemon frees the memory
+                    self.runtime.ipcCloseMemHandle(pointer)
                 self.runtime.eventDestroy(ready)
                 self._free(int(reply["segment"]))
                 raise InvalidArgumentError(
@@ -233,6 +237,9 @@ class DeviceBuffers:
                                    lambda: self._wait(slab, info.stream), None)
         scratch = self._take_scratch(info.nbytes, info.device)
         with self.cp.cuda.Device(info.device):
+            # Its last user may have been another stream: wait for that copy-out
+            # (recorded in give_back) before anything here overwrites the scratch.
+            self.runtime.streamWaitEvent(info.stream, scratch.ready_event, 0)
             if copy_in:
                 self.runtime.memcpyAsync(scratch.pointer, info.pointer, info.nbytes,
                                          _MEMCPY_DEFAULT, info.stream)
@@ -246,8 +253,8 @@ class DeviceBuffers:
                                              _MEMCPY_DEFAULT, info.stream)
 
         def give_back() -> None:
-            # Any later use of the scratch is queued after the copy-out on the stream
-            # only if it runs on the same stream; record so the daemon waits for it.
+            # Record after the copy-out: the daemon and the scratch's next user (on
+            # any stream, see above) wait for it.
             self._record(scratch, info.stream)
             with self._lock:
                 self._scratch.append(scratch)

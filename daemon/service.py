@@ -503,7 +503,8 @@ class GradsyncService:
         )
         await run(hosts)
         with backend.running(slabs):
-            copy_back()
+            copied = copy_back()  # queued, then the clients' done events after them
+        await self.loop.run_in_executor(self.executor, copied)
 
     def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
         """Run a matched collective: inline when small (or only queued, on a device),

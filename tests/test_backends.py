@@ -55,7 +55,7 @@ def test_host_slabs_share_one_numbering_and_budget() -> None:
         assert os.path.exists(os.path.join(SHM_DIR, name))
         hosts, copy_back = first.backend.to_host([view], np.dtype(np.float64))
         assert hosts[0] is view  # host memory is sent as it is
-        copy_back()
+        copy_back()()  # queue the copies back, then wait for them
         buffers.release(first.segment_id)
         assert not os.path.exists(os.path.join(SHM_DIR, name))
         assert buffers.get(first.segment_id) is None and buffers.in_use == 4096

@@ -48,9 +48,12 @@ class Buffers:
         """A slab of at least `nbytes` in host memory, or on `request["device"]`."""
         device = request.get("device")
         backend = self.host if device is None else self.cuda()
-        if backend is not self.host and self.in_use + nbytes > self.max_bytes:
+        # The host pool checks its own bytes; once device memory is in use too,
+        # every allocation is checked against the sum.
+        if self._cuda is not None and self.in_use + nbytes > self.max_bytes:
+            kind = "host" if backend is self.host else "device"
             raise ShmExhaustedError(
-                f"allocating {nbytes} bytes of device memory for {owner} would exceed "
+                f"allocating {nbytes} bytes of {kind} memory for {owner} would exceed "
                 f"max_shm_bytes={self.max_bytes} ({self.in_use} in use); raise "
                 "--max-shm-bytes",
                 {"requested": nbytes, "in_use": self.in_use, "limit": self.max_bytes},

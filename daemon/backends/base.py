@@ -77,6 +77,11 @@ class Backend(Protocol):
 
     def to_host(
         self, views: Sequence[Any], dtype: np.dtype
-    ) -> tuple[list[Any], Callable[[], None]]:
-        """Host arrays of `dtype` with the views' contents, and a function that copies
-        them back (device views of bfloat16 are uint16: the host copy has the real type)."""
+    ) -> tuple[list[Any], Callable[[], Callable[[], None]]]:
+        """Host arrays of `dtype` with the views' contents (device views of bfloat16
+        are uint16: the host copy has the real type), and `copy_back`.
+
+        `to_host` may block until the copies are done: call it off the loop.
+        `copy_back()` only queues the copies back (call it inside `running`, on
+        the loop) and returns `wait`, which blocks until they are done and the
+        host arrays can go (call it off the loop)."""

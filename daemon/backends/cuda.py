@@ -39,6 +39,7 @@ _PLAIN_EVENT_FLAGS = 0x02  # cudaEventDisableTiming
 _ALIGN = 512
 _HANDLE_BYTES = 64
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers
+_NOT_READY = 600  # cudaErrorNotReady, as eventQuery returns it
 #: Most slots one fused kernel takes (its parameter list grows with them).
 _MAX_FUSED = 64
 
@@ -181,9 +182,13 @@ class CudaBackend:
     def _reap(self) -> None:
         still: list[tuple[int, DeviceAllocation]] = []
         for marker, allocation in self._pending_frees:
-            if self.runtime.eventQuery(marker) != 0:  # cudaErrorNotReady: still running
+            status = self.runtime.eventQuery(marker)
+            if status == _NOT_READY:  # its last kernels are still running
                 still.append((marker, allocation))
                 continue
+            if status != 0:  # a sticky error: nothing will ever run on it again
+                log.warning("freeing device memory of cuda:%d after CUDA error %d",
+                            allocation.device, status)
             with self.cp.cuda.Device(allocation.device):
                 self.runtime.eventDestroy(marker)
                 self.runtime.eventDestroy(allocation.done_event)
@@ -272,8 +277,9 @@ class CudaBackend:
 
     def to_host(
         self, views: Sequence[Any], dtype: np.dtype
-    ) -> tuple[list[Any], Callable[[], None]]:
-        """Pinned host copies of device views (blocks until copied: call off the loop)."""
+    ) -> tuple[list[Any], Callable[[], Callable[[], None]]]:
+        """Pinned host copies of device views (blocks until copied: call off the
+        loop); see `Backend.to_host` for `copy_back`."""
         hosts: list[Any] = []
         pairs: list[tuple[Any, Any]] = []
         for view in views:
@@ -287,15 +293,22 @@ class CudaBackend:
                                          _MEMCPY_DEFAULT, self.stream(view.device.id).ptr)
             hosts.append(host)
             pairs.append((view, host))
-        for stream in self._streams.values():
+        # Only the streams these copies went to (the loop may add others meanwhile).
+        streams = [self.stream(device) for device in {v.device.id for v, _ in pairs}]
+        for stream in streams:
             stream.synchronize()
 
-        def copy_back() -> None:
+        def copy_back() -> Callable[[], None]:
             for view, host in pairs:
                 with self.cp.cuda.Device(view.device.id):
                     self.runtime.memcpyAsync(view.data.ptr, host.ctypes.data, view.nbytes,
                                              _MEMCPY_DEFAULT, self.stream(view.device.id).ptr)
-            for stream in self._streams.values():
-                stream.synchronize()  # the pinned buffers go away after this
+
+            def wait() -> None:
+                for stream in streams:
+                    stream.synchronize()
+                pairs.clear()  # the pinned buffers may go now
+
+            return wait
 
         return hosts, copy_back

@@ -58,8 +58,12 @@ class HostBackend:
 
     def to_host(
         self, views: Sequence[Any], dtype: np.dtype
-    ) -> tuple[list[Any], Callable[[], None]]:
-        return list(views), _nothing
+    ) -> tuple[list[Any], Callable[[], Callable[[], None]]]:
+        return list(views), _copied
+
+
+def _copied() -> Callable[[], None]:
+    return _nothing
 
 
 def _nothing() -> None:
