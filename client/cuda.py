@@ -152,7 +152,9 @@ class DeviceBuffers:
         self.runtime = cupy.cuda.runtime
         self._call = call
         self._free = free
-        self._lock = threading.Lock()
+        # Reentrant: a slab's finalizer (close_slab) may run from a garbage
+        # collection inside a block that holds the lock.
+        self._lock = threading.RLock()
         self._slabs: dict[int, DeviceSlab] = {}
         self._scratch: list[DeviceSlab] = []
 
@@ -219,7 +221,7 @@ class DeviceBuffers:
 
     def locate(self, info: DeviceArrayInfo) -> tuple[DeviceSlab, int] | None:
         with self._lock:
-            for slab in self._slabs.values():
+            for slab in list(self._slabs.values()):  # a finalizer may remove one
                 if (slab.device == info.device and slab.pointer <= info.pointer
                         and info.pointer + info.nbytes <= slab.pointer + slab.nbytes):
                     return slab, info.pointer - slab.pointer
@@ -233,8 +235,9 @@ class DeviceBuffers:
         if located is not None:
             slab, offset = located
             self._record(slab, info.stream)
+            # On failure too: the daemon may have queued kernels on the slab before.
             return DevicePlacement(slab.segment_id, offset,
-                                   lambda: self._wait(slab, info.stream), None)
+                                   None, lambda: self._wait(slab, info.stream))
         scratch = self._take_scratch(info.nbytes, info.device)
         with self.cp.cuda.Device(info.device):
             # Its last user may have been another stream: wait for that copy-out
@@ -253,8 +256,9 @@ class DeviceBuffers:
                                              _MEMCPY_DEFAULT, info.stream)
 
         def give_back() -> None:
-            # Record after the copy-out: the daemon and the scratch's next user (on
-            # any stream, see above) wait for it.
+            # Record after the copy-out (and, on failure, after whatever the daemon
+            # queued): the daemon and the scratch's next user, on any stream, wait for it.
+            self._wait(scratch, info.stream)
             self._record(scratch, info.stream)
             with self._lock:
                 self._scratch.append(scratch)

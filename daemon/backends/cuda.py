@@ -219,9 +219,11 @@ class CudaBackend:
             for device in {home, slab.handle.device}:
                 with self.cp.cuda.Device(device):
                     self.runtime.streamWaitEvent(self.stream(device).ptr, client_event, 0)
-        with self.cp.cuda.Device(home), stream:
-            yield
-        self._signal(home, stream, slabs)
+        try:
+            with self.cp.cuda.Device(home), stream:
+                yield
+        finally:  # after a failed kernel too: the clients' streams wait on what was queued
+            self._signal(home, stream, slabs)
 
     def _signal(self, home: int, stream: Any, slabs: Sequence[Slab]) -> None:
         marker = None
