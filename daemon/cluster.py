@@ -23,7 +23,7 @@ from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
-from gradsync.daemon.executor import ScheduleRun
+from gradsync.daemon.executor import ScheduleRun, is_placed
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.peers.stream import StreamError
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
@@ -173,6 +173,7 @@ class ClusterJobs:
             job.formed.set_result(formation)
         early = job.early_slices
         job.early_slices = []
+        job.early_bytes -= _payload_bytes(early)
         for peer, header, frames in early:
             self._replay(job, peer, header, frames)
 
@@ -294,7 +295,7 @@ class ClusterJobs:
     def on_slice(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
         formation = job.formation
         if formation is None:
-            job.early_slices.append((peer, header, frames))
+            self._keep_early(job, peer, header, frames, None)
             return
         if header.get("gen") != formation.generation:
             self.counters["stale_generation"] += 1
@@ -307,7 +308,9 @@ class ClusterJobs:
             return  # that collective already failed here; its stragglers are moot
         run = job.runs.get(key)
         if run is None:
-            job.early_by_key.setdefault(key, []).append((peer, header, frames))
+            if is_placed(frames[0]):
+                return  # placed while its collective ran here; that one has ended since
+            self._keep_early(job, peer, header, frames, key)
             return
         if list(header.get("fp") or []) != list(run.fingerprint):
             self._mismatch(job, key, run, peer, header)
@@ -322,6 +325,39 @@ class ClusterJobs:
                 f"key {key!r} of {job.describe()}: bad slice from peer {peer}: {exc}",
                 {"job": job.name, "key": key, "peer": peer},
             ))
+
+    def _keep_early(
+        self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any], key: Any,
+    ) -> None:
+        """Keep a slice until its job forms (`key` None) or its collective starts here.
+
+        Legitimate early slices belong to collectives this daemon's ranks have
+        not submitted yet, whose buffers fit in max_shm_bytes; a peer that sends
+        more than that ends the job with an error naming it, instead of filling
+        this daemon's memory.
+        """
+        if job.broken is not None:
+            return  # nothing of this generation will run any more
+        nbytes = _payload_bytes([(peer, header, frames)])
+        limit = self.config.max_shm_bytes
+        if job.early_bytes + nbytes > limit:
+            self.counters["early_refused"] += 1
+            held = job.early_bytes
+            job.early_slices.clear()
+            job.early_by_key.clear()
+            job.early_bytes = 0
+            self._break(job, CollectiveError(
+                f"peer daemon {peer} sent {held + nbytes} bytes of slices for collectives "
+                f"of {job.describe()} not started on {self.transport.endpoint}, more than "
+                f"max_shm_bytes ({limit}): ranks out of step, or a faulty peer",
+                {"job": job.name, "peer": peer, "limit": limit},
+            ))
+            return
+        job.early_bytes += nbytes
+        if key is None:
+            job.early_slices.append((peer, header, frames))
+        else:
+            job.early_by_key.setdefault(key, []).append((peer, header, frames))
 
     def _replay(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
         """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
@@ -350,7 +386,7 @@ class ClusterJobs:
         """Fail one collective here and on every member daemon (once per key)."""
         already_known = key in job.failed
         job.remember_failure(key, error)
-        job.early_by_key.pop(key, None)  # slices that can no longer be used
+        job.early_bytes -= _payload_bytes(job.early_by_key.pop(key, []))  # now useless
         run = job.runs.get(key)
         if run is not None:
             run.fail(error)
@@ -554,7 +590,9 @@ class ClusterJobs:
     ) -> None:
         """Start the schedule, feed it what came early, wait until done and sent."""
         run.start()
-        for peer, header, frames in job.early_by_key.pop(ready.key, []):
+        early = job.early_by_key.pop(ready.key, [])
+        job.early_bytes -= _payload_bytes(early)
+        for peer, header, frames in early:
             self._replay(job, peer, header, frames)
         try:
             await asyncio.wait_for(
@@ -583,6 +621,11 @@ class ClusterJobs:
     def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
         if self.trace is not None and self.trace.active:
             self.trace.add(f"job {job.name}", name, started, time.monotonic(), key=repr(key))
+
+
+def _payload_bytes(slices: Sequence[tuple[str, dict[str, Any], Sequence[Any]]]) -> int:
+    """Payload bytes of kept slices."""
+    return sum(memoryview(frame).nbytes for _, _, frames in slices for frame in frames)
 
 
 def _describe_fp(fp: list[Any]) -> str:

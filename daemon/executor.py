@@ -417,6 +417,11 @@ class _Placement:
         raise NotImplementedError
 
 
+def is_placed(payload: Any) -> bool:
+    """True for a payload that was received in place (see `ScheduleRun.place`)."""
+    return isinstance(payload, _Placement)
+
+
 class _CopyPlacement(_Placement):
     """A copy received straight into its place in the buffer."""
 

@@ -121,6 +121,8 @@ class Job:
         self.runs: dict[Key, ScheduleRun] = {}
         self.early_slices: list[tuple[str, dict[str, Any], Any]] = []
         self.early_by_key: dict[Key, list[tuple[str, dict[str, Any], Any]]] = {}
+        #: Payload bytes held in `early_slices` and `early_by_key`.
+        self.early_bytes = 0
 
     @property
     def multi_node(self) -> bool:

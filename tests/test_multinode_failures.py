@@ -172,6 +172,42 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
 
 
 @pytest.mark.timeout(120)
+def test_a_flood_of_early_slices_ends_the_job_not_the_daemon(start_daemon: StartDaemon) -> None:
+    """Slices for a job that has not formed are kept until it does, but no more than
+    max_shm_bytes of them: past that the job fails with an error naming the sender
+    (here a peer that never announced), and the daemon keeps serving."""
+    port, ghost_port = free_ports(2)
+    endpoint, ghost = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{ghost_port}"
+    daemon = start_daemon("--listen", endpoint, "--peers", f"{endpoint},{ghost}", "--insecure",
+                          "--max-shm-bytes", "1MiB")
+    # World size 2, one rank here: the job waits for the ghost's rank to form.
+    (rank,) = spawn_spread([daemon], (1,), "multinode_hold.py", ["1000"], job="flood",
+                           env={"WORLD_SIZE": "2", "GRADSYNC_TIMEOUT_S": "60"})
+    context = zmq.Context()
+    try:
+        fake = context.socket(zmq.DEALER)
+        fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
+        fake.setsockopt(zmq.LINGER, 0)
+        fake.connect(endpoint)
+        header = {"kind": "slice", "job": "flood", "gen": 1, "key": 0,
+                  "fp": ["allreduce", "float32", 1000, "sum", "ring"],
+                  "step": 0, "t": 0, "off": 0}
+        deadline = time.monotonic() + 30
+        while rank.poll() is None and time.monotonic() < deadline:
+            fake.send_multipart([encode_header(ghost, header), bytes(256 * 1024)])
+            time.sleep(0.05)
+    finally:
+        context.destroy(linger=0)
+    (result,) = collect([rank], timeout_s=20)
+    outcome = result.records()[-1]
+    assert outcome["error"] == "CollectiveError", result.stdout + result.stderr
+    assert ghost in outcome["message"] and "max_shm_bytes" in outcome["message"], outcome
+    assert "job 'flood'" in outcome["message"], outcome
+    assert counters(daemon)["early_refused"] == 1
+    daemon.assert_alive()
+
+
+@pytest.mark.timeout(120)
 def test_curve_links_work_and_unknown_keys_are_rejected(
     start_daemon: StartDaemon, short_tmp: str
 ) -> None:
