@@ -396,7 +396,6 @@ class _Placement:
     def cancel(self) -> None:
         self._discard = memoryview(bytearray(min(self.remaining, REDUCE_CHUNK_BYTES) or 1))
         self._drop_target()
-        self._release()
 
     def window(self) -> memoryview:
         if self._discard is not None:
@@ -416,9 +415,6 @@ class _Placement:
 
     def _drop_target(self) -> None:
         raise NotImplementedError
-
-    def _release(self) -> None:
-        """Give back what was borrowed (nothing, unless a subclass says so)."""
 
 
 def is_placed(payload: Any) -> bool:
@@ -453,59 +449,30 @@ class _ReducePlacement(_Placement):
         super().__init__(expected, begin, target)
         self._target: np.ndarray | None = target
         self._op = op
-        self._chunk: np.ndarray | None = _CHUNKS.take()
+        chunk = min(target.nbytes, REDUCE_CHUNK_BYTES - REDUCE_CHUNK_BYTES % target.itemsize)
+        self._chunk = np.empty(chunk, dtype=np.uint8)
         self._chunk_bytes = self._chunk.data
-        # Whole elements per chunk, so that each chunk is combined by itself.
-        self._chunk_size = REDUCE_CHUNK_BYTES - REDUCE_CHUNK_BYTES % target.itemsize
         self._filled = 0  # bytes of the current chunk
         self._done = 0  # bytes combined into the target
 
     def _window(self) -> memoryview:
-        size = min(self._chunk_size, self.nbytes - self._done)
+        size = min(self._chunk.nbytes, self.nbytes - self._done)
         return self._chunk_bytes[self._filled : size]
 
     def _advance(self, count: int) -> None:
         self._filled += count
-        if self._filled < min(self._chunk_size, self.nbytes - self._done):
+        if self._filled < min(self._chunk.nbytes, self.nbytes - self._done):
             return
-        assert self._target is not None and self._chunk is not None
+        assert self._target is not None
         itemsize = self._target.itemsize
         first = self._done // itemsize
         source = self._chunk[: self._filled].view(self._target.dtype)
         combine_into(self._target[first : first + source.size], source, self._op)
         self._done += self._filled
         self._filled = 0
-        if self._done == self.nbytes:
-            self._release()
 
     def _drop_target(self) -> None:
         self._target = None
-
-    def _release(self) -> None:
-        if self._chunk is not None:
-            _CHUNKS.give(self._chunk)
-            self._chunk = None
-
-
-class _ChunkPool:
-    """Receive chunks of placed reductions, kept between collectives: a fresh one
-    costs a page fault per 4 KiB on its first use, each time."""
-
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._free: list[np.ndarray] = []
-
-    def take(self) -> np.ndarray:
-        return self._free.pop() if self._free else np.empty(REDUCE_CHUNK_BYTES, np.uint8)
-
-    def give(self, chunk: np.ndarray) -> None:
-        if len(self._free) < self._keep:
-            self._free.append(chunk)
-
-
-#: One per daemon (placements live on its event loop): enough for a few placed
-#: reductions at once, each from another peer.
-_CHUNKS = _ChunkPool(keep=16)
 
 
 def _remaining(expected: _Expected) -> int:
