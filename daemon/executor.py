@@ -66,8 +66,25 @@ class _Expected:
     reduce: bool
     start: int
     stop: int
-    received: set[int] = dataclasses.field(default_factory=set)
     got: int = 0
+    #: Element ranges [begin, end) within the transfer already claimed, sorted.
+    _begins: list[int] = dataclasses.field(default_factory=list)
+    _ends: list[int] = dataclasses.field(default_factory=list)
+
+    def claim(self, offset: int, count: int) -> bool:
+        """Reserve elements [offset, offset + count) of this transfer; False if the
+        range is empty, out of bounds, or overlaps one claimed before (a duplicate
+        or a peer slicing differently: either would corrupt the sum)."""
+        if count <= 0 or offset < 0 or self.start + offset + count > self.stop:
+            return False
+        index = bisect.bisect_right(self._begins, offset)
+        if index > 0 and self._ends[index - 1] > offset:
+            return False
+        if index < len(self._begins) and self._begins[index] < offset + count:
+            return False
+        self._begins.insert(index, offset)
+        self._ends.insert(index, offset + count)
+        return True
 
 
 class ScheduleRun:
@@ -196,16 +213,8 @@ class ScheduleRun:
         expected = self._expected.get((peer, transfer))
         itemsize = self.buffer.itemsize
         count = nbytes // itemsize
-        if (
-            expected is None
-            or nbytes <= 0
-            or nbytes % itemsize
-            or offset in expected.received
-            or offset < 0
-            or expected.start + offset + count > expected.stop
-        ):
+        if expected is None or nbytes % itemsize or not expected.claim(offset, count):
             return None
-        expected.received.add(offset)
         begin = expected.start + offset
         target = self.buffer[begin : begin + count]
         placement: _Placement = (
@@ -229,12 +238,7 @@ class ScheduleRun:
             return
         expected = self._expected.get((peer, transfer))
         data = np.frombuffer(payload, dtype=self.buffer.dtype)
-        if (
-            expected is None
-            or offset in expected.received
-            or offset < 0
-            or expected.start + offset + data.size > expected.stop
-        ):
+        if expected is None or not expected.claim(offset, data.size):
             raise ProtocolError(
                 f"unexpected slice (transfer {transfer}, offset {offset}, {data.size} elements) "
                 f"from daemon #{peer} at step {self.step}"
@@ -245,7 +249,6 @@ class ScheduleRun:
             combine_into(target, data, self.op)
         else:
             np.copyto(target, data)
-        expected.received.add(offset)
         expected.got += data.size
         self._missing -= data.size
         if self._next:

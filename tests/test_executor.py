@@ -183,6 +183,13 @@ def test_a_placed_slice_is_reserved_and_a_failed_run_stops_writing() -> None:
         assert run.place(*address, len(payload)) is None
         with pytest.raises(ProtocolError, match="unexpected slice"):
             run.deliver(*address, payload)
+        # A range overlapping one claimed before, at another offset, is refused too:
+        # accepting it would count elements twice and end the step with some missing.
+        itemsize = buffers[target].itemsize
+        overlapping = (source, header["step"], header["t"], header["off"] + 1)
+        assert run.place(*overlapping, 4 * itemsize) is None
+        with pytest.raises(ProtocolError, match="unexpected slice"):
+            run.deliver(*overlapping, payload[: 4 * itemsize])
         # A slice for a step past the schedule's end is refused, not kept for later.
         with pytest.raises(ProtocolError, match="of a 2-step schedule"):
             run.deliver(source, run.steps, 0, 0, payload)
