@@ -23,9 +23,8 @@ from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
-from gradsync.daemon.executor import ScheduleRun, is_placed
+from gradsync.daemon.executor import ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
-from gradsync.daemon.peers.stream import StreamError
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -238,6 +237,7 @@ class ClusterJobs:
             )
             if not isinstance(error, CollectiveError):
                 error = RankLostError(error.message, error.details)
+            job.gone.add(peer)
             self._break(job, error, fail_runs=False)
             # Collectives that still wait for data from it cannot finish.
             index = job.formation.index_of(peer)
@@ -422,6 +422,7 @@ class ClusterJobs:
                 f"key {key!r} at step {run.step + 1}/{run.steps} of {run.algorithm}"
                 for key, run in job.runs.items()
             ) or "between collectives"
+            job.gone.add(peer)
             self._break(job, PeerLostError(
                 f"peer daemon {peer} of {job.describe()} {what}; {steps}",
                 {"job": job.name, "peer": peer},
@@ -594,6 +595,11 @@ class ClusterJobs:
         job.early_bytes -= _payload_bytes(early)
         for peer, header, frames in early:
             self._replay(job, peer, header, frames)
+        # A member that left or was lost before this run existed (its task was
+        # queued when the job broke) fails it only if it still needs data from it.
+        for gone in job.gone:
+            if run.needs_from(formation.index_of(gone)) and job.broken is not None:
+                run.fail(job.broken)
         try:
             await asyncio.wait_for(
                 asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
@@ -610,10 +616,12 @@ class ClusterJobs:
             raise error from None
         try:
             await run.wait_sent(max(1.0, deadline - time.monotonic()))
-        except (OSError, StreamError) as exc:  # a data stream broke under our last slices
+        except SendFailed as exc:  # a data stream broke under our last slices
+            peer = formation.daemons[exc.peer]
             lost = PeerLostError(
                 f"key {ready.key!r} of {job.describe()}: sending this daemon's last slices "
-                f"of {algorithm} failed: {exc}", {"job": job.name, "key": ready.key},
+                f"of {algorithm} to peer daemon {peer} failed: {exc.cause}",
+                {"job": job.name, "key": ready.key, "peer": peer},
             )
             self.abort(job, ready.key, lost)
             raise lost from None

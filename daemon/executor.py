@@ -126,7 +126,8 @@ class ScheduleRun:
         #: The next step's send slices, sorted by `begin`, and their begins.
         self._next: list[_Slice] = []
         self._next_begins: list[int] = []
-        self.trackers: list[Any] = []
+        #: (daemon index, future of the send) of every zero-copy slice sent.
+        self.trackers: list[tuple[int, Any]] = []
         #: Slices of the current step being received in place.
         self._placed: set[_Placement] = set()
         self.bytes_sent = 0
@@ -349,7 +350,7 @@ class ScheduleRun:
         piece.sent = True
         tracker = self._send(piece.peer, header, view if zero_copy else bytes(view), zero_copy)
         if tracker is not None:
-            self.trackers.append(tracker)
+            self.trackers.append((piece.peer, tracker))
         self.bytes_sent += view.nbytes
 
     async def wait_sent(self, timeout_s: float) -> None:
@@ -357,11 +358,13 @@ class ScheduleRun:
 
         `trackers` hold futures of `zmq.MessageTracker`s: the future is done once
         the message is queued, the tracker once libzmq has let go of the memory.
+        A send that failed raises its error; one that is not a `GradsyncError`
+        (a data stream's socket error) comes as `SendFailed` naming the peer.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = 0.0
-        while not all(_released(sending) for sending in self.trackers):
+        while not all(_released(peer, sending) for peer, sending in self.trackers):
             if loop.time() > deadline:
                 raise CollectiveTimeoutError(
                     f"the peer links did not send this daemon's last slices within {timeout_s:g}s"
@@ -370,11 +373,25 @@ class ScheduleRun:
             delay = min(max(2 * delay, 50e-6), 2e-3)
 
 
-def _released(sending: Any) -> bool:
+class SendFailed(Exception):
+    """A slice could not be sent to daemon index `peer`: its data stream broke."""
+
+    def __init__(self, peer: int, cause: BaseException) -> None:
+        super().__init__(f"sending to daemon #{peer} failed: {cause}")
+        self.peer = peer
+        self.cause = cause
+
+
+def _released(peer: int, sending: Any) -> bool:
     """True once a tracked send no longer needs its buffer (raises if it failed)."""
     if not sending.done():
         return False
-    tracker = sending.result()
+    try:
+        tracker = sending.result()
+    except GradsyncError:
+        raise
+    except Exception as exc:
+        raise SendFailed(peer, exc) from exc
     return tracker is None or bool(tracker.done)
 
 

@@ -123,6 +123,8 @@ class Job:
         self.early_by_key: dict[Key, list[tuple[str, dict[str, Any], Any]]] = {}
         #: Payload bytes held in `early_slices` and `early_by_key`.
         self.early_bytes = 0
+        #: Member daemons that withdrew or were lost since the job formed.
+        self.gone: set[str] = set()
 
     @property
     def multi_node(self) -> bool:
