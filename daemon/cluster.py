@@ -239,11 +239,8 @@ class ClusterJobs:
                 error = RankLostError(error.message, error.details)
             job.gone.add(peer)
             self._break(job, error, fail_runs=False)
-            # Collectives that still wait for data from it cannot finish.
-            index = job.formation.index_of(peer)
             for run in list(job.runs.values()):
-                if run.needs_from(index):
-                    run.fail(error)
+                _fail_if_waiting_on_gone(job, run, error)
 
     def _on_abort(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
         if job is None or job.formation is None or header.get("gen") != job.formation.generation:
@@ -595,11 +592,8 @@ class ClusterJobs:
         job.early_bytes -= _payload_bytes(early)
         for peer, header, frames in early:
             self._replay(job, peer, header, frames)
-        # A member that left or was lost before this run existed (its task was
-        # queued when the job broke) fails it only if it still needs data from it.
-        for gone in job.gone:
-            if run.needs_from(formation.index_of(gone)) and job.broken is not None:
-                run.fail(job.broken)
+        if job.broken is not None:  # it broke while this run's task was queued
+            _fail_if_waiting_on_gone(job, run, job.broken)
         try:
             await asyncio.wait_for(
                 asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
@@ -629,6 +623,14 @@ class ClusterJobs:
     def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
         if self.trace is not None and self.trace.active:
             self.trace.add(f"job {job.name}", name, started, time.monotonic(), key=repr(key))
+
+
+def _fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) -> None:
+    """A run that still needs data from a member daemon that left or was lost
+    cannot finish; one that already holds everything from them can."""
+    assert job.formation is not None
+    if any(run.needs_from(job.formation.index_of(gone)) for gone in job.gone):
+        run.fail(error)
 
 
 def _payload_bytes(slices: Sequence[tuple[str, dict[str, Any], Sequence[Any]]]) -> int:

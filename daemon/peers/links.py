@@ -229,14 +229,13 @@ class PeerLinks:
         accepted messages go to it instead of `recv()`: no queue, no task switch
         per message.  `on_place(peer, header, sizes)` may give a stream message's
         payloads their place before they arrive (`PayloadSink`s; the message then
-        carries the sinks instead of memoryviews); it must not raise.
-        `on_stream_broken(peer, why)` hears of a data stream to or from a peer
-        that broke while it may have lost a message (the link itself may still
-        be up; see `data_plane.py`).  Messages
+        carries the sinks instead of memoryviews); it must not raise.  Messages
         whose payloads add up to less than `place_min_bytes` are not offered:
-        copying them costs less than placing them.  Raises
-        `ConfigError` (`KeyFileError` for key files) with a
-        message naming the setting when something cannot work.
+        copying them costs less than placing them.  `on_stream_broken(peer, why)`
+        hears of a data stream to or from a peer that broke while it may have
+        lost a message (the link itself may still be up; see `data_plane.py`).
+        Raises `ConfigError` (`KeyFileError` for key files) with a message
+        naming the setting when something cannot work.
         """
         try:
             self._listen = parse_tcp_endpoint(listen)
