@@ -1,20 +1,15 @@
-"""What the daemons' logs say about a multi-daemon run: the link probes and `auto`'s picks.
+"""What the daemons say about a multi-daemon run: their link probes and `auto`'s picks.
 
 Every daemon logs (level info), when a peer link comes up, "link to PEER: rtt
-X µs, Y MB/s": the inputs of the cost model that `auto` uses.  Each daemon
-announces the median over its links (alpha = rtt / 2, beta = 1 / rate;
-`LinksTransport.link_costs`) and a job takes the median over its daemons
-(`membership.form`), so the picks follow from the logs (`infer_picks`), with
-the daemon's own cost model and candidates (star too, up to 8 daemons).
-
-At `--log-level debug` a daemon also logs, per collective that asked for
-`auto`, "auto picked ALGO for N bytes over M daemons; estimates {...}"
-(`parse_picks`).  That costs about 0.1 ms per collective here (Python logging
-in the daemon's event loop), enough to make `auto` look 10 % slower than the
-algorithm it picked at small sizes, so the timed daemons run at info level and
-a separate, untimed cluster at debug level checks that the inference matches
-what daemons log.  `crossovers` sweeps the model over sizes to find where its
-choice changes.
+X µs, Y MB/s" (`parse_links`): what a job's first `auto` collectives are priced
+with (each daemon announces the median over its links of alpha = rtt / 2 and
+beta = 1 / rate, the job the median over its daemons).  Later epochs of a job
+use figures fitted to the collectives the daemons ran (daemon/cost_epochs.py),
+so the picks and the figures behind them are read from each daemon's
+statistics (`picks_from_stats`: per size, how often `auto` picked each
+algorithm and the alpha and beta it priced that size with last).  Reading
+them costs the timed collectives nothing, unlike the debug log of every pick.
+`crossovers` sweeps the model over sizes to find where its choice changes.
 """
 
 from __future__ import annotations
@@ -23,13 +18,9 @@ import collections
 import dataclasses
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-_PICK = re.compile(
-    r"auto picked (?P<algo>\w+) for (?P<nbytes>\d+) bytes over (?P<daemons>\d+) daemons; "
-    r"estimates (?P<estimates>\{.*\})"
-)
-_ESTIMATE = re.compile(r"'(\w+)': '(\d+)us'")
 _LINK = re.compile(r"link to (?P<peer>\S+): rtt (?P<rtt>[\d.]+) µs, (?P<mbps>[\d.]+) MB/s")
 #: What `auto` always chooses among (gradsync.daemon.cluster.AUTO_CANDIDATES).
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
@@ -48,6 +39,8 @@ class AutoPicks:
 
     picks: dict[int, collections.Counter[str]] = dataclasses.field(default_factory=dict)
     estimates_us: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    #: The (alpha s, beta s/byte) each size was last priced with.
+    costs: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
     daemons: int = 0
 
     def picked(self, nbytes: int) -> str | None:
@@ -65,19 +58,6 @@ class LinkProbe:
     peer: str
     rtt_us: float
     mb_per_s: float
-
-
-def parse_picks(logs: Iterable[str]) -> AutoPicks:
-    result = AutoPicks()
-    for text in logs:
-        for match in _PICK.finditer(text):
-            nbytes = int(match.group("nbytes"))
-            result.daemons = int(match.group("daemons"))
-            result.picks.setdefault(nbytes, collections.Counter())[match.group("algo")] += 1
-            result.estimates_us.setdefault(nbytes, {
-                name: float(us) for name, us in _ESTIMATE.findall(match.group("estimates"))
-            })
-    return result
 
 
 def parse_links(logs: Sequence[str]) -> list[LinkProbe]:
@@ -107,44 +87,27 @@ def link_costs(links: Sequence[LinkProbe]) -> tuple[float, float] | None:
     return statistics.median(alphas), statistics.median(betas)
 
 
-def infer_picks(daemons: int, sizes: Iterable[int], links: Sequence[LinkProbe]) -> AutoPicks:
-    """What `auto` picks at each size, from the link probes and the daemon's cost model."""
+def picks_from_stats(
+    snapshots: Sequence[dict[str, Any]], job: str, daemons: int
+) -> AutoPicks:
+    """`auto`'s picks over the daemons' statistics snapshots, and the model's
+    estimates at the figures each size was priced with (daemon 0's)."""
     result = AutoPicks(daemons=daemons)
-    costs = link_costs(links)
-    if costs is None:
-        return result
+    for snapshot in snapshots:
+        for size, entry in (snapshot.get("jobs", {}).get(job, {}).get("auto") or {}).items():
+            nbytes = int(size)
+            result.picks.setdefault(nbytes, collections.Counter()).update(entry["picks"])
+            result.costs.setdefault(nbytes, (entry["alpha_s"], entry["beta_s_per_byte"]))
     try:
-        from gradsync.daemon.algorithms.cost_model import choose
+        from gradsync.daemon.algorithms.cost_model import estimate_s
     except ImportError:
         return result
-    for nbytes in sizes:
-        best, estimates = choose(daemons, nbytes, costs[0], costs[1],
-                                 candidates=auto_candidates(daemons))
-        result.picks[nbytes] = collections.Counter({best: 1})
-        result.estimates_us[nbytes] = {name: value * 1e6 for name, value in estimates.items()}
+    for nbytes, (alpha, beta) in result.costs.items():
+        result.estimates_us[nbytes] = {
+            name: estimate_s(name, daemons, nbytes, alpha, beta) * 1e6
+            for name in auto_candidates(daemons)
+        }
     return result
-
-
-def solve_alpha_beta(picks: AutoPicks) -> tuple[float, float] | None:
-    """(alpha s, beta s/byte) the daemons used, from the logged ring estimates.
-
-    ring = 2(M-1)·alpha + 2(M-1)/M·n·beta (gamma is 0 in the daemon); least
-    squares over every logged size, so the µs rounding of the log hardly matters.
-    """
-    m = picks.daemons
-    points = [(n, est["ring"] * 1e-6) for n, est in picks.estimates_us.items() if "ring" in est]
-    if m < 2 or len({n for n, _ in points}) < 2:
-        return None
-    xs = [2 * (m - 1) / m * n for n, _ in points]
-    ys = [y for _, y in points]
-    count = len(points)
-    mean_x, mean_y = sum(xs) / count, sum(ys) / count
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    if sxx == 0:
-        return None
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx
-    alpha = (mean_y - beta * mean_x) / (2 * (m - 1))
-    return max(alpha, 0.0), max(beta, 0.0)
 
 
 def model_choice(daemons: int, nbytes: int, alpha: float, beta: float) -> str | None:

@@ -10,11 +10,10 @@ and `auto` side by side (the algorithms take turns at each size); then torch
 gloo with one process per node over the same network, and raw pyzmq TCP
 throughput between the same addresses (one way, and a ring exchange).  On
 127.0.0.1 with M = 2 it also times `ring` at 16 MiB over CURVE-encrypted links
-against --insecure ones.  `auto`'s choices are inferred from the link probes
-the daemons log at info level, and checked against an untimed cluster that
-logs each pick at debug level.  Prints the tables; with --out, writes them as
-the "interdaemon" section of RESULTS.md (the rest of the file is kept).  See
-README.md.
+against --insecure ones.  `auto`'s choices, and the link costs it priced each
+size with, are read from every daemon's statistics before it stops.  Prints
+the tables; with --out, writes them as the "interdaemon" section of
+RESULTS.md (the rest of the file is kept).  See README.md.
 """
 
 from __future__ import annotations
@@ -32,11 +31,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import interdaemon_report as report_mod
 import machine
 import topology
-from daemon_logs import AutoPicks, LinkProbe, infer_picks, parse_links, parse_picks
+from daemon_logs import AutoPicks, LinkProbe, parse_links, picks_from_stats
 from plan import (
     ALGORITHMS,
     MIB,
@@ -55,9 +55,6 @@ WORKER = os.path.join(HERE, "rank_worker.py")
 RAW = os.path.join(HERE, "raw_zmq.py")
 DEFAULT_SIZES = (4 << 10, 64 << 10, MIB, 16 * MIB, 64 * MIB)
 CURVE_SIZE = 16 * MIB
-#: One short sample per size: enough for the daemons to log auto's pick.
-CHECK_POLICY = SamplePolicy(budget_s=0.0, min_samples=1, max_samples=1, latency_budget_s=0.0,
-                            latency_min_ops=0, ops_small=1, ops_medium=1)
 PLACEMENTS = ("loopback", "netns", "shaped")
 
 
@@ -78,7 +75,6 @@ class Settings:
     gloo: bool
     raw: bool
     curve: bool
-    pick_check: bool
     raw_stream_bytes: tuple[int, ...]
     raw_ring_bytes: tuple[int, ...]
     raw_rounds: int
@@ -110,8 +106,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-raw", action="store_true", help="skip the raw pyzmq probes")
     parser.add_argument("--no-curve", action="store_true",
                         help="skip the CURVE vs --insecure comparison")
-    parser.add_argument("--no-pick-check", action="store_true",
-                        help="skip the untimed debug-level cluster that checks auto's picks")
     parser.add_argument("--out", metavar="RESULTS.md",
                         help="also write the report as the 'interdaemon' section of this file")
     parser.add_argument("--budget-s", type=float, default=0.6,
@@ -170,9 +164,8 @@ class ClusterInfo:
 
     label: str = ""
     commands: list[str] = dataclasses.field(default_factory=list)
-    #: auto's picks as inferred from the link probes, and as logged (debug level only).
+    #: auto's picks, from the daemons' statistics.
     picks: AutoPicks = dataclasses.field(default_factory=AutoPicks)
-    logged_picks: AutoPicks = dataclasses.field(default_factory=AutoPicks)
     links: list[LinkProbe] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -190,9 +183,6 @@ class Group:
     raw: RawResult | None = None
     curve_runs: list[ContenderRun] = dataclasses.field(default_factory=list)
     curve_cluster: list[ClusterInfo] = dataclasses.field(default_factory=list)
-    #: The untimed cluster at --log-level debug that checks the inferred picks.
-    check_runs: list[ContenderRun] = dataclasses.field(default_factory=list)
-    check_cluster: ClusterInfo | None = None
     background_cores: float | None = None
     quiet_wait_s: float = 0.0
 
@@ -297,14 +287,27 @@ def run_gradsync(
         background = meter.foreign_cores()
         logs = [_read(d.log_path) for d in daemons]
         info.links = parse_links(logs)
-        info.picks = infer_picks(nproc, sizes, info.links)
-        info.logged_picks = parse_picks(logs)
+        info.picks = picks_from_stats(_snapshots(daemons, info.problems), job, nproc)
         if failure is not None:
             for index, daemon in enumerate(daemons):
                 log(f"daemon {index} log tail:\n{daemon.log_tail()}")
     info.problems += _daemon_problems(daemons, label)
     runs = _collect(keys_out, nproc, out_dir, failure, wall, background, log_path)
     return runs, info
+
+
+def _snapshots(daemons: Sequence[DaemonRun], problems: list[str]) -> list[dict[str, Any]]:
+    """Each daemon's statistics (for auto's picks); a daemon that does not answer is noted."""
+    from gradsync.client.stats_cli import fetch_snapshot
+    from gradsync.protocol.errors import GradsyncError
+
+    snapshots = []
+    for index, daemon in enumerate(daemons):
+        try:
+            snapshots.append(fetch_snapshot(f"{daemon.endpoint}.stats", 10.0))
+        except GradsyncError as exc:
+            problems.append(f"daemon {index}: no statistics: {exc}")
+    return snapshots
 
 
 def _read(path: str) -> str:
@@ -420,12 +423,6 @@ def run_group(
         )
         group.runs += runs
         _report_progress(title, runs)
-        if settings.pick_check and "auto" in settings.algorithms:
-            log(f"{title}: auto at --log-level debug (untimed: checks the inferred picks) ...")
-            group.check_runs, group.check_cluster = run_gradsync(
-                topo, settings, out_dir, algorithms=("auto",), sizes=settings.sizes,
-                label="gradsync-check", policy=CHECK_POLICY, log_level="debug",
-            )
         if settings.gloo:
             log(f"{title}: torch gloo ...")
             group.runs.append(run_gloo(topo, settings, out_dir))
@@ -499,7 +496,7 @@ def _settings(args: argparse.Namespace) -> Settings | str:
         sizes=sizes, nprocs=nprocs, placements=placements, algorithms=algorithms,
         policy=policy, timeout_s=args.timeout_s, quiet_wait_s=args.quiet_wait_s,
         daemon_args=tuple(shlex.split(args.daemon_args)), gloo=not args.no_gloo,
-        raw=not args.no_raw, curve=not args.no_curve, pick_check=not args.no_pick_check,
+        raw=not args.no_raw, curve=not args.no_curve,
         raw_stream_bytes=(16 * MIB, 64 * MIB), raw_ring_bytes=(4 << 10, 16 * MIB, 64 * MIB),
         raw_rounds=args.raw_rounds, repeat=args.repeat, shaped_rate=args.shaped_rate,
     )

@@ -25,6 +25,8 @@ from plan import (
 )
 from report import Cell, ContenderRun, details_table, format_bw, format_time, results_table
 
+from gradsync.daemon.cost_epochs import EPOCH_KEYS
+
 if TYPE_CHECKING:
     from interdaemon import Group
 
@@ -62,7 +64,7 @@ def select_groups(groups: Sequence[Group]) -> list[Group]:
     """Per placement and M, the repeat with the least background load (failures last)."""
 
     def badness(group: Group) -> tuple[int, float]:
-        runs = [*group.runs, *group.check_runs, *group.curve_runs]
+        runs = [*group.runs, *group.curve_runs]
         failed = (any(run.status == "failed" for run in runs)
                   or (group.raw is not None and group.raw.status == "failed"))
         load = group.background_cores if group.background_cores is not None else float("inf")
@@ -184,34 +186,42 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
     if links:
         rtts = [link.rtt_us for link in links]
         rates = [link.mb_per_s for link in links]
+        probed = link_costs(links)
+        job = (f"; the job's first figures: alpha {probed[0] * 1e6:.0f} µs, "
+               f"{1 / probed[1] / 1e9:.2f} GB/s" if probed else "")
         lines.append(
             f"- Link probes when the peers connected ({len(links)} links): rtt "
-            f"{min(rtts):.0f} to {max(rtts):.0f} µs, {min(rates):.0f} to {max(rates):.0f} MB/s. "
-            "Each daemon takes the median over its links (alpha = rtt / 2, beta = 1 / rate), "
-            "the job the median over its daemons."
+            f"{min(rtts):.0f} to {max(rtts):.0f} µs, {min(rates):.0f} to {max(rates):.0f} MB/s "
+            f"(each daemon announces the median over its links of alpha = rtt / 2 and "
+            f"beta = 1 / rate, the job takes the median over daemons{job})."
         )
-    costs = link_costs(links)
-    if costs is None:
-        lines.append("- No link probes in the daemons' logs: the model's inputs are unknown.")
+    if not picks.costs:
+        lines.append("- No auto picks in the daemons' statistics: the model's inputs are unknown.")
         return lines
-    alpha, beta = costs
-    lines.append(
-        f"- Model inputs: alpha {alpha * 1e6:.0f} µs, beta {beta * 1e9:.3f} ns/byte "
-        f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s), gamma 0 (the daemon passes "
-        "no reduction cost). The picks above follow from these with the daemon's cost "
-        f"model (`choose`, candidates {', '.join(auto_candidates(group.nproc))})."
+    priced = "; ".join(
+        f"{format_size(nbytes)} alpha {alpha * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s"
+        for nbytes, (alpha, beta) in sorted(picks.costs.items()) if nbytes in sizes
     )
+    lines.append(
+        f"- Figures each size was last priced with (from the daemons' statistics; fitted to "
+        f"the ring and rhd allreduces run so far, agreed every {EPOCH_KEYS} keys): {priced}. "
+        "Gamma is 0. "
+        f"The estimates above are the daemon's cost model at those figures (candidates "
+        f"{', '.join(auto_candidates(group.nproc))})."
+    )
+    alpha, beta = picks.costs[max(picks.costs)]  # the last size run: the latest figures
     changes = crossovers(group.nproc, alpha, beta)
     first = model_choice(group.nproc, 4, alpha, beta)
     if first is not None:
+        at = f"at the last figures (alpha {alpha * 1e6:.0f} µs, {1 / beta / 1e9:.2f} GB/s)"
         if changes:
             text = ", then ".join(
                 f"{new} from {format_size(size) if size % 1024 == 0 else f'{size} B'}"
                 for size, _, new in changes
             )
-            lines.append(f"- Model's crossovers (4 B to 1 GiB): {first} below, {text}.")
+            lines.append(f"- Model's crossovers {at}, 4 B to 1 GiB: {first} below, {text}.")
         else:
-            lines.append(f"- Model's choice from 4 B to 1 GiB: always {first} (no crossover).")
+            lines.append(f"- Model's choice {at}, 4 B to 1 GiB: always {first}.")
     verdicts = []
     for nbytes in sizes:
         picked = picks.picked(nbytes)
@@ -226,34 +236,12 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
                 f"{format_size(nbytes)}: picked {picked}, {best[0]} measured faster "
                 f"({chosen.time_s / best[1].time_s:.2f}x)"
             )
+        else:
+            verdicts.append(f"{format_size(nbytes)}: picked {picked} (fastest {best[0]})")
     if verdicts:
         lines.append(f"- Model's pick vs the fastest of {'/'.join(auto_candidates(group.nproc))} "
-                     "measured: "
-                     + "; ".join(verdicts) + ".")
-    lines += check_lines(group, sizes)
+                     "measured: " + "; ".join(verdicts) + ".")
     return lines
-
-
-def check_lines(group: Group, sizes: Sequence[int]) -> list[str]:
-    """Do the picks inferred from the probes match what daemons log at debug level?"""
-    check = group.check_cluster
-    if check is None:
-        return []
-    logged, inferred = check.logged_picks, check.picks
-    rows = []
-    agree = True
-    for nbytes in sizes:
-        said, thought = logged.picked(nbytes), inferred.picked(nbytes)
-        agree = agree and said == thought
-        rows.append(f"{format_size(nbytes)} {said or '—'}"
-                    + ("" if said == thought else f" (inferred {thought or '—'})"))
-    costs = link_costs(check.links)
-    inputs = (f" (its probes: alpha {costs[0] * 1e6:.0f} µs, {1 / costs[1] / 1e9:.2f} GB/s)"
-              if costs else "")
-    verdict = ("the inference from its probes matches at every size" if agree
-               else "the inference from its probes DIFFERS")
-    return [f"- Check: a separate untimed cluster at --log-level debug{inputs} logged "
-            f"{'; '.join(rows)}: {verdict}."]
 
 
 def target_lines(groups: Sequence[Group], sizes: Sequence[int]) -> list[str]:
@@ -364,7 +352,7 @@ def failures(groups: Sequence[Group]) -> list[str]:
     lines = []
     for group in groups:
         where = f"{group.placement}, M={group.nproc}, repeat {group.repeat}"
-        for run in [*group.runs, *group.curve_runs, *group.check_runs]:
+        for run in [*group.runs, *group.curve_runs]:
             if run.status == "failed":
                 lines.append(f"- {where}: {TITLES.get(run.key, run.key)} failed: {run.note}")
             for cell in run.cells.values():
@@ -372,8 +360,6 @@ def failures(groups: Sequence[Group]) -> list[str]:
                     lines.append(f"- {where}: {TITLES.get(run.key, run.key)}, "
                                  f"{format_size(cell.nbytes)}: WRONG RESULT: {cell.wrong_detail}")
         clusters = [group.cluster, *group.curve_cluster]
-        if group.check_cluster is not None:
-            clusters.append(group.check_cluster)
         for info in clusters:
             lines += [f"- {where}: {problem}" for problem in info.problems]
         if group.raw is not None and group.raw.status != "ok":
@@ -454,16 +440,12 @@ def render(
         "A ring allreduce's busbw is exactly its per-daemon send rate, so the ring exchange "
         "is its ceiling on these links; one way (only one sender busy) is the optimistic "
         "one.\n"
-        "- auto's picks: the timed daemons run at the default log level, because at "
-        "`--log-level debug` each `auto` collective logs its pick from the event loop, "
-        "which costs about 0.1 ms per op here and made `auto` 10 to 15 % slower than the "
-        "algorithm it picked at 4 and 64 KiB. Their picks are inferred from the link probes "
-        "they log (`link to PEER: rtt X µs, Y MB/s`, the model's only inputs: each daemon "
-        "takes the median over its links of alpha = rtt / 2 and beta = 1 / rate, the job the "
-        "median over its daemons) with the daemon's own `cost_model.choose`. An untimed "
-        "cluster at `--log-level debug` then runs "
-        "`auto` once per size and its logged `auto picked ALGO for N bytes` lines are "
-        "compared with the same inference from its own probes.\n"
+        "- auto's picks: read from each daemon's statistics (`gradsync stats --json`, job "
+        "entry `auto`: per size, how often each algorithm was picked and the figures it was "
+        "priced with last) before the daemons stop. A job's first collectives are priced "
+        "with the link probes; from then on every daemon fits alpha and beta to the ring and rhd "
+        "allreduces it ran and the members agree on the medians every "
+        f"{EPOCH_KEYS} keys (daemon/cost_epochs.py).\n"
         "- Encryption: on 127.0.0.1, M = 2, two fresh daemon pairs back to back, one with "
         "`--insecure`, one with CURVE keys from `gradsync keygen` (`--curve-secret`, "
         "`--curve-authorized`), ring at 16 MiB only. With `--insecure` the slices take "
@@ -526,8 +508,6 @@ def render(
     add("### Daemon command lines (daemon 0 of each cluster)\n")
     for group in groups:
         clusters = [group.cluster, *group.curve_cluster]
-        if group.check_cluster is not None:
-            clusters.append(group.check_cluster)
         for info in clusters:
             if info.commands:
                 add(f"- {PLACEMENT_TITLES[group.placement]}, M = {group.nproc}, "

@@ -11,6 +11,7 @@ slices, aborts, and peers lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -20,9 +21,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from gradsync.daemon.algorithms import ALGORITHMS
-from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose
+from gradsync.daemon.algorithms.calibration import CostMeter, Costs
+from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose, estimate_s
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
+from gradsync.daemon.cost_epochs import epoch_of, epoch_to_offer
 from gradsync.daemon.executor import ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
@@ -52,6 +55,12 @@ log = logging.getLogger("gradsync.daemon.cluster")
 #: root's per-message cost, which the model does not charge, rules it out beyond.
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
 STAR_MAX_DAEMONS = 8
+
+#: Algorithms whose timings calibrate `auto`: those the model prices exactly as
+#: built (tests/test_cost_model.py).  The model leaves out star's per-message
+#: cost at the root and prices the tree within 25 %, so their timings would
+#: bend the figures away from what the others cost.
+CALIBRATING = frozenset({"ring", "rhd"})
 
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
@@ -107,6 +116,8 @@ class ClusterJobs:
         self.remote: dict[str, dict[str, Announcement]] = {}
         self.trace: TraceRecorder | None = None
         self.stats: StatsRecorder | None = None
+        #: Timings of this daemon's allreduces, from which it fits `auto`'s figures.
+        self.meter = CostMeter()
 
     # -- membership ---------------------------------------------------------
 
@@ -200,6 +211,8 @@ class ClusterJobs:
                     self.on_slice(job, peer, header, frames)
             elif kind == "abort":
                 self._on_abort(peer, header, job)
+            elif kind == "costs":
+                self._on_costs(peer, header, job)
             else:
                 self.counters["malformed"] += 1
         except (ProtocolError, ValueError, KeyError, TypeError) as exc:
@@ -256,6 +269,29 @@ class ClusterJobs:
         run = job.runs.get(key)
         if run is not None:
             run.fail(error)
+
+    def _on_costs(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+        """A member's figures for one epoch of `auto` (see cost_epochs.py)."""
+        generation, epoch = header["gen"], header["epoch"]
+        alpha, beta = header["alpha_s"], header["beta_s_per_byte"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (generation, epoch)):
+            raise ValueError("costs: 'gen' and 'epoch' must be integers")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e3
+                   for v in (alpha, beta)) or epoch < 1:
+            raise ValueError("costs: epoch must be positive, alpha and beta seconds in [0, 1000)")
+        if job is None:
+            self.counters["dropped_unknown_job"] += 1
+            return
+        formation = job.formation
+        if formation is not None and generation != formation.generation:
+            self.counters["stale_generation"] += 1
+            return
+        if formation is not None and peer not in formation.daemons:
+            raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
+        # Before this daemon formed the job, keep them: the generation decides later.
+        job.costs.add(generation, epoch, peer, Costs(float(alpha), float(beta)))
+        if formation is not None:
+            job.costs.notify(generation, epoch, formation.daemons)
 
     def place(
         self, peer: str, header: dict[str, Any], sizes: list[int], jobs: dict[str, Job]
@@ -435,6 +471,7 @@ class ClusterJobs:
         if job.broken is None:
             job.broken = error
         log.warning("%s", error.message)
+        job.costs.fail(error)
         if fail_runs:
             for run in list(job.runs.values()):
                 run.fail(error)
@@ -449,7 +486,14 @@ class ClusterJobs:
 
     # -- running a collective -----------------------------------------------
 
-    def choose_algorithm(self, requested: str | None, formation: Formation, nbytes: int) -> str:
+    def wants_auto(self, requested: str | None) -> bool:
+        return (requested or self.config.algorithm) == "auto"
+
+    def choose_algorithm(
+        self, requested: str | None, formation: Formation, nbytes: int, job_name: str = "",
+        epoch: int = 0,
+    ) -> str:
+        """The algorithm to run; `auto` prices them with the formation's figures."""
         name = requested or self.config.algorithm
         if name != "auto":
             if name not in ALGORITHMS:
@@ -459,6 +503,9 @@ class ClusterJobs:
             return name
         daemons = len(formation.daemons)
         best, estimates = auto_pick(daemons, nbytes, formation.alpha_s, formation.beta_s_per_byte)
+        if self.stats is not None:
+            self.stats.auto_picked(job_name, nbytes, best,
+                                   Costs(formation.alpha_s, formation.beta_s_per_byte), epoch)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("auto picked %s for %d bytes over %d daemons; estimates %s", best, nbytes,
                       daemons, {k: f"{v * 1e6:.0f}us" for k, v in estimates})
@@ -473,7 +520,8 @@ class ClusterJobs:
         divide = job.world_size if op is ReduceOp.AVG else 1
 
         def plan_for(formation: Formation, me: int) -> Plan:
-            algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes)
+            algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes, job.name,
+                                              epoch_of(ready.key))
             work = slots[0] if slots else np.empty(0, dtype=np.uint8)
 
             def before() -> None:
@@ -483,6 +531,7 @@ class ClusterJobs:
                 broadcast_from_first(slots, 0, count, divide)
 
             daemons = len(formation.daemons)
+            chunks = None
             if algorithm == "tree":
                 # The chunk count the cost model priced; every daemon computes the same.
                 chunks = best_tree_chunks(daemons, nbytes, formation.alpha_s,
@@ -494,9 +543,13 @@ class ClusterJobs:
                 work, schedule, before if len(slots) > 1 else None,
                 after if len(slots) > 1 or (slots and divide != 1) else None,
                 algorithm, agree_first=False,
+                modelled=(estimate_s(algorithm, daemons, nbytes, 1.0, 0.0),
+                          estimate_s(algorithm, daemons, nbytes, 0.0, 1.0))
+                if algorithm in CALIBRATING else None,
             )
 
-        await self.run_plan(job, ready, op, fingerprint, plan_for)
+        await self.run_plan(job, ready, op, fingerprint, plan_for,
+                            agreed_costs=self.wants_auto(requested_algorithm))
 
     async def run_plan(
         self,
@@ -505,8 +558,13 @@ class ClusterJobs:
         op: ReduceOp,
         fingerprint: tuple[Any, ...],
         plan_for: Callable[[Formation, int], Plan],
+        agreed_costs: bool = False,
     ) -> None:
-        """Any collective across daemons; raises the error the clients should get."""
+        """Any collective across daemons; raises the error the clients should get.
+
+        With `agreed_costs` the plan sees the formation with the link costs the
+        members agreed for this key's epoch (for `auto`).
+        """
         deadline = ready.first_seen + ready.deadline_s
         formation = job.formation
         if formation is None:
@@ -523,6 +581,9 @@ class ClusterJobs:
                     {"job": job.name, "key": ready.key, "missing": missing},
                 ) from None
         me = formation.index_of(self.transport.endpoint)
+        self._offer_costs(job, formation, epoch_to_offer(ready.key))
+        if agreed_costs:
+            formation = await self._with_agreed_costs(job, formation, ready, deadline)
         plan = plan_for(formation, me)
         algorithm = plan.algorithm
         fp = (*fingerprint, algorithm)
@@ -548,12 +609,16 @@ class ClusterJobs:
             ] if plan.agree_first else [],
         )
         job.runs[ready.key] = run
+        data_phase = time.monotonic()
         try:
             await self._with_job_context(job, ready.key, run, self._drive(
                 job, ready, run, formation, algorithm, deadline))
         finally:
             job.runs.pop(ready.key, None)
             run.release()
+        if plan.modelled is not None and len(formation.daemons) > 1:
+            self.meter.record(len(formation.daemons), (algorithm, plan.work.nbytes),
+                              *plan.modelled, time.monotonic() - data_phase)
         if self.trace is not None and self.trace.active:
             for number, (started, ended, sources) in enumerate(run.step_times):
                 for source in sources or [me]:
@@ -564,6 +629,55 @@ class ClusterJobs:
         if plan.after is not None:
             await self.run_call(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
+
+    def _offer_costs(self, job: Job, formation: Formation, epoch: int) -> None:
+        """Send this daemon's figures for `epoch` to every member, once."""
+        daemons = formation.daemons
+        if epoch < 1 or len(daemons) < 2 or not job.costs.first_offer(formation.generation, epoch):
+            return
+        prior = Costs(formation.alpha_s, formation.beta_s_per_byte)
+        own = self.meter.fit(len(daemons), prior) or prior
+        job.costs.add(formation.generation, epoch, self.transport.endpoint, own)
+        job.costs.notify(formation.generation, epoch, daemons)
+        log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
+                  epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
+        for peer in daemons:
+            if peer != self.transport.endpoint:
+                self.transport.send(peer, {
+                    "kind": "costs", "job": job.name, "gen": formation.generation,
+                    "epoch": epoch, "alpha_s": own.alpha_s,
+                    "beta_s_per_byte": own.beta_s_per_byte,
+                })
+
+    async def _with_agreed_costs(
+        self, job: Job, formation: Formation, ready: PendingCollective, deadline: float,
+    ) -> Formation:
+        """The formation with the figures every member sent for this key's epoch."""
+        epoch = epoch_of(ready.key)
+        if epoch < 1 or len(formation.daemons) < 2:
+            return formation
+        self._offer_costs(job, formation, epoch)
+        generation, daemons = formation.generation, formation.daemons
+        costs = job.costs.agreed(generation, epoch, daemons)
+        if costs is None:
+            if job.broken is not None:
+                raise job.broken
+            try:
+                costs = await asyncio.wait_for(
+                    asyncio.shield(job.costs.waiter(generation, epoch)),
+                    max(0.0, deadline - time.monotonic()),
+                )
+            except TimeoutError:
+                job.costs.forget_waiter(generation, epoch)
+                missing = job.costs.missing(generation, epoch, daemons)
+                raise CollectiveTimeoutError(
+                    f"key {ready.key!r} of {job.describe()} timed out after "
+                    f"{ready.deadline_s:g}s waiting for the link costs of epoch {epoch} "
+                    f"(auto) from peer daemons {missing}",
+                    {"job": job.name, "key": ready.key, "waiting_for": missing},
+                ) from None
+        return dataclasses.replace(formation, alpha_s=costs.alpha_s,
+                                   beta_s_per_byte=costs.beta_s_per_byte)
 
     @staticmethod
     async def _with_job_context(

@@ -159,6 +159,9 @@ class Plan:
     #: disagree); an allreduce's every daemon receives, and its slices carry the
     #: fingerprint, so it skips the extra round.
     agree_first: bool = True
+    #: An allreduce's terms in the cost model, (alphas, bytes at beta), so its
+    #: timing can calibrate `auto`; None for the other collectives.
+    modelled: tuple[float, float] | None = None
 
 
 def make_plan(

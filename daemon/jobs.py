@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from gradsync.daemon.cost_epochs import CostEpochs
 from gradsync.daemon.executor import ScheduleRun
 from gradsync.daemon.membership import Announcement, Formation
 from gradsync.protocol.errors import (
@@ -125,6 +126,8 @@ class Job:
         self.early_bytes = 0
         #: Member daemons that withdrew or were lost since the job formed.
         self.gone: set[str] = set()
+        #: `auto`'s link costs as the members agree on them, epoch by epoch.
+        self.costs = CostEpochs()
 
     @property
     def multi_node(self) -> bool:

@@ -20,10 +20,10 @@ from gradsync.daemon.service import GradsyncService
 log = logging.getLogger("gradsync.daemon.peering")
 
 #: Message kinds daemons exchange (besides the links' own probes).
-PEER_KINDS = ("announce", "withdraw", "slice", "abort")
+PEER_KINDS = ("announce", "withdraw", "slice", "abort", "costs")
 #: Control messages that only matter to a peer that is up: a peer that is down
 #: fails its own collectives, and hears the announcements again when it is back.
-_CONTROL_KINDS = frozenset({"announce", "withdraw", "abort"})
+_CONTROL_KINDS = frozenset({"announce", "withdraw", "abort", "costs"})
 
 
 class LinksTransport:

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 #: Size classes (upper bounds, bytes) for latency and bandwidth figures.
 SIZE_CLASSES = (4 * 1024, 64 * 1024, 1024**2, 16 * 1024**2, 256 * 1024**2, float("inf"))
 _WINDOW = 1024
+#: Distinct buffer sizes whose `auto` picks a job keeps (later sizes are not listed).
+_PICK_SIZES = 64
 
 
 def size_class(nbytes: int) -> str:
@@ -51,6 +53,10 @@ class JobStats:
     latencies: dict[str, collections.deque[tuple[float, int, float]]] = dataclasses.field(
         default_factory=dict
     )
+    #: nbytes -> algorithm -> how often `auto` picked it; and the figures it priced
+    #: that size with last (alpha s, beta s/byte, epoch).
+    auto_picks: dict[int, collections.Counter[str]] = dataclasses.field(default_factory=dict)
+    auto_costs: dict[int, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
 
 
 class StatsRecorder:
@@ -70,6 +76,20 @@ class StatsRecorder:
         stats.bytes_reduced += nbytes * max(1, ranks)
         window = stats.latencies.setdefault(size_class(nbytes), collections.deque(maxlen=_WINDOW))
         window.append((seconds, nbytes, _bus_factor(kind, ranks)))
+
+    def auto_picked(
+        self, job: str, nbytes: int, algorithm: str, costs: tuple[float, float], epoch: int,
+    ) -> None:
+        """`auto` chose `algorithm` for an allreduce of `nbytes`, priced with `costs`
+        (the figures the members agreed for `epoch`, see daemon/cost_epochs.py)."""
+        stats = self.jobs[job]
+        picks = stats.auto_picks.get(nbytes)
+        if picks is None:
+            if len(stats.auto_picks) >= _PICK_SIZES:
+                return
+            picks = stats.auto_picks[nbytes] = collections.Counter()
+        picks[algorithm] += 1
+        stats.auto_costs[nbytes] = (costs[0], costs[1], epoch)
 
     def peer_traffic(self, job: str, peer: str, sent: int = 0, received: int = 0) -> None:
         """Payload bytes exchanged with a peer daemon for a job."""
@@ -118,6 +138,13 @@ class StatsRecorder:
             "peer_bytes": {peer: dict(entry) for peer, entry in stats.peer_bytes.items()},
             "latency": {cls: _percentiles(window) for cls, window in stats.latencies.items()},
         }
+        if stats.auto_picks:
+            entry["auto"] = {
+                str(nbytes): {"picks": dict(picks), "alpha_s": stats.auto_costs[nbytes][0],
+                              "beta_s_per_byte": stats.auto_costs[nbytes][1],
+                              "epoch": stats.auto_costs[nbytes][2]}
+                for nbytes, picks in stats.auto_picks.items()
+            }
         if job is not None:
             entry.update({
                 "world_size": job.world_size,

@@ -49,3 +49,30 @@ def test_every_algorithm_matches_numpy(
         # Slices of the running step were read straight into place.
         assert counters["slices_placed"] > 0
         assert counters["links_malformed"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemon) -> None:
+    """Past its first epoch a job's `auto` runs on link costs fitted to the ring and
+    rhd allreduces the daemons ran, and every member prices each size alike."""
+    from gradsync.client.stats_cli import fetch_snapshot
+    from gradsync.daemon.cost_epochs import EPOCH_KEYS
+
+    rounds = 20  # 6 keys each: epochs 0 to 3
+    daemons = start_cluster(start_daemon, 3)
+    results = run_spread(daemons, (1, 2, 1), "multinode_calibrate.py", [str(rounds)],
+                         job="calib", timeout_s=150)
+    for result in results:
+        assert result.records()[-1]["failures"] == 0, result.stdout
+    entries = [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"]["calib"]["auto"]
+               for d in daemons]
+    last_epoch = (6 * rounds - 1) // EPOCH_KEYS
+    for size in ("4096", "262144"):
+        priced = {(e[size]["alpha_s"], e[size]["beta_s_per_byte"], e[size]["epoch"])
+                  for e in entries}
+        assert len(priced) == 1, priced  # the same figures on every member
+        ((alpha, beta, epoch),) = priced
+        assert epoch == last_epoch and alpha >= 0 and beta > 0
+        picks = [sum(e[size]["picks"].values()) for e in entries]
+        assert picks == [rounds] * 3
+    assert all(query(d.endpoint, 5.0)["counters"]["malformed"] == 0 for d in daemons)

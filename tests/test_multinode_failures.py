@@ -161,6 +161,16 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
                 fake.send_multipart([encode_header(ghost, header), bytes(4000)])
             poll_until(lambda: counters(daemons[0])["stale_generation"] >= before + 5, 20,
                      "the stale slices to be counted")
+            # auto's link costs: a stale one is dropped the same way, a malformed one
+            # is counted as such; neither reaches the job's figures.
+            malformed = counters(daemons[0])["malformed"]
+            costs = {"kind": "costs", "job": "live", "gen": 12345, "epoch": 1,
+                     "alpha_s": 1e-3, "beta_s_per_byte": 1e-9}
+            fake.send_multipart([encode_header(ghost, costs)])
+            fake.send_multipart([encode_header(ghost, {**costs, "alpha_s": "fast"})])
+            poll_until(lambda: counters(daemons[0])["stale_generation"] >= before + 6
+                       and counters(daemons[0])["malformed"] >= malformed + 1, 20,
+                       "the stale and the malformed costs to be counted")
         finally:
             context.destroy(linger=0)
         # The live job is unaffected: both ranks are still reducing correctly.

@@ -1,0 +1,171 @@
+"""`auto`'s link costs fitted to timed collectives, and the members' agreement on them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gradsync.daemon.algorithms.calibration import MIN_GROUP_SAMPLES, CostMeter, Costs
+from gradsync.daemon.algorithms.cost_model import estimate_s
+from gradsync.daemon.cost_epochs import (
+    EPOCH_KEYS,
+    TABLES_KEPT,
+    CostEpochs,
+    epoch_of,
+    epoch_to_offer,
+)
+from gradsync.protocol.errors import PeerLostError
+
+TRUE = Costs(450e-6, 1.8e-9)  # what a step and a byte really cost
+PROBED = Costs(4e-3, 0.6e-9)  # what start-up probes said: far off
+
+
+def _record(meter: CostMeter, daemons: int, algorithm: str, nbytes: int, times: list[float],
+            truth: Costs = TRUE) -> None:
+    a = estimate_s(algorithm, daemons, nbytes, 1.0, 0.0)
+    b = estimate_s(algorithm, daemons, nbytes, 0.0, 1.0)
+    for factor in times:
+        meter.record(daemons, (algorithm, nbytes), a, b,
+                     (a * truth.alpha_s + b * truth.beta_s_per_byte) * factor)
+
+
+def test_fit_recovers_alpha_and_beta_from_mixed_sizes() -> None:
+    meter = CostMeter()
+    for nbytes in (4096, 1 << 20, 16 << 20):
+        for algorithm in ("ring", "rhd"):
+            _record(meter, 4, algorithm, nbytes, [1.0] * 5)
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None
+    assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.02)
+    assert fitted.beta_s_per_byte == pytest.approx(TRUE.beta_s_per_byte, rel=0.02)
+
+
+def test_skew_and_noise_only_add_time_and_the_lower_quartile_ignores_them() -> None:
+    rng = random.Random(7)
+    meter = CostMeter()
+    for nbytes in (4096, 1 << 20, 16 << 20):
+        for algorithm in ("ring", "rhd"):
+            # A third of the collectives waited for a late rank: up to 3x longer.
+            _record(meter, 4, algorithm, nbytes,
+                    [1.0 + (2 * rng.random() if i % 3 == 0 else 0.02 * rng.random())
+                     for i in range(12)])
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None
+    assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.05)
+    assert fitted.beta_s_per_byte == pytest.approx(TRUE.beta_s_per_byte, rel=0.05)
+
+
+def test_small_buffers_alone_settle_alpha_and_leave_beta_to_the_prior() -> None:
+    meter = CostMeter()
+    for algorithm in ("ring", "rhd"):
+        _record(meter, 4, algorithm, 4096, [1.0] * 5)
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None
+    assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.05)
+    assert fitted.beta_s_per_byte == pytest.approx(PROBED.beta_s_per_byte, rel=0.1)
+
+
+def test_one_size_alone_gets_its_own_time_right() -> None:
+    """One group cannot tell alpha from beta; whatever split the prior suggests,
+    the model must then price that collective as it measured."""
+    meter = CostMeter()
+    _record(meter, 4, "ring", 64 << 20, [1.0] * 5)
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None
+    modelled = estimate_s("ring", 4, 64 << 20, fitted.alpha_s, fitted.beta_s_per_byte)
+    assert modelled == pytest.approx(estimate_s("ring", 4, 64 << 20, *TRUE), rel=0.02)
+    assert fitted.beta_s_per_byte == pytest.approx(TRUE.beta_s_per_byte, rel=0.25)
+
+
+def test_no_figures_before_a_group_has_enough_samples_and_per_daemon_count() -> None:
+    meter = CostMeter()
+    _record(meter, 4, "ring", 4096, [1.0] * (MIN_GROUP_SAMPLES - 1))
+    assert meter.fit(4, PROBED) is None
+    _record(meter, 4, "ring", 4096, [1.0])
+    assert meter.fit(4, PROBED) is not None
+    assert meter.fit(2, PROBED) is None  # other daemon counts keep their own timings
+    assert meter.fit(4, Costs(0.0, 0.0)) is None  # no usable prior
+
+
+def test_useless_samples_are_ignored_and_the_window_is_bounded() -> None:
+    meter = CostMeter(kept=8)
+    meter.record(4, "g", 1.0, 1.0, 0.0)
+    meter.record(4, "g", 1.0, 1.0, float("nan"))
+    meter.record(4, "g", -1.0, 1.0, 1.0)
+    meter.record(4, "g", 0.0, 0.0, 1.0)
+    assert meter.samples(4) == 0
+    for _ in range(20):
+        meter.record(4, "g", 1.0, 1.0, 1.0)
+    assert meter.samples(4) == 8
+
+
+def test_figures_stay_non_negative() -> None:
+    meter = CostMeter()
+    # Times that fall as the message count grows: no positive alpha explains them.
+    for steps, seconds in ((2, 1.0), (6, 0.9), (12, 0.8)):
+        for _ in range(3):
+            meter.record(4, steps, float(steps), 1e8, seconds)
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None and fitted.alpha_s >= 0 and fitted.beta_s_per_byte > 0
+
+
+# -- agreeing on them ----------------------------------------------------------
+
+
+def test_epochs_follow_the_keys_and_named_keys_keep_the_formation_figures() -> None:
+    assert epoch_of(0) == epoch_of(EPOCH_KEYS - 1) == 0
+    assert epoch_of(EPOCH_KEYS) == 1
+    assert epoch_of("warmup") == epoch_of(-3) == 0
+    # Figures for an epoch go out half an epoch before it starts.
+    assert epoch_to_offer(EPOCH_KEYS // 2 - 1) == 0
+    assert epoch_to_offer(EPOCH_KEYS // 2) == 1
+    assert epoch_to_offer("warmup") == 0
+
+
+def test_members_agree_on_the_medians_once_all_have_sent() -> None:
+    daemons = ("a", "b", "c")
+    epochs = CostEpochs()
+    assert epochs.first_offer(7, 1) and not epochs.first_offer(7, 1)
+    assert epochs.add(7, 1, "a", Costs(1e-3, 3e-9))
+    assert epochs.add(7, 1, "b", Costs(2e-3, 1e-9))
+    assert epochs.agreed(7, 1, daemons) is None
+    assert epochs.missing(7, 1, daemons) == ["c"]
+    assert not epochs.add(7, 1, "b", Costs(9.0, 9.0))  # the first figures stand
+    assert epochs.add(7, 1, "c", Costs(5e-3, 2e-9))
+    assert epochs.agreed(7, 1, daemons) == Costs(2e-3, 2e-9)
+    assert epochs.agreed(8, 1, daemons) is None  # another generation: nothing yet
+
+
+def test_a_waiter_gets_the_figures_or_the_jobs_error() -> None:
+    async def scenario() -> None:
+        daemons = ("a", "b")
+        epochs = CostEpochs()
+        waiting = epochs.waiter(1, 2)
+        epochs.add(1, 2, "a", Costs(1e-3, 1e-9))
+        epochs.notify(1, 2, daemons)
+        assert not waiting.done()
+        epochs.add(1, 2, "b", Costs(3e-3, 3e-9))
+        epochs.notify(1, 2, daemons)
+        assert await asyncio.wait_for(waiting, 1) == Costs(2e-3, 2e-9)
+        broken = epochs.waiter(1, 3)
+        epochs.fail(PeerLostError("peer b was lost"))
+        with pytest.raises(PeerLostError):
+            await asyncio.wait_for(broken, 1)
+
+    asyncio.run(scenario())
+
+
+def test_tables_are_bounded_but_an_awaited_one_is_kept() -> None:
+    async def scenario() -> None:
+        epochs = CostEpochs()
+        epochs.waiter(1, 1)
+        epochs.add(1, 1, "a", Costs(1e-3, 1e-9))
+        for epoch in range(2, 3 * TABLES_KEPT):
+            epochs.add(1, epoch, "a", Costs(1e-3, 1e-9))
+        assert epochs.missing(1, 1, ("a", "b")) == ["b"]  # still there
+        assert epochs.missing(1, 2, ("a",)) == ["a"]  # dropped long ago
+        epochs.fail(PeerLostError("done"))
+
+    asyncio.run(scenario())
