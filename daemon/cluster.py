@@ -80,6 +80,13 @@ def auto_pick(
     return best, tuple(estimates.items())
 
 
+@functools.lru_cache(maxsize=1024)
+def model_terms(algorithm: str, daemons: int, nbytes: int) -> tuple[float, float]:
+    """(alphas, bytes at beta) the cost model charges this allreduce."""
+    return (estimate_s(algorithm, daemons, nbytes, 1.0, 0.0),
+            estimate_s(algorithm, daemons, nbytes, 0.0, 1.0))
+
+
 class PeerTransport(Protocol):
     """What the cluster needs from the peer links."""
 
@@ -543,8 +550,7 @@ class ClusterJobs:
                 work, schedule, before if len(slots) > 1 else None,
                 after if len(slots) > 1 or (slots and divide != 1) else None,
                 algorithm, agree_first=False,
-                modelled=(estimate_s(algorithm, daemons, nbytes, 1.0, 0.0),
-                          estimate_s(algorithm, daemons, nbytes, 0.0, 1.0))
+                modelled=model_terms(algorithm, daemons, nbytes)
                 if algorithm in CALIBRATING else None,
             )
 
@@ -635,7 +641,9 @@ class ClusterJobs:
         daemons = formation.daemons
         if epoch < 1 or len(daemons) < 2 or not job.costs.first_offer(formation.generation, epoch):
             return
-        prior = Costs(formation.alpha_s, formation.beta_s_per_byte)
+        # What the members agreed last is the best guess for what these timings
+        # cannot tell (see CostMeter.fit), better than the start-up probes.
+        prior = job.costs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
         own = self.meter.fit(len(daemons), prior) or prior
         job.costs.add(formation.generation, epoch, self.transport.endpoint, own)
         job.costs.notify(formation.generation, epoch, daemons)
@@ -656,9 +664,11 @@ class ClusterJobs:
         epoch = epoch_of(ready.key)
         if epoch < 1 or len(formation.daemons) < 2:
             return formation
-        self._offer_costs(job, formation, epoch)
         generation, daemons = formation.generation, formation.daemons
         costs = job.costs.agreed(generation, epoch, daemons)
+        if costs is None:
+            self._offer_costs(job, formation, epoch)
+            costs = job.costs.agreed(generation, epoch, daemons)
         if costs is None:
             if job.broken is not None:
                 raise job.broken
@@ -676,8 +686,12 @@ class ClusterJobs:
                     f"(auto) from peer daemons {missing}",
                     {"job": job.name, "key": ready.key, "waiting_for": missing},
                 ) from None
-        return dataclasses.replace(formation, alpha_s=costs.alpha_s,
-                                   beta_s_per_byte=costs.beta_s_per_byte)
+        priced = job.costs.priced.get(costs)
+        if priced is None or priced.generation != generation:
+            priced = dataclasses.replace(formation, alpha_s=costs.alpha_s,
+                                         beta_s_per_byte=costs.beta_s_per_byte)
+            job.costs.priced = {costs: priced}  # the epoch's later collectives reuse it
+        return priced
 
     @staticmethod
     async def _with_job_context(

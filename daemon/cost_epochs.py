@@ -23,6 +23,7 @@ import statistics
 from collections import OrderedDict
 
 from gradsync.daemon.algorithms.calibration import Costs
+from gradsync.daemon.membership import Formation
 from gradsync.protocol.errors import GradsyncError
 
 #: Keys per epoch: how often the members re-agree on `auto`'s figures.
@@ -54,7 +55,12 @@ class CostEpochs:
         self._tables: OrderedDict[Epoch, dict[str, Costs]] = OrderedDict()
         self._offered: OrderedDict[Epoch, None] = OrderedDict()
         self._waiters: dict[Epoch, asyncio.Future[Costs]] = {}
-        self.latest: tuple[int, Costs] | None = None  # (epoch, figures) last agreed
+        self._agreed: OrderedDict[Epoch, Costs] = OrderedDict()
+        #: The figures agreed for the newest epoch so far (None before the first).
+        self.latest: Costs | None = None
+        self._latest_epoch: Epoch = (-1, -1)
+        #: The job's formation re-priced with the figures last used (a cache).
+        self.priced: dict[Costs, Formation] = {}
 
     def first_offer(self, generation: int, epoch: int) -> bool:
         """True once per (generation, epoch): this daemon should send its figures now."""
@@ -81,6 +87,9 @@ class CostEpochs:
 
     def agreed(self, generation: int, epoch: int, daemons: tuple[str, ...]) -> Costs | None:
         """The medians over `daemons`, once every one of them sent figures."""
+        costs = self._agreed.get((generation, epoch))
+        if costs is not None:
+            return costs
         table = self._tables.get((generation, epoch), {})
         if any(daemon not in table for daemon in daemons):
             return None
@@ -88,8 +97,11 @@ class CostEpochs:
             statistics.median(table[d].alpha_s for d in daemons),
             statistics.median(table[d].beta_s_per_byte for d in daemons),
         )
-        if self.latest is None or epoch >= self.latest[0]:
-            self.latest = (epoch, costs)
+        self._agreed[(generation, epoch)] = costs
+        while len(self._agreed) > TABLES_KEPT:
+            self._agreed.popitem(last=False)
+        if (generation, epoch) >= self._latest_epoch:
+            self.latest, self._latest_epoch = costs, (generation, epoch)
         return costs
 
     def missing(self, generation: int, epoch: int, daemons: tuple[str, ...]) -> list[str]:
