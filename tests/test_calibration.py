@@ -136,6 +136,12 @@ def test_members_agree_on_the_medians_once_all_have_sent() -> None:
     assert epochs.add(7, 1, "c", Costs(5e-3, 2e-9))
     assert epochs.agreed(7, 1, daemons) == Costs(2e-3, 2e-9)
     assert epochs.agreed(8, 1, daemons) is None  # another generation: nothing yet
+    # The newest agreement is what a daemon's next fit leans on.
+    assert epochs.latest == Costs(2e-3, 2e-9)
+    for daemon in daemons:
+        epochs.add(7, 0, daemon, Costs(9e-3, 9e-9))
+    assert epochs.agreed(7, 0, daemons) == Costs(9e-3, 9e-9)
+    assert epochs.latest == Costs(2e-3, 2e-9)  # an older epoch does not replace it
 
 
 def test_a_waiter_gets_the_figures_or_the_jobs_error() -> None:
