@@ -67,6 +67,18 @@ def test_small_buffers_alone_settle_alpha_and_leave_beta_to_the_prior() -> None:
     assert fitted.beta_s_per_byte == pytest.approx(PROBED.beta_s_per_byte, rel=0.1)
 
 
+def test_model_error_between_small_groups_does_not_invent_a_slow_link() -> None:
+    """ring and rhd at 4 KiB differ only in steps; rhd's steps measuring 15 % dearer
+    must not be read as bytes (a joint fit made that a 40 MB/s link)."""
+    meter = CostMeter()
+    _record(meter, 4, "ring", 4096, [1.0] * 5)
+    _record(meter, 4, "rhd", 4096, [1.15] * 5)
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None
+    assert fitted.beta_s_per_byte == pytest.approx(PROBED.beta_s_per_byte)
+    assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.1)
+
+
 def test_one_size_alone_gets_its_own_time_right() -> None:
     """One group cannot tell alpha from beta; whatever split the prior suggests,
     the model must then price that collective as it measured."""

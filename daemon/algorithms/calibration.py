@@ -10,13 +10,13 @@ and ran rhd, 12 % slower than ring (benchmarks/RESULTS.md).
 Each finished allreduce gives one equation in the model's own terms: it took
 `seconds` where the model charges `a` alphas and `b` bytes at beta (`a` and
 `b` are the model's estimate at alpha 1, beta 0 and at alpha 0, beta 1).
-`CostMeter.fit` solves those equations for alpha and beta by least squares on
-relative error, one point per (algorithm, size) group: that group's lower
-quartile, because skew between ranks and noise only ever add time.  A weak
-pull towards the prior figures (the probes) settles what the timings cannot
-tell apart: beta while only small buffers ran, alpha while only large ones
-did.  Pure bookkeeping: the caller decides whose
-figures a job uses (see `cost_epochs.py`).
+`CostMeter.fit` takes one point per (algorithm, size) group, that group's
+lower quartile (skew between ranks and noise only ever add time), and reads
+alpha off the groups whose time is mostly latency and beta off those whose
+time is mostly bytes (medians); a figure no group speaks for stays at the
+prior (what the members agreed last, at first the probes).  Only when every
+group is in between does it solve for both by least squares.  Pure
+bookkeeping: the caller decides whose figures a job uses (see `cost_epochs.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ from typing import NamedTuple
 SAMPLES_KEPT = 512
 #: Collectives a (algorithm, size) group needs before it counts.
 MIN_GROUP_SAMPLES = 3
+#: A group whose modelled byte time is at most this share of its time measures
+#: alpha; one whose modelled step time leaves at least `BANDWIDTH_SHARE` of its
+#: time to the bytes measures beta.
+LATENCY_SHARE = 0.2
+BANDWIDTH_SHARE = 0.5
 #: Weight of the prior figures against one (algorithm, size) group: small, so
 #: that it only settles what the timings cannot tell (see `_least_squares`).
 PRIOR_WEIGHT = 1e-3
@@ -66,7 +71,7 @@ class CostMeter:
         points = _group_points(self._samples.get(daemons, ()))
         if not points or prior.alpha_s <= 0 or prior.beta_s_per_byte <= 0:
             return None
-        return _least_squares(points, prior)
+        return _split_fit(points, prior)
 
 
 def _group_points(
@@ -83,6 +88,39 @@ def _group_points(
             times.sort()
             points.append((a, b, times[(len(times) - 1) // 4]))
     return points
+
+
+def _split_fit(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
+    """Alpha from the groups whose time is mostly latency, beta from those whose
+    time is mostly bytes; the prior for a figure no group speaks for.
+
+    Fitting both to every group at once lets the model's small errors decide the
+    other figure: ring and rhd at 4 KiB differ only in their step counts, and
+    rhd's steps measure a little dearer per step than ring's here, which a joint
+    fit reads as a link of 40 MB/s.  Each group is judged with the current
+    figures, three times over, so that a far-off prior does not misjudge it.
+    """
+    alpha, beta = prior
+    for _ in range(3):
+        # Mostly latency: the bytes, at the current beta, explain little of it;
+        # mostly bytes: the steps, at the current alpha, explain little of it.
+        latency = [(t - b * beta) / a for a, b, t in points
+                   if a > 0 and b * beta <= LATENCY_SHARE * t]
+        bandwidth = [(t - a * alpha) / b for a, b, t in points
+                     if b > 0 and a * alpha <= (1 - BANDWIDTH_SHARE) * t]
+        if not latency and not bandwidth:
+            return _least_squares(points, Costs(alpha, beta))
+        if latency:
+            alpha = max(0.0, _median(latency))
+        if bandwidth:
+            beta = max(MIN_BETA_S_PER_BYTE, _median(bandwidth))
+    return Costs(alpha, beta)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def _least_squares(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
