@@ -2,8 +2,8 @@
 
 Every daemon logs (level info), when a peer link comes up, "link to PEER: rtt
 X µs, Y MB/s" (`parse_links`): what a job's first `auto` collectives are priced
-with (each daemon announces the median over its links of alpha = rtt / 2 and
-beta = 1 / rate, the job the median over its daemons).  Later epochs of a job
+with (each daemon announces alpha = its shortest rtt / 2 and beta = 1 / its
+best rate, the job takes the median over its daemons).  Later epochs of a job
 use figures fitted to the collectives the daemons ran (daemon/cost_epochs.py),
 so the picks and the figures behind them are read from each daemon's
 statistics (`picks_from_stats`: per size, how often `auto` picked each
@@ -69,8 +69,9 @@ def parse_links(logs: Sequence[str]) -> list[LinkProbe]:
 
 
 def link_costs(links: Sequence[LinkProbe]) -> tuple[float, float] | None:
-    """(alpha s, beta s/byte) of a job over these daemons, as the daemons derive them:
-    each daemon's median over its links, then the median over daemons.
+    """(alpha s, beta s/byte) a job over these daemons starts with, as the daemons
+    derive them: each daemon's shortest round trip / 2 and best rate over its
+    links, then the median over daemons.
 
     Assumes every daemon had measured all its links when its ranks joined
     (else it announced defaults, 50 µs and 1 GB/s).
@@ -80,9 +81,8 @@ def link_costs(links: Sequence[LinkProbe]) -> tuple[float, float] | None:
     by_daemon: dict[int, list[LinkProbe]] = collections.defaultdict(list)
     for link in links:
         by_daemon[link.daemon].append(link)
-    alphas = [statistics.median(p.rtt_us for p in probes) * 1e-6 / 2
-              for probes in by_daemon.values()]
-    betas = [statistics.median(1.0 / max(p.mb_per_s * 1e6, 1.0) for p in probes)
+    alphas = [min(p.rtt_us for p in probes) * 1e-6 / 2 for probes in by_daemon.values()]
+    betas = [1.0 / max(max(p.mb_per_s for p in probes) * 1e6, 1.0)
              for probes in by_daemon.values()]
     return statistics.median(alphas), statistics.median(betas)
 

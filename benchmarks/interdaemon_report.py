@@ -192,8 +192,8 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
         lines.append(
             f"- Link probes when the peers connected ({len(links)} links): rtt "
             f"{min(rtts):.0f} to {max(rtts):.0f} µs, {min(rates):.0f} to {max(rates):.0f} MB/s "
-            f"(each daemon announces the median over its links of alpha = rtt / 2 and "
-            f"beta = 1 / rate, the job takes the median over daemons{job})."
+            f"(each daemon announces its shortest rtt / 2 as alpha and 1 / its best rate as "
+            f"beta, the job takes the median over daemons{job})."
         )
     if not picks.costs:
         lines.append("- No auto picks in the daemons' statistics: the model's inputs are unknown.")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,18 +52,22 @@ class LinksTransport:
         return self.links.peer_state(peer) == "up"
 
     def link_costs(self) -> tuple[float, float] | None:
-        """Median latency (α = rtt/2) and inverse bandwidth (β) over measured links.
+        """Latency (alpha = rtt/2) and inverse bandwidth (beta) of the least disturbed link.
 
-        The median, not the worst: links are probed once as they come up, often
-        while every daemon is starting and probing at once, and a single inflated
-        probe would otherwise steer every choice.
+        Links are probed once as they come up, usually while every daemon is
+        starting and probing all its peers at once; that only ever adds time, so
+        at four daemons on two cores round trips read 0.2 to 30 ms and rates 0.1
+        to 2 GB/s.  The shortest round trip and the best rate are the readings
+        least inflated; the job then takes the medians over its daemons.  They
+        price a job's first collectives only: later ones use figures fitted to
+        the collectives themselves (cost_epochs.py).
         """
         stats = [self.links.link_stats(peer) for peer in self.links.peers]
         measured = [s for s in stats if s is not None]
         if not measured or len(measured) < len(stats):
             return None
-        alpha = statistics.median(s.rtt_s for s in measured) / 2
-        beta = statistics.median(1.0 / max(s.bytes_per_s, 1.0) for s in measured)
+        alpha = min(s.rtt_s for s in measured) / 2
+        beta = 1.0 / max(max(s.bytes_per_s for s in measured), 1.0)
         return alpha, beta
 
 

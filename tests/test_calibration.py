@@ -79,6 +79,19 @@ def test_model_error_between_small_groups_does_not_invent_a_slow_link() -> None:
     assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.1)
 
 
+def test_bytes_lost_in_the_noise_leave_beta_alone() -> None:
+    """At 64 KiB over four daemons the bytes are a few per cent of a step: timings
+    3 % apart must not set beta (they made star look dear and auto ran rhd)."""
+    meter = CostMeter()
+    for algorithm in ("ring", "rhd"):
+        _record(meter, 4, algorithm, 4096, [1.0] * 5)
+        _record(meter, 4, algorithm, 64 << 10, [0.97] * 5)
+    fitted = meter.fit(4, PROBED)
+    assert fitted is not None
+    assert fitted.beta_s_per_byte == pytest.approx(PROBED.beta_s_per_byte)
+    assert fitted.alpha_s == pytest.approx(TRUE.alpha_s, rel=0.05)
+
+
 def test_one_size_alone_gets_its_own_time_right() -> None:
     """One group cannot tell alpha from beta; whatever split the prior suggests,
     the model must then price that collective as it measured."""

@@ -11,11 +11,12 @@ Each finished allreduce gives one equation in the model's own terms: it took
 `seconds` where the model charges `a` alphas and `b` bytes at beta (`a` and
 `b` are the model's estimate at alpha 1, beta 0 and at alpha 0, beta 1).
 `CostMeter.fit` takes one point per (algorithm, size) group, that group's
-lower quartile (skew between ranks and noise only ever add time), and reads
-alpha off the groups whose time is mostly latency and beta off those whose
-time is mostly bytes (medians); a figure no group speaks for stays at the
-prior (what the members agreed last, at first the probes).  Only when every
-group is in between does it solve for both by least squares.  Pure
+lower quartile (skew between ranks and noise only ever add time), reads alpha
+off the groups with the fewest bytes per step and beta off those with many
+times more (medians); beta stays at the prior (what the members agreed last,
+at first the probes) while no group has enough bytes to show.  Only when no
+group is small enough to read alpha off does it solve for both by least
+squares.  Pure
 bookkeeping: the caller decides whose figures a job uses (see `cost_epochs.py`).
 """
 
@@ -29,11 +30,18 @@ from typing import NamedTuple
 SAMPLES_KEPT = 512
 #: Collectives a (algorithm, size) group needs before it counts.
 MIN_GROUP_SAMPLES = 3
-#: A group whose modelled byte time is at most this share of its time measures
-#: alpha; one whose modelled step time leaves at least `BANDWIDTH_SHARE` of its
-#: time to the bytes measures beta.
+#: Per-step bytes below which groups count as equally small (float32 rounding).
+MIN_STEP_BYTES = 1024.0
+#: Without a group of at most this many bytes per step, alpha cannot be read off
+#: directly and both figures come from a least-squares fit.
+MAX_LATENCY_STEP_BYTES = 64 * 1024.0
+#: A group speaks for beta when it moves this many times the smallest group's
+#: bytes per step.
+SEPARATION = 8.0
+#: ... and when its step time exceeds alpha by at least this share of it.
+BYTES_SHARE = 0.25
+#: A group's time counts as latency when its bytes make up at most this share.
 LATENCY_SHARE = 0.2
-BANDWIDTH_SHARE = 0.5
 #: Weight of the prior figures against one (algorithm, size) group: small, so
 #: that it only settles what the timings cannot tell (see `_least_squares`).
 PRIOR_WEIGHT = 1e-3
@@ -91,29 +99,30 @@ def _group_points(
 
 
 def _split_fit(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
-    """Alpha from the groups whose time is mostly latency, beta from those whose
-    time is mostly bytes; the prior for a figure no group speaks for.
+    """Alpha from the groups with the fewest bytes per step, beta from those with
+    many times more whose bytes show; the prior's beta when none does.
 
-    Fitting both to every group at once lets the model's small errors decide the
-    other figure: ring and rhd at 4 KiB differ only in their step counts, and
-    rhd's steps measure a little dearer per step than ring's here, which a joint
-    fit reads as a link of 40 MB/s.  Each group is judged with the current
-    figures, three times over, so that a far-off prior does not misjudge it.
+    Per step, a group takes tau = t / a = alpha + s·beta for s = b / a bytes.
+    Fitting alpha and beta to every group at once let the model's small errors
+    set beta: ring and rhd at 4 KiB differ only in step count, rhd's steps
+    measured a little dearer than ring's, and a joint fit read that as a link
+    of 40 MB/s.  Only groups far apart in s can tell beta, and only where their
+    bytes take a fair share of the step (else noise in tau decides it).
     """
-    alpha, beta = prior
-    for _ in range(3):
-        # Mostly latency: the bytes, at the current beta, explain little of it;
-        # mostly bytes: the steps, at the current alpha, explain little of it.
-        latency = [(t - b * beta) / a for a, b, t in points
-                   if a > 0 and b * beta <= LATENCY_SHARE * t]
-        bandwidth = [(t - a * alpha) / b for a, b, t in points
-                     if b > 0 and a * alpha <= (1 - BANDWIDTH_SHARE) * t]
-        if not latency and not bandwidth:
-            return _least_squares(points, Costs(alpha, beta))
-        if latency:
-            alpha = max(0.0, _median(latency))
-        if bandwidth:
-            beta = max(MIN_BETA_S_PER_BYTE, _median(bandwidth))
+    steps = [(t / a, b / a) for a, b, t in points if a > 0]
+    floor = max(min((s for _, s in steps), default=0.0), MIN_STEP_BYTES)
+    if not steps or floor > MAX_LATENCY_STEP_BYTES:
+        return _least_squares(points, prior)  # no latency-sized group to read alpha off
+    alpha = _median([tau for tau, s in steps if s <= 2 * floor])
+    beta = prior.beta_s_per_byte
+    readings = [(tau - alpha) / s for tau, s in steps
+                if s >= SEPARATION * floor and tau - alpha >= BYTES_SHARE * tau]
+    if readings:
+        beta = max(_median(readings), MIN_BETA_S_PER_BYTE)
+    # Alpha once more, from every group whose bytes are a small share of its time.
+    latency = [tau - s * beta for tau, s in steps if s * beta <= LATENCY_SHARE * tau]
+    if latency:
+        alpha = max(0.0, _median(latency))
     return Costs(alpha, beta)
 
 
