@@ -163,6 +163,13 @@ def render_table(snapshot: dict[str, Any]) -> str:
                     f"  p99 {figures['p99_s'] * 1e3:8.3f} ms  busbw "
                     f"{figures['busbw_Bps'] / 1e9:6.2f} GB/s"
                 )
+        for nbytes, auto in sorted(job.get("auto", {}).items(), key=lambda kv: int(kv[0])):
+            picks = ", ".join(f"{name} x{count}" for name, count in sorted(auto["picks"].items()))
+            rate = 1 / max(auto["beta_s_per_byte"], 1e-15) / 1e9
+            lines.append(
+                f"    auto at {_bytes(int(nbytes))}: {picks}  (priced with alpha "
+                f"{auto['alpha_s'] * 1e6:.0f} µs, {rate:.2f} GB/s, epoch {auto['epoch']})"
+            )
         for flight in job.get("in_flight", []):
             lines.append(f"    in flight: {flight}")
     for peer, link in snapshot.get("peers", {}).items():

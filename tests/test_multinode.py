@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -76,3 +78,8 @@ def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemo
         picks = [sum(e[size]["picks"].values()) for e in entries]
         assert picks == [rounds] * 3
     assert all(query(d.endpoint, 5.0)["counters"]["malformed"] == 0 for d in daemons)
+    table = subprocess.run(
+        [sys.executable, "-m", "gradsync.client.cli", "stats", "--daemon", daemons[0].endpoint],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    assert "auto at 256.0 KiB:" in table and f"epoch {last_epoch})" in table, table
