@@ -42,7 +42,7 @@ def test_fit_recovers_alpha_and_beta_from_mixed_sizes() -> None:
     assert fitted.beta_s_per_byte == pytest.approx(TRUE.beta_s_per_byte, rel=0.02)
 
 
-def test_skew_and_noise_only_add_time_and_the_lower_quartile_ignores_them() -> None:
+def test_a_minority_of_late_ranks_and_noise_do_not_move_the_figures() -> None:
     rng = random.Random(7)
     meter = CostMeter()
     for nbytes in (4096, 1 << 20, 16 << 20):

@@ -11,9 +11,11 @@ Each finished allreduce gives one equation in the model's own terms: it took
 `seconds` where the model charges `a` alphas and `b` bytes at beta (`a` and
 `b` are the model's estimate at alpha 1, beta 0 and at alpha 0, beta 1).
 `CostMeter.fit` takes one point per (algorithm, size) group, that group's
-lower quartile (skew between ranks and noise only ever add time), reads alpha
-off the groups with the fewest bytes per step and beta off those with many
-times more (medians); beta stays at the prior (what the members agreed last,
+median (robust to the odd collective that waited for a late rank; a low
+quantile would pick the runs where this daemon started last and found its
+first slices already there, and price steps too cheap), reads alpha off the
+groups with the fewest bytes per step and beta off those with many times
+more (medians); beta stays at the prior (what the members agreed last,
 at first the probes) while no group has enough bytes to show.  Only when no
 group is small enough to read alpha off does it solve for both by least
 squares.  Pure
@@ -85,7 +87,7 @@ class CostMeter:
 def _group_points(
     samples: Iterable[tuple[Hashable, float, float, float]],
 ) -> list[tuple[float, float, float]]:
-    """(a, b, lower-quartile seconds) per group with enough samples."""
+    """(a, b, median seconds) per group with enough samples."""
     groups: dict[Hashable, tuple[float, float, list[float]]] = {}
     for group, a, b, seconds in samples:
         entry = groups.setdefault(group, (a, b, []))
@@ -94,7 +96,7 @@ def _group_points(
     for a, b, times in groups.values():
         if len(times) >= MIN_GROUP_SAMPLES:
             times.sort()
-            points.append((a, b, times[(len(times) - 1) // 4]))
+            points.append((a, b, times[len(times) // 2]))
     return points
 
 
