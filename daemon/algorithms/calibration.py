@@ -18,8 +18,8 @@ groups with the fewest bytes per step and beta off those with many times
 more (medians); beta stays at the prior (what the members agreed last,
 at first the probes) while no group has enough bytes to show.  Only when no
 group is small enough to read alpha off does it solve for both by least
-squares.  Pure
-bookkeeping: the caller decides whose figures a job uses (see `cost_epochs.py`).
+squares.  Pure bookkeeping: the caller decides whose figures a job uses (see
+`cost_epochs.py`).
 """
 
 from __future__ import annotations
