@@ -76,8 +76,8 @@ class CostMeter:
         return len(self._samples.get(daemons, ()))
 
     def fit(self, daemons: int, prior: Costs) -> Costs | None:
-        """Alpha and beta that best explain the recorded collectives, pulled weakly
-        towards `prior`; None before any group has `MIN_GROUP_SAMPLES` of them."""
+        """Alpha and beta the recorded collectives imply (`_split_fit`), `prior`
+        where they cannot tell; None before any group has `MIN_GROUP_SAMPLES`."""
         points = _group_points(self._samples.get(daemons, ()))
         if not points or prior.alpha_s <= 0 or prior.beta_s_per_byte <= 0:
             return None
