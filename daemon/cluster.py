@@ -686,11 +686,12 @@ class ClusterJobs:
                     f"(auto) from peer daemons {missing}",
                     {"job": job.name, "key": ready.key, "waiting_for": missing},
                 ) from None
-        priced = job.costs.priced.get(costs)
-        if priced is None or priced.generation != generation:
+        priced = job.costs.priced
+        if priced is None or priced.generation != generation or (
+            priced.alpha_s, priced.beta_s_per_byte) != costs:
             priced = dataclasses.replace(formation, alpha_s=costs.alpha_s,
                                          beta_s_per_byte=costs.beta_s_per_byte)
-            job.costs.priced = {costs: priced}  # the epoch's later collectives reuse it
+            job.costs.priced = priced  # the epoch's later collectives reuse it
         return priced
 
     @staticmethod

@@ -59,8 +59,8 @@ class CostEpochs:
         #: The figures agreed for the newest epoch so far (None before the first).
         self.latest: Costs | None = None
         self._latest_epoch: Epoch = (-1, -1)
-        #: The job's formation re-priced with the figures last used (a cache).
-        self.priced: dict[Costs, Formation] = {}
+        #: The job's formation re-priced with the figures last agreed (a cache).
+        self.priced: Formation | None = None
 
     def first_offer(self, generation: int, epoch: int) -> bool:
         """True once per (generation, epoch): this daemon should send its figures now."""

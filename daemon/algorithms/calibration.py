@@ -16,10 +16,9 @@ quantile would pick the runs where this daemon started last and found its
 first slices already there, and price steps too cheap), reads alpha off the
 groups with the fewest bytes per step and beta off those with many times
 more (medians); beta stays at the prior (what the members agreed last,
-at first the probes) while no group has enough bytes to show.  Only when no
-group is small enough to read alpha off does it solve for both by least
-squares.  Pure bookkeeping: the caller decides whose figures a job uses (see
-`cost_epochs.py`).
+at first the probes) while no group has enough bytes to show, and alpha
+while no group is small enough to read it off.  Pure bookkeeping: the
+caller decides whose figures a job uses (see `cost_epochs.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ MIN_GROUP_SAMPLES = 3
 #: Per-step bytes below which groups count as equally small (float32 rounding).
 MIN_STEP_BYTES = 1024.0
 #: Without a group of at most this many bytes per step, alpha cannot be read off
-#: directly and both figures come from a least-squares fit.
+#: and stays at the prior.
 MAX_LATENCY_STEP_BYTES = 64 * 1024.0
 #: A group speaks for beta when it moves this many times the smallest group's
 #: bytes per step.
@@ -44,9 +43,6 @@ SEPARATION = 8.0
 BYTES_SHARE = 0.25
 #: A group's time counts as latency when its bytes make up at most this share.
 LATENCY_SHARE = 0.2
-#: Weight of the prior figures against one (algorithm, size) group: small, so
-#: that it only settles what the timings cannot tell (see `_least_squares`).
-PRIOR_WEIGHT = 1e-3
 #: Fitted beta never goes below this (1 TB/s): a link is never free.
 MIN_BETA_S_PER_BYTE = 1e-12
 
@@ -79,7 +75,7 @@ class CostMeter:
         """Alpha and beta the recorded collectives imply (`_split_fit`), `prior`
         where they cannot tell; None before any group has `MIN_GROUP_SAMPLES`."""
         points = _group_points(self._samples.get(daemons, ()))
-        if not points or prior.alpha_s <= 0 or prior.beta_s_per_byte <= 0:
+        if not points or prior.beta_s_per_byte <= 0:  # no usable prior for beta
             return None
         return _split_fit(points, prior)
 
@@ -109,16 +105,21 @@ def _split_fit(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
     set beta: ring and rhd at 4 KiB differ only in step count, rhd's steps
     measured a little dearer than ring's, and a joint fit read that as a link
     of 40 MB/s.  Only groups far apart in s can tell beta, and only where their
-    bytes take a fair share of the step (else noise in tau decides it).
+    bytes take a fair share of the step (else noise in tau decides it).  With
+    no group small enough to read alpha off, alpha stays at the prior's.
     """
     steps = [(t / a, b / a) for a, b, t in points if a > 0]
-    floor = max(min((s for _, s in steps), default=0.0), MIN_STEP_BYTES)
-    if not steps or floor > MAX_LATENCY_STEP_BYTES:
-        return _least_squares(points, prior)  # no latency-sized group to read alpha off
-    alpha = _median([tau for tau, s in steps if s <= 2 * floor])
+    if not steps:
+        return prior
+    floor = max(min(s for _, s in steps), MIN_STEP_BYTES)
+    if floor <= MAX_LATENCY_STEP_BYTES:
+        alpha = _median([tau for tau, s in steps if s <= 2 * floor])
+        separation = SEPARATION
+    else:  # only large buffers ran: alpha as before, every group may speak for beta
+        alpha, separation = prior.alpha_s, 1.0
     beta = prior.beta_s_per_byte
     readings = [(tau - alpha) / s for tau, s in steps
-                if s >= SEPARATION * floor and tau - alpha >= BYTES_SHARE * tau]
+                if s >= separation * floor and tau - alpha >= BYTES_SHARE * tau]
     if readings:
         beta = max(_median(readings), MIN_BETA_S_PER_BYTE)
     # Alpha once more, from every group whose bytes are a small share of its time.
@@ -133,30 +134,3 @@ def _median(values: list[float]) -> float:
     middle = len(values) // 2
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
-
-def _least_squares(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
-    """Minimise the sum of ((a·alpha + b·beta - t) / t)² plus `PRIOR_WEIGHT` times
-    each figure's squared relative distance from `prior`, alpha and beta >= 0.
-
-    The prior term decides only what the points leave open: beta when every
-    group is small (their times are all latency), alpha when every group is
-    large; with a single group, the split closest to the prior that still
-    prices that group as measured.
-    """
-    # In units of the prior (x = alpha / prior alpha, y = beta / prior beta) each
-    # point is a row (p, q) that should sum to 1, and the prior adds rows (w, 0), (0, w).
-    rows = [(a * prior.alpha_s / t, b * prior.beta_s_per_byte / t) for a, b, t in points]
-    weight = PRIOR_WEIGHT
-    spp = sum(p * p for p, _ in rows) + weight
-    sqq = sum(q * q for _, q in rows) + weight
-    spq = sum(p * q for p, q in rows)
-    sp = sum(p for p, _ in rows) + weight
-    sq = sum(q for _, q in rows) + weight
-    det = spp * sqq - spq * spq  # > 0: the prior rows make the system regular
-    x = (sp * sqq - sq * spq) / det
-    y = (sq * spp - sp * spq) / det
-    if x < 0:  # all bandwidth: fit beta alone
-        x, y = 0.0, sq / sqq
-    elif y < 0:  # all latency: fit alpha alone
-        x, y = sp / spp, 0.0
-    return Costs(x * prior.alpha_s, max(y * prior.beta_s_per_byte, MIN_BETA_S_PER_BYTE))
