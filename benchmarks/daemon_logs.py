@@ -35,21 +35,35 @@ def auto_candidates(daemons: int) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class AutoPicks:
-    """Per size: how often each algorithm was picked, and the logged estimates (µs)."""
+    """Per size: how often each algorithm was picked, what auto settled on, and
+    the model's estimates (µs)."""
 
     picks: dict[int, collections.Counter[str]] = dataclasses.field(default_factory=dict)
+    #: Each daemon's latest pick and its basis ("model", "explored", "measured").
+    last: dict[int, set[tuple[str, str]]] = dataclasses.field(default_factory=dict)
     estimates_us: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     #: The (alpha s, beta s/byte) each size was last priced with.
     costs: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
     daemons: int = 0
 
     def picked(self, nbytes: int) -> str | None:
-        """The algorithm picked at this size ("ring"), "ring/rhd" if daemons or ops
-        disagreed, None if `auto` never ran at it."""
-        counter = self.picks.get(nbytes)
-        if not counter:
+        """The algorithm auto settled on at this size ("ring"), "ring/rhd" if the
+        daemons' latest picks differ, None if `auto` never ran at it."""
+        latest = self.last.get(nbytes)
+        if not latest:
             return None
-        return "/".join(name for name, _ in counter.most_common())
+        return "/".join(sorted({name for name, _ in latest}))
+
+    def label(self, nbytes: int) -> str | None:
+        """`picked` with its basis and what else auto ran at this size, e.g.
+        "star (measured; also ran tree, rhd)"."""
+        picked = self.picked(nbytes)
+        if picked is None:
+            return None
+        basis = "/".join(sorted({basis for _, basis in self.last[nbytes]}))
+        others = [name for name, _ in self.picks.get(nbytes, collections.Counter()).most_common()
+                  if name not in picked.split("/")]
+        return f"{picked} ({basis}{'; also ran ' + ', '.join(others) if others else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,9 @@ def picks_from_stats(
         for size, entry in (snapshot.get("jobs", {}).get(job, {}).get("auto") or {}).items():
             nbytes = int(size)
             result.picks.setdefault(nbytes, collections.Counter()).update(entry["picks"])
+            if entry.get("last"):
+                result.last.setdefault(nbytes, set()).add(
+                    (entry["last"], entry.get("last_basis", "")))
             result.costs.setdefault(nbytes, (entry["alpha_s"], entry["beta_s_per_byte"]))
     try:
         from gradsync.daemon.algorithms.cost_model import estimate_s

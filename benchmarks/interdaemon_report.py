@@ -171,7 +171,7 @@ def auto_table(group: Group, sizes: Sequence[int]) -> str:
         auto = _cell(group, algorithm_key("auto"), nbytes)
         ratio = f"{auto.time_s / fastest[1].time_s:.2f}" if auto and fastest else "—"
         lines.append(
-            f"| {format_size(nbytes)} | {picks.picked(nbytes) or '—'} | {est} | {measured} | "
+            f"| {format_size(nbytes)} | {picks.label(nbytes) or '—'} | {est} | {measured} | "
             f"{fastest[0] + ' ' + format_time(fastest[1].time_s) if fastest else '—'} | "
             f"{format_time(auto.time_s) if auto else '—'} | {ratio} |"
         )
@@ -239,7 +239,8 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
         else:
             verdicts.append(f"{format_size(nbytes)}: picked {picked} (fastest {best[0]})")
     if verdicts:
-        lines.append(f"- Model's pick vs the fastest of {'/'.join(auto_candidates(group.nproc))} "
+        lines.append(f"- auto's settled pick vs the fastest of "
+                     f"{'/'.join(auto_candidates(group.nproc))} "
                      "measured: " + "; ".join(verdicts) + ".")
     return lines
 
@@ -441,11 +442,16 @@ def render(
         "is its ceiling on these links; one way (only one sender busy) is the optimistic "
         "one.\n"
         "- auto's picks: read from each daemon's statistics (`gradsync stats --json`, job "
-        "entry `auto`: per size, how often each algorithm was picked and the figures it was "
-        "priced with last) before the daemons stop. A job's first collectives are priced "
-        "with the link probes; from then on every daemon fits alpha and beta to the ring and rhd "
-        "allreduces it ran and the members agree on the medians every "
-        f"{EPOCH_KEYS} keys (daemon/cost_epochs.py).\n"
+        "entry `auto`: per size, how often each algorithm was picked, on which basis, the "
+        "latest pick and the figures it was priced with last) before the daemons stop; "
+        "\"auto picked\" is the latest pick (what auto settled on). A job's first "
+        "collectives are priced with the link probes; from then on every daemon fits alpha "
+        "and beta to the ring and rhd allreduces it ran, times every algorithm per size, and "
+        f"the members agree on the medians every {EPOCH_KEYS} keys (daemon/cost_epochs.py); "
+        "algorithms the model prices within 1.5x of its best are each timed, then the "
+        "fastest measured runs. Here the fixed algorithms' own runs in the same job feed "
+        "those timings, so auto rarely needs to explore; a job running only auto times each "
+        "contender itself, an epoch at a time (tests/test_multinode.py).\n"
         "- Encryption: on 127.0.0.1, M = 2, two fresh daemon pairs back to back, one with "
         "`--insecure`, one with CURVE keys from `gradsync keygen` (`--curve-secret`, "
         "`--curve-authorized`), ring at 16 MiB only. With `--insecure` the slices take "

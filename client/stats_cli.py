@@ -165,10 +165,14 @@ def render_table(snapshot: dict[str, Any]) -> str:
                 )
         for nbytes, auto in sorted(job.get("auto", {}).items(), key=lambda kv: int(kv[0])):
             picks = ", ".join(f"{name} x{count}" for name, count in sorted(auto["picks"].items()))
+            basis = ", ".join(f"{name} {count}" for name, count in
+                              sorted(auto.get("basis", {}).items()))
             rate = 1 / max(auto["beta_s_per_byte"], 1e-15) / 1e9
             lines.append(
-                f"    auto at {_bytes(int(nbytes))}: {picks}  (priced with alpha "
-                f"{auto['alpha_s'] * 1e6:.0f} µs, {rate:.2f} GB/s, epoch {auto['epoch']})"
+                f"    auto at {_bytes(int(nbytes))}: now {auto.get('last') or '-'} "
+                f"({auto.get('last_basis') or '-'}); picked {picks} (by {basis or '-'}); "
+                f"priced with alpha {auto['alpha_s'] * 1e6:.0f} µs, {rate:.2f} GB/s, "
+                f"epoch {auto['epoch']}"
             )
         for flight in job.get("in_flight", []):
             lines.append(f"    in flight: {flight}")

@@ -15,17 +15,17 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
 from gradsync.daemon.algorithms import ALGORITHMS
-from gradsync.daemon.algorithms.calibration import CostMeter, Costs
+from gradsync.daemon.algorithms.calibration import CostMeter, Costs, Group, measured_pick
 from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose, estimate_s
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
-from gradsync.daemon.cost_epochs import epoch_of, epoch_to_offer
+from gradsync.daemon.cost_epochs import Offer, epoch_of, epoch_to_offer
 from gradsync.daemon.executor import ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
@@ -43,6 +43,7 @@ from gradsync.protocol.errors import (
     RankLostError,
     error_from_wire,
 )
+from gradsync.protocol.messages import clip
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
@@ -61,6 +62,8 @@ STAR_MAX_DAEMONS = 8
 #: cost at the root and prices the tree within 25 %, so their timings would
 #: bend the figures away from what the others cost.
 CALIBRATING = frozenset({"ring", "rhd"})
+#: Timings (algorithm, size) a daemon offers per epoch at most: the latest ones.
+MAX_TIMES_OFFERED = 64
 
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
@@ -283,9 +286,9 @@ class ClusterJobs:
         alpha, beta = header["alpha_s"], header["beta_s_per_byte"]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (generation, epoch)):
             raise ValueError("costs: 'gen' and 'epoch' must be integers")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e3
-                   for v in (alpha, beta)) or epoch < 1:
+        if not all(_seconds(v) for v in (alpha, beta)) or epoch < 1:
             raise ValueError("costs: epoch must be positive, alpha and beta seconds in [0, 1000)")
+        times = _timings_from_wire(header.get("times", []))
         if job is None:
             self.counters["dropped_unknown_job"] += 1
             return
@@ -296,7 +299,7 @@ class ClusterJobs:
         if formation is not None and peer not in formation.daemons:
             raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
         # Before this daemon formed the job, keep them: the generation decides later.
-        job.costs.add(generation, epoch, peer, Costs(float(alpha), float(beta)))
+        job.costs.add(generation, epoch, peer, Offer(Costs(float(alpha), float(beta)), times))
         if formation is not None:
             job.costs.notify(generation, epoch, formation.daemons)
 
@@ -498,9 +501,10 @@ class ClusterJobs:
 
     def choose_algorithm(
         self, requested: str | None, formation: Formation, nbytes: int, job_name: str = "",
-        epoch: int = 0,
+        epoch: int = 0, times: Mapping[Group, float] | None = None,
     ) -> str:
-        """The algorithm to run; `auto` prices them with the formation's figures."""
+        """The algorithm to run; `auto` prices them with the formation's figures and,
+        given the members' agreed `times`, lets timings decide close calls."""
         name = requested or self.config.algorithm
         if name != "auto":
             if name not in ALGORITHMS:
@@ -510,12 +514,17 @@ class ClusterJobs:
             return name
         daemons = len(formation.daemons)
         best, estimates = auto_pick(daemons, nbytes, formation.alpha_s, formation.beta_s_per_byte)
+        basis = "model"
+        if times is not None and self.config.auto_explore_factor > 1:
+            best, basis = measured_pick(best, estimates, nbytes, times,
+                                        self.config.auto_explore_factor)
         if self.stats is not None:
-            self.stats.auto_picked(job_name, nbytes, best,
+            self.stats.auto_picked(job_name, nbytes, best, basis,
                                    Costs(formation.alpha_s, formation.beta_s_per_byte), epoch)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("auto picked %s for %d bytes over %d daemons; estimates %s", best, nbytes,
-                      daemons, {k: f"{v * 1e6:.0f}us" for k, v in estimates})
+            log.debug("auto picked %s (%s) for %d bytes over %d daemons; estimates %s", best,
+                      basis, nbytes, daemons,
+                      {k: f"{v * 1e6:.0f}us" for k, v in estimates})
         return best
 
     async def run(
@@ -527,8 +536,13 @@ class ClusterJobs:
         divide = job.world_size if op is ReduceOp.AVG else 1
 
         def plan_for(formation: Formation, me: int) -> Plan:
-            algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes, job.name,
-                                              epoch_of(ready.key))
+            epoch = epoch_of(ready.key)
+            # run_plan has waited for this epoch's agreement where auto needs one.
+            agreement = job.costs.agreed(formation.generation, epoch, formation.daemons) if (
+                epoch > 0 and self.wants_auto(requested_algorithm)) else None
+            algorithm = self.choose_algorithm(
+                requested_algorithm, formation, nbytes, job.name, epoch,
+                agreement.times if agreement is not None else None)
             work = slots[0] if slots else np.empty(0, dtype=np.uint8)
 
             def before() -> None:
@@ -549,7 +563,7 @@ class ClusterJobs:
             return Plan(
                 work, schedule, before if len(slots) > 1 else None,
                 after if len(slots) > 1 or (slots and divide != 1) else None,
-                algorithm, agree_first=False,
+                algorithm, agree_first=False, timed=(algorithm, nbytes),
                 modelled=model_terms(algorithm, daemons, nbytes)
                 if algorithm in CALIBRATING else None,
             )
@@ -622,9 +636,9 @@ class ClusterJobs:
         finally:
             job.runs.pop(ready.key, None)
             run.release()
-        if plan.modelled is not None and len(formation.daemons) > 1:
-            self.meter.record(len(formation.daemons), (algorithm, plan.work.nbytes),
-                              *plan.modelled, time.monotonic() - data_phase)
+        if plan.timed is not None and len(formation.daemons) > 1:
+            self.meter.record(len(formation.daemons), plan.timed,
+                              time.monotonic() - data_phase, plan.modelled)
         if self.trace is not None and self.trace.active:
             for number, (started, ended, sources) in enumerate(run.step_times):
                 for source in sources or [me]:
@@ -645,7 +659,9 @@ class ClusterJobs:
         # cannot tell (see CostMeter.fit), better than the start-up probes.
         prior = job.costs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
         own = self.meter.fit(len(daemons), prior) or prior
-        job.costs.add(formation.generation, epoch, self.transport.endpoint, own)
+        timings = list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:]
+        times = {group: seconds for group, seconds in timings if _is_group(group)}
+        job.costs.add(formation.generation, epoch, self.transport.endpoint, Offer(own, times))
         job.costs.notify(formation.generation, epoch, daemons)
         log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
                   epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
@@ -655,6 +671,7 @@ class ClusterJobs:
                     "kind": "costs", "job": job.name, "gen": formation.generation,
                     "epoch": epoch, "alpha_s": own.alpha_s,
                     "beta_s_per_byte": own.beta_s_per_byte,
+                    "times": [[name, nbytes, seconds] for (name, nbytes), seconds in times.items()],
                 })
 
     async def _with_agreed_costs(
@@ -665,15 +682,15 @@ class ClusterJobs:
         if epoch < 1 or len(formation.daemons) < 2:
             return formation
         generation, daemons = formation.generation, formation.daemons
-        costs = job.costs.agreed(generation, epoch, daemons)
-        if costs is None:
+        agreement = job.costs.agreed(generation, epoch, daemons)
+        if agreement is None:
             self._offer_costs(job, formation, epoch)
-            costs = job.costs.agreed(generation, epoch, daemons)
-        if costs is None:
+            agreement = job.costs.agreed(generation, epoch, daemons)
+        if agreement is None:
             if job.broken is not None:
                 raise job.broken
             try:
-                costs = await asyncio.wait_for(
+                agreement = await asyncio.wait_for(
                     asyncio.shield(job.costs.waiter(generation, epoch)),
                     max(0.0, deadline - time.monotonic()),
                 )
@@ -686,6 +703,7 @@ class ClusterJobs:
                     f"(auto) from peer daemons {missing}",
                     {"job": job.name, "key": ready.key, "waiting_for": missing},
                 ) from None
+        costs = agreement.costs
         priced = job.costs.priced
         if priced is None or priced.generation != generation or (
             priced.alpha_s, priced.beta_s_per_byte) != costs:
@@ -752,6 +770,31 @@ class ClusterJobs:
     def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
         if self.trace is not None and self.trace.active:
             self.trace.add(f"job {job.name}", name, started, time.monotonic(), key=repr(key))
+
+
+def _seconds(value: Any) -> bool:
+    """True for a plausible duration on the wire: a number in [0, 1000) seconds."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e3
+
+
+def _is_group(group: Any) -> TypeGuard[Group]:
+    """True for an (algorithm, buffer bytes) timing group."""
+    return (isinstance(group, tuple) and len(group) == 2 and group[0] in ALGORITHMS
+            and isinstance(group[1], int) and not isinstance(group[1], bool) and group[1] >= 0)
+
+
+def _timings_from_wire(value: Any) -> dict[Group, float]:
+    """A costs message's [[algorithm, bytes, seconds], ...]; ValueError if malformed."""
+    if not isinstance(value, list) or len(value) > MAX_TIMES_OFFERED:
+        raise ValueError(f"costs: 'times' must be a list of at most {MAX_TIMES_OFFERED} entries")
+    times: dict[Group, float] = {}
+    for entry in value:
+        if not (isinstance(entry, list) and len(entry) == 3 and _is_group(tuple(entry[:2]))
+                and _seconds(entry[2]) and entry[2] > 0):
+            raise ValueError("costs: each timing must be [algorithm, bytes >= 0, seconds in "
+                             f"(0, 1000)], got {clip(entry)}")
+        times[(entry[0], entry[1])] = float(entry[2])
+    return times
 
 
 def _fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) -> None:

@@ -159,8 +159,11 @@ class Plan:
     #: disagree); an allreduce's every daemon receives, and its slices carry the
     #: fingerprint, so it skips the extra round.
     agree_first: bool = True
-    #: An allreduce's terms in the cost model, (alphas, bytes at beta), so its
-    #: timing can calibrate `auto`; None for the other collectives.
+    #: An allreduce's (algorithm, bytes): its timing goes to `auto`'s measured
+    #: times; None for the other collectives.
+    timed: tuple[str, int] | None = None
+    #: ... and its terms in the cost model, (alphas, bytes at beta), where its
+    #: timing also calibrates `auto`'s figures (see cluster.CALIBRATING).
     modelled: tuple[float, float] | None = None
 
 

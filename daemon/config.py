@@ -60,6 +60,9 @@ class DaemonConfig:
     peer_timeout_s: float = 30.0
     pipeline_slice_bytes: int = 2 * 1024**2
     algorithm: str = "auto"
+    #: `auto` times every algorithm its model prices within this factor of the
+    #: best before it settles by timings (1: the model alone decides).
+    auto_explore_factor: float = 1.5
 
     def all_peers(self) -> tuple[str, ...]:
         """`peers` plus the endpoints listed in `peers_file`, in order, without repeats."""
@@ -168,6 +171,13 @@ def _boolean(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+def _factor(value: Any) -> float:
+    number = _positive_float(value)
+    if number < 1:
+        raise ValueError(f"must be at least 1, got {value!r}")
+    return number
+
+
 def _algorithm(value: Any) -> str:
     name = str(value).lower()
     if name not in ALGORITHM_CHOICES:
@@ -194,6 +204,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "peer_timeout_s": _positive_float,
     "pipeline_slice_bytes": _positive_size,
     "algorithm": _algorithm,
+    "auto_explore_factor": _factor,
 }
 
 #: Short aliases read from the environment besides GRADSYNC_<KEY>.

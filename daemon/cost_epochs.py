@@ -13,6 +13,11 @@ member's figures for e.  They normally arrived half an epoch earlier; if not,
 the collective waits for them within its own deadline.  Named (string) keys
 have no order across daemons and keep the formation's figures.
 
+A member's offer also carries its median time per (algorithm, size) it has
+timed; the agreed time of a group is the median over the members that sent
+one.  `auto` lets those decide between the algorithms the model prices close
+together (`calibration.measured_pick`).
+
 Pure bookkeeping: `ClusterJobs` sends and receives the messages.
 """
 
@@ -21,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections import OrderedDict
+from collections.abc import Mapping
+from typing import NamedTuple
 
-from gradsync.daemon.algorithms.calibration import Costs
+from gradsync.daemon.algorithms.calibration import Costs, Group
 from gradsync.daemon.membership import Formation
 from gradsync.protocol.errors import GradsyncError
 
@@ -32,6 +39,20 @@ EPOCH_KEYS = 32
 TABLES_KEPT = 16
 
 Epoch = tuple[int, int]  # (generation, epoch)
+
+
+class Offer(NamedTuple):
+    """One member's figures for an epoch, and its median time per group."""
+
+    costs: Costs
+    times: Mapping[Group, float]
+
+
+class Agreement(NamedTuple):
+    """What every member uses for an epoch: median figures and median times."""
+
+    costs: Costs
+    times: Mapping[Group, float]
 
 
 def epoch_of(key: int | str) -> int:
@@ -52,10 +73,10 @@ class CostEpochs:
     """Each member's figures per (generation, epoch) of one job, and who waits for them."""
 
     def __init__(self) -> None:
-        self._tables: OrderedDict[Epoch, dict[str, Costs]] = OrderedDict()
+        self._tables: OrderedDict[Epoch, dict[str, Offer]] = OrderedDict()
         self._offered: OrderedDict[Epoch, None] = OrderedDict()
-        self._waiters: dict[Epoch, asyncio.Future[Costs]] = {}
-        self._agreed: OrderedDict[Epoch, Costs] = OrderedDict()
+        self._waiters: dict[Epoch, asyncio.Future[Agreement]] = {}
+        self._agreed: OrderedDict[Epoch, Agreement] = OrderedDict()
         #: The figures agreed for the newest epoch so far (None before the first).
         self.latest: Costs | None = None
         self._latest_epoch: Epoch = (-1, -1)
@@ -71,44 +92,53 @@ class CostEpochs:
             self._offered.popitem(last=False)
         return True
 
-    def add(self, generation: int, epoch: int, daemon: str, costs: Costs) -> bool:
-        """Record a member's figures; the first for (generation, epoch) stands.
+    def add(self, generation: int, epoch: int, daemon: str, offer: Offer) -> bool:
+        """Record a member's offer; the first for (generation, epoch) stands.
 
         Returns False for a repeat (ignored)."""
         table = self._tables.setdefault((generation, epoch), {})
         self._tables.move_to_end((generation, epoch))
         if daemon in table:
             return False
-        table[daemon] = costs
+        table[daemon] = offer
         for old in list(self._tables)[: max(0, len(self._tables) - TABLES_KEPT)]:
             if old not in self._waiters:
                 del self._tables[old]
         return True
 
-    def agreed(self, generation: int, epoch: int, daemons: tuple[str, ...]) -> Costs | None:
-        """The medians over `daemons`, once every one of them sent figures."""
-        costs = self._agreed.get((generation, epoch))
-        if costs is not None:
-            return costs
+    def agreed(
+        self, generation: int, epoch: int, daemons: tuple[str, ...]
+    ) -> Agreement | None:
+        """The medians over `daemons`, once every one of them sent an offer."""
+        agreement = self._agreed.get((generation, epoch))
+        if agreement is not None:
+            return agreement
         table = self._tables.get((generation, epoch), {})
         if any(daemon not in table for daemon in daemons):
             return None
+        offers = [table[d] for d in daemons]
         costs = Costs(
-            statistics.median(table[d].alpha_s for d in daemons),
-            statistics.median(table[d].beta_s_per_byte for d in daemons),
+            statistics.median(offer.costs.alpha_s for offer in offers),
+            statistics.median(offer.costs.beta_s_per_byte for offer in offers),
         )
-        self._agreed[(generation, epoch)] = costs
+        timed: dict[Group, list[float]] = {}
+        for offer in offers:
+            for group, seconds in offer.times.items():
+                timed.setdefault(group, []).append(seconds)
+        agreement = Agreement(costs, {group: statistics.median(values)
+                                      for group, values in timed.items()})
+        self._agreed[(generation, epoch)] = agreement
         while len(self._agreed) > TABLES_KEPT:
             self._agreed.popitem(last=False)
         if (generation, epoch) >= self._latest_epoch:
             self.latest, self._latest_epoch = costs, (generation, epoch)
-        return costs
+        return agreement
 
     def missing(self, generation: int, epoch: int, daemons: tuple[str, ...]) -> list[str]:
         table = self._tables.get((generation, epoch), {})
         return [daemon for daemon in daemons if daemon not in table]
 
-    def waiter(self, generation: int, epoch: int) -> asyncio.Future[Costs]:
+    def waiter(self, generation: int, epoch: int) -> asyncio.Future[Agreement]:
         """A future for the agreed figures; `notify` resolves it, `fail` fails it."""
         future = self._waiters.get((generation, epoch))
         if future is None:
@@ -120,11 +150,11 @@ class CostEpochs:
         future = self._waiters.get((generation, epoch))
         if future is None:
             return
-        costs = self.agreed(generation, epoch, daemons)
-        if costs is not None:
+        agreement = self.agreed(generation, epoch, daemons)
+        if agreement is not None:
             del self._waiters[(generation, epoch)]
             if not future.done():
-                future.set_result(costs)
+                future.set_result(agreement)
 
     def forget_waiter(self, generation: int, epoch: int) -> None:
         """Nobody waits any more (a deadline passed)."""

@@ -45,6 +45,22 @@ def _bus_factor(kind: str, ranks: int) -> float:
 
 
 @dataclasses.dataclass
+class AutoPicks:
+    """`auto`'s picks at one buffer size, and the figures it priced them with last."""
+
+    #: algorithm -> how often `auto` picked it
+    picks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    #: what decided: "model", "explored" (timing a contender) or "measured"
+    basis: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    #: the latest pick and its basis: what `auto` settled on so far
+    last: str = ""
+    last_basis: str = ""
+    alpha_s: float = 0.0
+    beta_s_per_byte: float = 0.0
+    epoch: int = 0
+
+
+@dataclasses.dataclass
 class JobStats:
     done: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -53,10 +69,8 @@ class JobStats:
     latencies: dict[str, collections.deque[tuple[float, int, float]]] = dataclasses.field(
         default_factory=dict
     )
-    #: nbytes -> algorithm -> how often `auto` picked it; and the figures it priced
-    #: that size with last (alpha s, beta s/byte, epoch).
-    auto_picks: dict[int, collections.Counter[str]] = dataclasses.field(default_factory=dict)
-    auto_costs: dict[int, tuple[float, float, int]] = dataclasses.field(default_factory=dict)
+    #: What `auto` did per buffer size (nbytes).
+    auto: dict[int, AutoPicks] = dataclasses.field(default_factory=dict)
 
 
 class StatsRecorder:
@@ -78,18 +92,23 @@ class StatsRecorder:
         window.append((seconds, nbytes, _bus_factor(kind, ranks)))
 
     def auto_picked(
-        self, job: str, nbytes: int, algorithm: str, costs: tuple[float, float], epoch: int,
+        self, job: str, nbytes: int, algorithm: str, basis: str, costs: tuple[float, float],
+        epoch: int,
     ) -> None:
-        """`auto` chose `algorithm` for an allreduce of `nbytes`, priced with `costs`
-        (the figures the members agreed for `epoch`, see daemon/cost_epochs.py)."""
+        """`auto` chose `algorithm` for an allreduce of `nbytes` on `basis`, priced
+        with `costs` (the figures the members agreed for `epoch`, see
+        daemon/cost_epochs.py)."""
         stats = self.jobs[job]
-        picks = stats.auto_picks.get(nbytes)
-        if picks is None:
-            if len(stats.auto_picks) >= _PICK_SIZES:
+        entry = stats.auto.get(nbytes)
+        if entry is None:
+            if len(stats.auto) >= _PICK_SIZES:
                 return
-            picks = stats.auto_picks[nbytes] = collections.Counter()
-        picks[algorithm] += 1
-        stats.auto_costs[nbytes] = (costs[0], costs[1], epoch)
+            entry = stats.auto[nbytes] = AutoPicks()
+        entry.picks[algorithm] += 1
+        entry.basis[basis] += 1
+        entry.last, entry.last_basis = algorithm, basis
+        entry.alpha_s, entry.beta_s_per_byte = costs
+        entry.epoch = epoch
 
     def peer_traffic(self, job: str, peer: str, sent: int = 0, received: int = 0) -> None:
         """Payload bytes exchanged with a peer daemon for a job."""
@@ -138,12 +157,13 @@ class StatsRecorder:
             "peer_bytes": {peer: dict(entry) for peer, entry in stats.peer_bytes.items()},
             "latency": {cls: _percentiles(window) for cls, window in stats.latencies.items()},
         }
-        if stats.auto_picks:
+        if stats.auto:
             entry["auto"] = {
-                str(nbytes): {"picks": dict(picks), "alpha_s": stats.auto_costs[nbytes][0],
-                              "beta_s_per_byte": stats.auto_costs[nbytes][1],
-                              "epoch": stats.auto_costs[nbytes][2]}
-                for nbytes, picks in stats.auto_picks.items()
+                str(nbytes): {"picks": dict(auto.picks), "basis": dict(auto.basis),
+                              "last": auto.last, "last_basis": auto.last_basis,
+                              "alpha_s": auto.alpha_s, "beta_s_per_byte": auto.beta_s_per_byte,
+                              "epoch": auto.epoch}
+                for nbytes, auto in stats.auto.items()
             }
         if job is not None:
             entry.update({

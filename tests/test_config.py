@@ -118,6 +118,8 @@ BAD_TOML = [
     ('socket = "relative/gradsyncd.sock"', "socket"),
     ("socket = 5", "socket"),
     (f'socket = "ipc:///tmp/{"x" * 120}.sock"', "socket"),
+    ("auto_explore_factor = 0.9", "auto_explore_factor"),
+    ('auto_explore_factor = "wide"', "auto_explore_factor"),
     ("colective_timeout_s = 5", "colective_timeout_s"),
     ("[daemon]\nthreads = 2", "daemon"),
 ]
@@ -144,7 +146,8 @@ def test_unknown_toml_key_lists_the_known_ones(tmp_path: Path) -> None:
     [("GRADSYNC_THREADS", "zero"), ("GRADSYNC_THREADS", "0"),
      ("GRADSYNC_COLLECTIVE_TIMEOUT_S", "-1"), ("GRADSYNC_COLLECTIVE_TIMEOUT_S", "inf"),
      ("GRADSYNC_MAX_SHM_BYTES", "lots"), ("GRADSYNC_MAX_SHM_BYTES", ""),
-     ("GRADSYNC_LOG_LEVEL", "loud"), ("GRADSYNC_SOCKET", "gradsyncd.sock")],
+     ("GRADSYNC_LOG_LEVEL", "loud"), ("GRADSYNC_SOCKET", "gradsyncd.sock"),
+     ("GRADSYNC_AUTO_EXPLORE_FACTOR", "0")],
 )
 def test_bad_environment_value_names_key_and_variable(variable: str, value: str) -> None:
     key = variable[len("GRADSYNC_") :].lower()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from cluster import free_ports, peer_args, run_spread
@@ -53,33 +54,79 @@ def test_every_algorithm_matches_numpy(
         assert counters["links_malformed"] == 0
 
 
+def _auto_entries(daemons: list[DaemonProcess], job: str) -> list[dict[str, Any]]:
+    """Each daemon's `auto` statistics for `job`, per buffer size."""
+    from gradsync.client.stats_cli import fetch_snapshot
+
+    return [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][job]["auto"] for d in daemons]
+
+
 @pytest.mark.timeout(180)
 def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemon) -> None:
     """Past its first epoch a job's `auto` runs on link costs fitted to the ring and
-    rhd allreduces the daemons ran, and every member prices each size alike."""
-    from gradsync.client.stats_cli import fetch_snapshot
+    rhd allreduces the daemons ran, and every member prices and picks alike."""
     from gradsync.daemon.cost_epochs import EPOCH_KEYS
 
-    rounds = 20  # 6 keys each: epochs 0 to 3
+    rounds = 48  # 6 keys each: epochs 0 to 8
     daemons = start_cluster(start_daemon, 3)
     results = run_spread(daemons, (1, 2, 1), "multinode_calibrate.py", [str(rounds)],
                          job="calib", timeout_s=150)
     for result in results:
         assert result.records()[-1]["failures"] == 0, result.stdout
-    entries = [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"]["calib"]["auto"]
-               for d in daemons]
+    entries = _auto_entries(daemons, "calib")
     last_epoch = (6 * rounds - 1) // EPOCH_KEYS
-    for size in ("4096", "262144"):
+    for offset, size in ((4, "4096"), (5, "262144")):
         priced = {(e[size]["alpha_s"], e[size]["beta_s_per_byte"], e[size]["epoch"])
                   for e in entries}
         assert len(priced) == 1, priced  # the same figures on every member
         ((alpha, beta, epoch),) = priced
         assert epoch == last_epoch and alpha >= 0 and beta > 0
-        picks = [sum(e[size]["picks"].values()) for e in entries]
-        assert picks == [rounds] * 3
+        # The same picks on every member, for the same reasons: the model's
+        # alone in epoch 0, then timings (ring's and rhd's from their own keys).
+        assert all(e[size]["picks"] == entries[0][size]["picks"] for e in entries)
+        basis = entries[0][size]["basis"]
+        assert all(e[size]["basis"] == basis for e in entries)
+        in_epoch_0 = len([r for r in range(rounds) if 6 * r + offset < EPOCH_KEYS])
+        assert basis["model"] == in_epoch_0 and sum(basis.values()) == rounds, basis
+        assert basis.get("measured", 0) > 0, basis
+        assert entries[0][size]["last_basis"] == "measured"
     assert all(query(d.endpoint, 5.0)["counters"]["malformed"] == 0 for d in daemons)
     table = subprocess.run(
         [sys.executable, "-m", "gradsync.client.cli", "stats", "--daemon", daemons[0].endpoint],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout
-    assert "auto at 256.0 KiB:" in table and f"epoch {last_epoch})" in table, table
+    line = next(line for line in table.splitlines() if "auto at 256.0 KiB:" in line)
+    assert f"epoch {last_epoch}" in line and "(measured)" in line, table
+
+
+@pytest.mark.timeout(180)
+def test_auto_alone_times_its_close_contenders_then_runs_the_fastest(
+    start_daemon: StartDaemon,
+) -> None:
+    """A job that only ever asks for `auto` (a training loop) times, epoch by
+    epoch, each algorithm the model prices within `auto_explore_factor` of its
+    best, then runs the fastest measured; every member does the same at every
+    key.  At factor 1 the model alone decides."""
+    from gradsync.daemon.cost_epochs import EPOCH_KEYS
+
+    rounds = 150  # 2 keys each: epochs 0 to 9
+    for factor, job in (("100", "wide"), ("1", "model")):
+        # Factor 100: every algorithm is a contender, whatever the links cost.
+        daemons = start_cluster(start_daemon, 3, "--auto-explore-factor", factor)
+        results = run_spread(daemons, (1, 2, 1), "multinode_calibrate.py",
+                             [str(rounds), "auto"], job=job, timeout_s=150)
+        for result in results:
+            assert result.records()[-1]["failures"] == 0, result.stdout
+        entries = _auto_entries(daemons, job)
+        for size in ("4096", "262144"):
+            picks, basis = entries[0][size]["picks"], entries[0][size]["basis"]
+            assert all(e[size]["picks"] == picks and e[size]["basis"] == basis
+                       for e in entries), entries
+            if factor == "1":
+                assert basis == {"model": rounds}, basis
+                continue
+            assert set(picks) == {"ring", "rhd", "tree", "star"}, picks
+            assert basis["model"] == EPOCH_KEYS // 2 and basis.get("explored", 0) > 0, basis
+            assert entries[0][size]["last_basis"] == "measured", entries[0][size]
+        for daemon in daemons:
+            daemon.stop()

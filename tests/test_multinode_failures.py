@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -165,12 +166,17 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
             # is counted as such; neither reaches the job's figures.
             malformed = counters(daemons[0])["malformed"]
             costs = {"kind": "costs", "job": "live", "gen": 12345, "epoch": 1,
-                     "alpha_s": 1e-3, "beta_s_per_byte": 1e-9}
+                     "alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "times": [["ring", 4000, 1e-3]]}
             fake.send_multipart([encode_header(ghost, costs)])
-            fake.send_multipart([encode_header(ghost, {**costs, "alpha_s": "fast"})])
+            bad_times: list[Any] = [
+                "fast", [["ring", 4000]], [["warp", 4000, 1e-3]], [["ring", -1, 1e-3]],
+                [["ring", 4000, 0.0]], [["ring", 4000, 1e-3]] * 65,
+            ]
+            for bad in [{"alpha_s": "fast"}, *({"times": times} for times in bad_times)]:
+                fake.send_multipart([encode_header(ghost, {**costs, **bad})])
             poll_until(lambda: counters(daemons[0])["stale_generation"] >= before + 6
-                       and counters(daemons[0])["malformed"] >= malformed + 1, 20,
-                       "the stale and the malformed costs to be counted")
+                       and counters(daemons[0])["malformed"] >= malformed + 1 + len(bad_times),
+                       20, "the stale and the malformed costs to be counted")
         finally:
             context.destroy(linger=0)
         # The live job is unaffected: both ranks are still reducing correctly.

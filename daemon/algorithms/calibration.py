@@ -17,14 +17,21 @@ first slices already there, and price steps too cheap), reads alpha off the
 groups with the fewest bytes per step and beta off those with many times
 more (medians); beta stays at the prior (what the members agreed last,
 at first the probes) while no group has enough bytes to show, and alpha
-while no group is small enough to read it off.  Pure bookkeeping: the
-caller decides whose figures a job uses (see `cost_epochs.py`).
+while no group is small enough to read it off.
+
+The model cannot see everything: on links shaped by a token bucket a 64 KiB
+burst is nearly free, so star beat the rhd the model chose by 1.3x; at step
+boundaries rhd and tree converge two senders on one link, which ring never
+does.  So `CostMeter.timings` also keeps every algorithm's median time per
+size, and `measured_pick` lets those decide between the algorithms the model
+prices close to its best, measuring each of them first.  Pure bookkeeping:
+the caller decides whose figures and timings a job uses (see `cost_epochs.py`).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 #: Collectives remembered per daemon count.
@@ -45,6 +52,16 @@ BYTES_SHARE = 0.25
 LATENCY_SHARE = 0.2
 #: Fitted beta never goes below this (1 TB/s): a link is never free.
 MIN_BETA_S_PER_BYTE = 1e-12
+#: Among the algorithms `measured_pick` timed, another replaces the model's
+#: choice when it measured this much faster (closer is noise: per-op spreads
+#: are about 20 %, medians move less).
+MEASURED_MARGIN = 0.05
+
+#: A (algorithm, buffer bytes) group of timings.
+Group = tuple[str, int]
+#: A stored sample: its group, the model's (alphas, bytes at beta) or None when
+#: it only times the algorithm, and the seconds it took.
+_Sample = tuple[Hashable, tuple[float, float] | None, float]
 
 
 class Costs(NamedTuple):
@@ -59,14 +76,22 @@ class CostMeter:
 
     def __init__(self, kept: int = SAMPLES_KEPT) -> None:
         self._kept = kept
-        self._samples: dict[int, collections.deque[tuple[Hashable, float, float, float]]] = {}
+        self._samples: dict[int, collections.deque[_Sample]] = {}
 
-    def record(self, daemons: int, group: Hashable, a: float, b: float, seconds: float) -> None:
-        """One collective over `daemons` daemons, modelled as a·alpha + b·beta, took `seconds`."""
-        if a < 0 or b < 0 or not seconds > 0 or (a == 0 and b == 0):
+    def record(
+        self, daemons: int, group: Hashable, seconds: float,
+        terms: tuple[float, float] | None = None,
+    ) -> None:
+        """One collective over `daemons` daemons took `seconds`; with `terms`
+        (a, b) the model charges it a·alpha + b·beta and it calibrates the fit."""
+        if not seconds > 0:
             return
+        if terms is not None:
+            a, b = terms
+            if a < 0 or b < 0 or (a == 0 and b == 0):
+                terms = None
         window = self._samples.setdefault(daemons, collections.deque(maxlen=self._kept))
-        window.append((group, a, b, seconds))
+        window.append((group, terms, seconds))
 
     def samples(self, daemons: int) -> int:
         return len(self._samples.get(daemons, ()))
@@ -79,21 +104,56 @@ class CostMeter:
             return None
         return _split_fit(points, prior)
 
+    def timings(self, daemons: int) -> dict[Hashable, float]:
+        """Median seconds per group with `MIN_GROUP_SAMPLES`, every algorithm's."""
+        groups: dict[Hashable, list[float]] = {}
+        for group, _, seconds in self._samples.get(daemons, ()):
+            groups.setdefault(group, []).append(seconds)
+        return {group: _middle(times) for group, times in groups.items()
+                if len(times) >= MIN_GROUP_SAMPLES}
 
-def _group_points(
-    samples: Iterable[tuple[Hashable, float, float, float]],
-) -> list[tuple[float, float, float]]:
-    """(a, b, median seconds) per group with enough samples."""
+
+def measured_pick(
+    choice: str, estimates: Sequence[tuple[str, float]], nbytes: int,
+    times: Mapping[Group, float], factor: float,
+) -> tuple[str, str]:
+    """`auto`'s pick once the members agreed on timings: (algorithm, basis).
+
+    `choice` is the model's pick among `estimates`.  The contenders are the
+    algorithms priced within `factor` of the lowest estimate (the daemon's
+    `auto_explore_factor`, which the caller skips this for at 1).  While one
+    has no agreed timing at `nbytes` it runs (the model's choice first, then by
+    estimate; basis "explored").  Once all have, the model's choice stands
+    unless another measured `MEASURED_MARGIN` faster ("measured").  Every
+    member computes this from the same agreed inputs, so all pick alike.
+    """
+    lowest = min(estimate for _, estimate in estimates)
+    contenders = sorted((name != choice, estimate, name) for name, estimate in estimates
+                        if estimate <= factor * lowest or name == choice)
+    for _, _, name in contenders:
+        if (name, nbytes) not in times:
+            return name, "explored"
+    fastest_s, _, fastest = min((times[(name, nbytes)], estimate, name)
+                                for _, estimate, name in contenders)
+    if fastest_s * (1 + MEASURED_MARGIN) <= times[(choice, nbytes)]:
+        return fastest, "measured"
+    return choice, "measured"
+
+
+def _group_points(samples: Iterable[_Sample]) -> list[tuple[float, float, float]]:
+    """(a, b, median seconds) per calibrating group with enough samples."""
     groups: dict[Hashable, tuple[float, float, list[float]]] = {}
-    for group, a, b, seconds in samples:
-        entry = groups.setdefault(group, (a, b, []))
-        entry[2].append(seconds)
-    points = []
-    for a, b, times in groups.values():
-        if len(times) >= MIN_GROUP_SAMPLES:
-            times.sort()
-            points.append((a, b, times[len(times) // 2]))
-    return points
+    for group, terms, seconds in samples:
+        if terms is not None:
+            entry = groups.setdefault(group, (*terms, []))
+            entry[2].append(seconds)
+    return [(a, b, _middle(times)) for a, b, times in groups.values()
+            if len(times) >= MIN_GROUP_SAMPLES]
+
+
+def _middle(values: list[float]) -> float:
+    """The middle value (of an even count, the upper of the two middle ones)."""
+    return sorted(values)[len(values) // 2]
 
 
 def _split_fit(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
