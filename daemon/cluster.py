@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
@@ -25,7 +25,7 @@ from gradsync.daemon.algorithms.calibration import CostMeter, Costs, Group, meas
 from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose, estimate_s
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
-from gradsync.daemon.cost_epochs import Offer, epoch_of, epoch_to_offer
+from gradsync.daemon.cost_epochs import Agreement, Offer, epoch_of, epoch_to_offer, explores
 from gradsync.daemon.executor import ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
@@ -501,10 +501,11 @@ class ClusterJobs:
 
     def choose_algorithm(
         self, requested: str | None, formation: Formation, nbytes: int, job_name: str = "",
-        epoch: int = 0, times: Mapping[Group, float] | None = None,
+        epoch: int = 0, agreement: Agreement | None = None, explore: bool = False,
     ) -> str:
         """The algorithm to run; `auto` prices them with the formation's figures and,
-        given the members' agreed `times`, lets timings decide close calls."""
+        given the members' `agreement` for this epoch, lets timings decide close
+        calls (timing untried ones where it may `explore`)."""
         name = requested or self.config.algorithm
         if name != "auto":
             if name not in ALGORITHMS:
@@ -515,9 +516,13 @@ class ClusterJobs:
         daemons = len(formation.daemons)
         best, estimates = auto_pick(daemons, nbytes, formation.alpha_s, formation.beta_s_per_byte)
         basis = "model"
-        if times is not None and self.config.auto_explore_factor > 1:
-            best, basis = measured_pick(best, estimates, nbytes, times,
-                                        self.config.auto_explore_factor)
+        factor = self.config.auto_explore_factor
+        if agreement is not None and factor > 1:
+            picked = agreement.picks.get((nbytes, explore))
+            if picked is None:
+                picked = agreement.picks[(nbytes, explore)] = measured_pick(
+                    best, estimates, nbytes, agreement.times, factor, explore)
+            best, basis = picked
         if self.stats is not None:
             self.stats.auto_picked(job_name, nbytes, best, basis,
                                    Costs(formation.alpha_s, formation.beta_s_per_byte), epoch)
@@ -540,9 +545,8 @@ class ClusterJobs:
             # run_plan has waited for this epoch's agreement where auto needs one.
             agreement = job.costs.agreed(formation.generation, epoch, formation.daemons) if (
                 epoch > 0 and self.wants_auto(requested_algorithm)) else None
-            algorithm = self.choose_algorithm(
-                requested_algorithm, formation, nbytes, job.name, epoch,
-                agreement.times if agreement is not None else None)
+            algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes, job.name,
+                                              epoch, agreement, explores(ready.key))
             work = slots[0] if slots else np.empty(0, dtype=np.uint8)
 
             def before() -> None:

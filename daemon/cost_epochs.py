@@ -24,6 +24,7 @@ Pure bookkeeping: `ClusterJobs` sends and receives the messages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -48,11 +49,16 @@ class Offer(NamedTuple):
     times: Mapping[Group, float]
 
 
-class Agreement(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Agreement:
     """What every member uses for an epoch: median figures and median times."""
 
     costs: Costs
     times: Mapping[Group, float]
+    #: `auto`'s picks made from this agreement, by (bytes, explore): the same
+    #: inputs give the same pick, so the epoch's later collectives reuse it.
+    picks: dict[tuple[int, bool], tuple[str, str]] = dataclasses.field(
+        default_factory=dict, compare=False)
 
 
 def epoch_of(key: int | str) -> int:
@@ -60,6 +66,13 @@ def epoch_of(key: int | str) -> int:
     if isinstance(key, str) or key < 0:
         return 0
     return key // EPOCH_KEYS
+
+
+def explores(key: int | str) -> bool:
+    """True for keys in the first half of their epoch: `auto` may time an
+    untried algorithm there.  Only those timings reach the offers sent at the
+    half-way key (`epoch_to_offer`); later ones would wait an epoch more."""
+    return not isinstance(key, str) and key >= 0 and key % EPOCH_KEYS < EPOCH_KEYS // 2
 
 
 def epoch_to_offer(key: int | str) -> int:

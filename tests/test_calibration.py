@@ -24,6 +24,7 @@ from gradsync.daemon.cost_epochs import (
     Offer,
     epoch_of,
     epoch_to_offer,
+    explores,
 )
 from gradsync.protocol.errors import PeerLostError
 
@@ -283,3 +284,19 @@ def test_a_wider_explore_factor_admits_more_contenders() -> None:
     assert measured_pick("ring", ESTIMATES, 4096, timed, 2.0) == ("star", "explored")
     timed[("star", 4096)] = 0.4e-3
     assert measured_pick("ring", ESTIMATES, 4096, timed, 2.0) == ("star", "measured")
+
+
+def test_outside_the_exploring_keys_auto_only_chooses_among_timed_contenders() -> None:
+    n = 4096
+    timed = {("ring", n): 2e-3, ("rhd", n): 1e-3}  # tree, a contender, is untimed
+    assert measured_pick("ring", ESTIMATES, n, timed, FACTOR) == ("tree", "explored")
+    assert measured_pick("ring", ESTIMATES, n, timed, FACTOR, explore=False) == (
+        "rhd", "measured")
+    # An untimed model's choice stands on the model alone.
+    assert measured_pick("tree", ESTIMATES, n, timed, FACTOR, explore=False) == (
+        "tree", "model")
+    # Only the first half of an epoch explores: its timings make the next offer.
+    assert [explores(key) for key in (0, EPOCH_KEYS // 2 - 1, EPOCH_KEYS // 2,
+                                      EPOCH_KEYS - 1, EPOCH_KEYS)] == [
+        True, True, False, False, True]
+    assert not explores("warmup") and not explores(-1)

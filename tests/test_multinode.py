@@ -87,7 +87,9 @@ def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemo
         basis = entries[0][size]["basis"]
         assert all(e[size]["basis"] == basis for e in entries)
         in_epoch_0 = len([r for r in range(rounds) if 6 * r + offset < EPOCH_KEYS])
-        assert basis["model"] == in_epoch_0 and sum(basis.values()) == rounds, basis
+        # (Past epoch 0 too while the model's choice has no timing yet, outside
+        # the exploring first half of an epoch.)
+        assert basis["model"] >= in_epoch_0 and sum(basis.values()) == rounds, basis
         assert basis.get("measured", 0) > 0, basis
         assert entries[0][size]["last_basis"] == "measured"
     assert all(query(d.endpoint, 5.0)["counters"]["malformed"] == 0 for d in daemons)

@@ -115,26 +115,29 @@ class CostMeter:
 
 def measured_pick(
     choice: str, estimates: Sequence[tuple[str, float]], nbytes: int,
-    times: Mapping[Group, float], factor: float,
+    times: Mapping[Group, float], factor: float, explore: bool = True,
 ) -> tuple[str, str]:
     """`auto`'s pick once the members agreed on timings: (algorithm, basis).
 
     `choice` is the model's pick among `estimates`.  The contenders are the
     algorithms priced within `factor` of the lowest estimate (the daemon's
-    `auto_explore_factor`, which the caller skips this for at 1).  While one
-    has no agreed timing at `nbytes` it runs (the model's choice first, then by
-    estimate; basis "explored").  Once all have, the model's choice stands
-    unless another measured `MEASURED_MARGIN` faster ("measured").  Every
-    member computes this from the same agreed inputs, so all pick alike.
+    `auto_explore_factor`, which the caller skips this for at 1).  With
+    `explore`, while one has no agreed timing at `nbytes` it runs (the model's
+    choice first, then by estimate; basis "explored").  Among the timed ones
+    the model's choice stands unless another measured `MEASURED_MARGIN` faster
+    ("measured"); an untimed choice stands on the model alone ("model").
+    Every member computes this from the same agreed inputs, so all pick alike.
     """
     lowest = min(estimate for _, estimate in estimates)
     contenders = sorted((name != choice, estimate, name) for name, estimate in estimates
                         if estimate <= factor * lowest or name == choice)
-    for _, _, name in contenders:
-        if (name, nbytes) not in times:
-            return name, "explored"
-    fastest_s, _, fastest = min((times[(name, nbytes)], estimate, name)
-                                for _, estimate, name in contenders)
+    timed = [(times[(name, nbytes)], estimate, name) for _, estimate, name in contenders
+             if (name, nbytes) in times]
+    if explore and len(timed) < len(contenders):
+        return next(name for _, _, name in contenders if (name, nbytes) not in times), "explored"
+    if (choice, nbytes) not in times:
+        return choice, "model"
+    fastest_s, _, fastest = min(timed)
     if fastest_s * (1 + MEASURED_MARGIN) <= times[(choice, nbytes)]:
         return fastest, "measured"
     return choice, "measured"
