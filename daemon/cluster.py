@@ -289,6 +289,10 @@ class ClusterJobs:
         if not all(_seconds(v) for v in (alpha, beta)) or epoch < 1:
             raise ValueError("costs: epoch must be positive, alpha and beta seconds in [0, 1000)")
         times = _timings_from_wire(header.get("times", []))
+        factor = header.get("explore_factor", 1.0)
+        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                and 1 <= factor < 1e6):
+            raise ValueError(f"costs: explore_factor must be a number >= 1, got {clip(factor)}")
         if job is None:
             self.counters["dropped_unknown_job"] += 1
             return
@@ -299,7 +303,8 @@ class ClusterJobs:
         if formation is not None and peer not in formation.daemons:
             raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
         # Before this daemon formed the job, keep them: the generation decides later.
-        job.costs.add(generation, epoch, peer, Offer(Costs(float(alpha), float(beta)), times))
+        job.costs.add(generation, epoch, peer,
+                      Offer(Costs(float(alpha), float(beta)), times, float(factor)))
         if formation is not None:
             job.costs.notify(generation, epoch, formation.daemons)
 
@@ -516,7 +521,7 @@ class ClusterJobs:
         daemons = len(formation.daemons)
         best, estimates = auto_pick(daemons, nbytes, formation.alpha_s, formation.beta_s_per_byte)
         basis = "model"
-        factor = self.config.auto_explore_factor
+        factor = agreement.explore_factor if agreement is not None else 1.0
         if agreement is not None and factor > 1:
             picked = agreement.picks.get((nbytes, explore))
             if picked is None:
@@ -665,7 +670,9 @@ class ClusterJobs:
         own = self.meter.fit(len(daemons), prior) or prior
         timings = list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:]
         times = {group: seconds for group, seconds in timings if _is_group(group)}
-        job.costs.add(formation.generation, epoch, self.transport.endpoint, Offer(own, times))
+        factor = self.config.auto_explore_factor
+        job.costs.add(formation.generation, epoch, self.transport.endpoint,
+                      Offer(own, times, factor))
         job.costs.notify(formation.generation, epoch, daemons)
         log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
                   epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
@@ -676,6 +683,7 @@ class ClusterJobs:
                     "epoch": epoch, "alpha_s": own.alpha_s,
                     "beta_s_per_byte": own.beta_s_per_byte,
                     "times": [[name, nbytes, seconds] for (name, nbytes), seconds in times.items()],
+                    "explore_factor": factor,
                 })
 
     async def _with_agreed_costs(

@@ -15,8 +15,10 @@ have no order across daemons and keep the formation's figures.
 
 A member's offer also carries its median time per (algorithm, size) it has
 timed; the agreed time of a group is the median over the members that sent
-one.  `auto` lets those decide between the algorithms the model prices close
-together (`calibration.measured_pick`).
+one; `auto` lets those decide between the algorithms the model prices close
+together (`calibration.measured_pick`).  The offer also carries the member's
+`auto_explore_factor`, and the smallest one holds for all: members
+configured differently still pick alike.
 
 Pure bookkeeping: `ClusterJobs` sends and receives the messages.
 """
@@ -43,10 +45,12 @@ Epoch = tuple[int, int]  # (generation, epoch)
 
 
 class Offer(NamedTuple):
-    """One member's figures for an epoch, and its median time per group."""
+    """One member's figures for an epoch, its median time per group, and its
+    `auto_explore_factor`."""
 
     costs: Costs
     times: Mapping[Group, float]
+    explore_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,8 @@ class Agreement:
 
     costs: Costs
     times: Mapping[Group, float]
+    #: The smallest member's `auto_explore_factor`: all must use the same one.
+    explore_factor: float = 1.0
     #: `auto`'s picks made from this agreement, by (bytes, explore): the same
     #: inputs give the same pick, so the epoch's later collectives reuse it.
     picks: dict[tuple[int, bool], tuple[str, str]] = dataclasses.field(
@@ -138,8 +144,9 @@ class CostEpochs:
         for offer in offers:
             for group, seconds in offer.times.items():
                 timed.setdefault(group, []).append(seconds)
-        agreement = Agreement(costs, {group: statistics.median(values)
-                                      for group, values in timed.items()})
+        agreement = Agreement(
+            costs, {group: statistics.median(values) for group, values in timed.items()},
+            min(offer.explore_factor for offer in offers))
         self._agreed[(generation, epoch)] = agreement
         while len(self._agreed) > TABLES_KEPT:
             self._agreed.popitem(last=False)

@@ -300,3 +300,11 @@ def test_outside_the_exploring_keys_auto_only_chooses_among_timed_contenders() -
                                       EPOCH_KEYS - 1, EPOCH_KEYS)] == [
         True, True, False, False, True]
     assert not explores("warmup") and not explores(-1)
+
+
+def test_the_smallest_explore_factor_holds_for_every_member() -> None:
+    epochs = CostEpochs()
+    for daemon, factor in (("a", 3.0), ("b", 1.0), ("c", 1.5)):
+        epochs.add(1, 1, daemon, Offer(Costs(1e-3, 1e-9), {}, factor))
+    agreement = epochs.agreed(1, 1, ("a", "b", "c"))
+    assert agreement is not None and agreement.explore_factor == 1.0

@@ -112,9 +112,13 @@ def test_auto_alone_times_its_close_contenders_then_runs_the_fastest(
     from gradsync.daemon.cost_epochs import EPOCH_KEYS
 
     rounds = 150  # 2 keys each: epochs 0 to 9
-    for factor, job in (("100", "wide"), ("1", "model")):
-        # Factor 100: every algorithm is a contender, whatever the links cost.
-        daemons = start_cluster(start_daemon, 3, "--auto-explore-factor", factor)
+    # Factor 100: every algorithm is a contender, whatever the links cost.  The
+    # smallest member's factor holds for all, so a mixed cluster picks alike.
+    for factors, job in ((("100",) * 3, "wide"), (("100", "1", "100"), "model")):
+        endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(3)]
+        daemons = [start_daemon(*peer_args(i, endpoints, "--insecure"),
+                                "--auto-explore-factor", factor)
+                   for i, factor in enumerate(factors)]
         results = run_spread(daemons, (1, 2, 1), "multinode_calibrate.py",
                              [str(rounds), "auto"], job=job, timeout_s=150)
         for result in results:
@@ -124,7 +128,7 @@ def test_auto_alone_times_its_close_contenders_then_runs_the_fastest(
             picks, basis = entries[0][size]["picks"], entries[0][size]["basis"]
             assert all(e[size]["picks"] == picks and e[size]["basis"] == basis
                        for e in entries), entries
-            if factor == "1":
+            if job == "model":
                 assert basis == {"model": rounds}, basis
                 continue
             assert set(picks) == {"ring", "rhd", "tree", "star"}, picks

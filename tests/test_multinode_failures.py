@@ -172,10 +172,12 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
                 "fast", [["ring", 4000]], [["warp", 4000, 1e-3]], [["ring", -1, 1e-3]],
                 [["ring", 4000, 0.0]], [["ring", 4000, 1e-3]] * 65,
             ]
-            for bad in [{"alpha_s": "fast"}, *({"times": times} for times in bad_times)]:
+            bad_fields = [{"alpha_s": "fast"}, {"explore_factor": 0.5},
+                          {"explore_factor": "wide"}, *({"times": t} for t in bad_times)]
+            for bad in bad_fields:
                 fake.send_multipart([encode_header(ghost, {**costs, **bad})])
             poll_until(lambda: counters(daemons[0])["stale_generation"] >= before + 6
-                       and counters(daemons[0])["malformed"] >= malformed + 1 + len(bad_times),
+                       and counters(daemons[0])["malformed"] >= malformed + len(bad_fields),
                        20, "the stale and the malformed costs to be counted")
         finally:
             context.destroy(linger=0)
