@@ -1,13 +1,12 @@
 """What the daemons say about a multi-daemon run: their link probes and `auto`'s picks.
 
 Every daemon logs (level info), when a peer link comes up, "link to PEER: rtt
-X µs, Y MB/s" (`parse_links`): what a job's first `auto` collectives are priced
-with (each daemon announces alpha = its shortest rtt / 2 and beta = 1 / its
-best rate, the job takes the median over its daemons).  Later epochs of a job
-use figures fitted to the collectives the daemons ran (daemon/cost_epochs.py),
-so the picks and the figures behind them are read from each daemon's
-statistics (`picks_from_stats`: per size, how often `auto` picked each
-algorithm and the alpha and beta it priced that size with last).  Reading
+X µs, Y MB/s" (`parse_links`): the probes a job's first `auto` collectives are
+priced from.  Those first figures, and later epochs' figures fitted to the
+collectives the daemons ran (daemon/cost_epochs.py), and the picks made with
+them, are read from each daemon's statistics (`picks_from_stats`: the figures
+the job formed with, and per size how often `auto` picked each algorithm, on
+which basis, and the alpha and beta it priced that size with last).  Reading
 them costs the timed collectives nothing, unlike the debug log of every pick.
 `crossovers` sweeps the model over sizes to find where its choice changes.
 """
@@ -17,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +42,8 @@ class AutoPicks:
     estimates_us: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     #: The (alpha s, beta s/byte) each size was last priced with.
     costs: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    #: The (alpha s, beta s/byte) the job formed with (its first epoch's figures).
+    formed: tuple[float, float] | None = None
     daemons: int = 0
 
     def picked(self, nbytes: int) -> str | None:
@@ -82,25 +82,6 @@ def parse_links(logs: Sequence[str]) -> list[LinkProbe]:
     ]
 
 
-def link_costs(links: Sequence[LinkProbe]) -> tuple[float, float] | None:
-    """(alpha s, beta s/byte) a job over these daemons starts with, as the daemons
-    derive them: each daemon's shortest round trip / 2 and best rate over its
-    links, then the median over daemons.
-
-    Assumes every daemon had measured all its links when its ranks joined
-    (else it announced defaults, 50 µs and 1 GB/s).
-    """
-    if not links:
-        return None
-    by_daemon: dict[int, list[LinkProbe]] = collections.defaultdict(list)
-    for link in links:
-        by_daemon[link.daemon].append(link)
-    alphas = [min(p.rtt_us for p in probes) * 1e-6 / 2 for probes in by_daemon.values()]
-    betas = [1.0 / max(max(p.mb_per_s for p in probes) * 1e6, 1.0)
-             for probes in by_daemon.values()]
-    return statistics.median(alphas), statistics.median(betas)
-
-
 def picks_from_stats(
     snapshots: Sequence[dict[str, Any]], job: str, daemons: int
 ) -> AutoPicks:
@@ -108,7 +89,11 @@ def picks_from_stats(
     estimates at the figures each size was priced with (daemon 0's)."""
     result = AutoPicks(daemons=daemons)
     for snapshot in snapshots:
-        for size, entry in (snapshot.get("jobs", {}).get(job, {}).get("auto") or {}).items():
+        job_entry = snapshot.get("jobs", {}).get(job, {})
+        formed = job_entry.get("formed_costs")
+        if formed and result.formed is None:
+            result.formed = (formed["alpha_s"], formed["beta_s_per_byte"])
+        for size, entry in (job_entry.get("auto") or {}).items():
             nbytes = int(size)
             result.picks.setdefault(nbytes, collections.Counter()).update(entry["picks"])
             if entry.get("last"):

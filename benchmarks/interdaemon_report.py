@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from daemon_logs import auto_candidates, crossovers, link_costs, model_choice
+from daemon_logs import auto_candidates, crossovers, model_choice
 from plan import (
     CURVE_CONTENDERS,
     FIXED_ALGORITHMS,
@@ -186,9 +186,9 @@ def model_lines(group: Group, sizes: Sequence[int]) -> list[str]:
     if links:
         rtts = [link.rtt_us for link in links]
         rates = [link.mb_per_s for link in links]
-        probed = link_costs(links)
-        job = (f"; the job's first figures: alpha {probed[0] * 1e6:.0f} µs, "
-               f"{1 / probed[1] / 1e9:.2f} GB/s" if probed else "")
+        formed = picks.formed
+        job = (f"; the job formed with alpha {formed[0] * 1e6:.0f} µs, "
+               f"{1 / formed[1] / 1e9:.2f} GB/s" if formed else "")
         lines.append(
             f"- Link probes when the peers connected ({len(links)} links): rtt "
             f"{min(rtts):.0f} to {max(rtts):.0f} µs, {min(rates):.0f} to {max(rates):.0f} MB/s "

@@ -189,6 +189,8 @@ class ClusterJobs:
             "%s formed across %d daemons (generation %x): %s", job.describe(),
             len(formation.daemons), formation.generation, ", ".join(formation.daemons),
         )
+        if self.stats is not None:
+            self.stats.job_formed(job.name, formation.alpha_s, formation.beta_s_per_byte)
         if not job.formed.done():
             job.formed.set_result(formation)
         early = job.early_slices

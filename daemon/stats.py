@@ -71,6 +71,9 @@ class JobStats:
     )
     #: What `auto` did per buffer size (nbytes).
     auto: dict[int, AutoPicks] = dataclasses.field(default_factory=dict)
+    #: The link costs (alpha s, beta s/byte) the job's latest generation formed
+    #: with: what `auto` prices its first epoch with.
+    formed_costs: tuple[float, float] | None = None
 
 
 class StatsRecorder:
@@ -109,6 +112,10 @@ class StatsRecorder:
         entry.last, entry.last_basis = algorithm, basis
         entry.alpha_s, entry.beta_s_per_byte = costs
         entry.epoch = epoch
+
+    def job_formed(self, job: str, alpha_s: float, beta_s_per_byte: float) -> None:
+        """A multi-node job formed; `auto`'s first figures are these."""
+        self.jobs[job].formed_costs = (alpha_s, beta_s_per_byte)
 
     def peer_traffic(self, job: str, peer: str, sent: int = 0, received: int = 0) -> None:
         """Payload bytes exchanged with a peer daemon for a job."""
@@ -157,6 +164,9 @@ class StatsRecorder:
             "peer_bytes": {peer: dict(entry) for peer, entry in stats.peer_bytes.items()},
             "latency": {cls: _percentiles(window) for cls, window in stats.latencies.items()},
         }
+        if stats.formed_costs is not None:
+            entry["formed_costs"] = {"alpha_s": stats.formed_costs[0],
+                                     "beta_s_per_byte": stats.formed_costs[1]}
         if stats.auto:
             entry["auto"] = {
                 str(nbytes): {"picks": dict(auto.picks), "basis": dict(auto.basis),

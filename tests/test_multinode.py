@@ -54,11 +54,16 @@ def test_every_algorithm_matches_numpy(
         assert counters["links_malformed"] == 0
 
 
-def _auto_entries(daemons: list[DaemonProcess], job: str) -> list[dict[str, Any]]:
-    """Each daemon's `auto` statistics for `job`, per buffer size."""
+def _job_entries(daemons: list[DaemonProcess], job: str) -> list[dict[str, Any]]:
+    """Each daemon's statistics for `job`."""
     from gradsync.client.stats_cli import fetch_snapshot
 
-    return [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][job]["auto"] for d in daemons]
+    return [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][job] for d in daemons]
+
+
+def _auto_entries(daemons: list[DaemonProcess], job: str) -> list[dict[str, Any]]:
+    """Each daemon's `auto` statistics for `job`, per buffer size."""
+    return [entry["auto"] for entry in _job_entries(daemons, job)]
 
 
 @pytest.mark.timeout(180)
@@ -73,7 +78,12 @@ def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemo
                          job="calib", timeout_s=150)
     for result in results:
         assert result.records()[-1]["failures"] == 0, result.stdout
-    entries = _auto_entries(daemons, "calib")
+    jobs = _job_entries(daemons, "calib")
+    entries = [job["auto"] for job in jobs]
+    # The figures the job formed with (its first epoch's), the same on every member.
+    formed = {(job["formed_costs"]["alpha_s"], job["formed_costs"]["beta_s_per_byte"])
+              for job in jobs}
+    assert len(formed) == 1 and next(iter(formed))[1] > 0, formed
     last_epoch = (6 * rounds - 1) // EPOCH_KEYS
     for offset, size in ((4, "4096"), (5, "262144")):
         priced = {(e[size]["alpha_s"], e[size]["beta_s_per_byte"], e[size]["epoch"])
