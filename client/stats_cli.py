@@ -208,10 +208,15 @@ def render_prometheus(snapshot: dict[str, Any]) -> str:
            [({"name": k}, v) for k, v in sorted(snapshot.get("counters", {}).items())])
     metric("errors_total", "counter", "Failed collectives by error type.",
            [({"code": k}, v) for k, v in sorted(snapshot.get("errors", {}).items())])
-    done, latency = [], []
+    done, latency, picks, bases = [], [], [], []
     for job, entry in snapshot.get("jobs", {}).items():
         for kind, count in entry.get("done", {}).items():
             done.append(({"job": job, "collective": kind}, count))
+        for nbytes, auto in entry.get("auto", {}).items():
+            picks += [({"job": job, "bytes": nbytes, "algorithm": name}, count)
+                      for name, count in sorted(auto["picks"].items())]
+            bases += [({"job": job, "bytes": nbytes, "basis": name}, count)
+                      for name, count in sorted(auto.get("basis", {}).items())]
         for size, figures in entry.get("latency", {}).items():
             for quantile in ("p50", "p90", "p99"):
                 if figures:
@@ -220,6 +225,10 @@ def render_prometheus(snapshot: dict[str, Any]) -> str:
     metric("collectives_total", "counter", "Collectives completed, by job and kind/algorithm.",
            done)
     metric("latency_seconds", "gauge", "Recent collective latency percentiles.", latency)
+    metric("auto_picks_total", "counter",
+           "Algorithms auto picked, by job and buffer size in bytes.", picks)
+    metric("auto_basis_total", "counter",
+           "What decided auto's picks (model, explored, measured), by job and size.", bases)
     metric("peer_rtt_seconds", "gauge", "Round trip to each peer daemon, measured at link-up.",
            [({"peer": p}, link["rtt_s"]) for p, link in snapshot.get("peers", {}).items()
             if link.get("rtt_s") is not None])

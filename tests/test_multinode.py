@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from cluster import free_ports, peer_args, run_spread
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DaemonProcess
 from gradsync.client.ping import query
@@ -109,6 +110,18 @@ def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemo
     ).stdout
     line = next(line for line in table.splitlines() if "auto at 256.0 KiB:" in line)
     assert f"epoch {last_epoch}" in line and "(measured)" in line, table
+    prometheus = subprocess.run(
+        [sys.executable, "-m", "gradsync.client.cli", "stats", "--daemon", daemons[0].endpoint,
+         "--prometheus"], capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    families = {f.name: f for f in text_string_to_metric_families(prometheus)}
+    picked = {(s.labels["bytes"], s.labels["algorithm"]): s.value
+              for s in families["gradsync_auto_picks"].samples if s.labels["job"] == "calib"}
+    assert picked == {(size, name): float(count) for size, entry in entries[0].items()
+                      for name, count in entry["picks"].items()}, picked
+    decided = {(s.labels["bytes"], s.labels["basis"]): s.value
+               for s in families["gradsync_auto_basis"].samples if s.labels["job"] == "calib"}
+    assert decided[("262144", "measured")] == entries[0]["262144"]["basis"]["measured"]
 
 
 @pytest.mark.timeout(180)
