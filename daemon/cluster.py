@@ -546,12 +546,13 @@ class ClusterJobs:
         """An allreduce across daemons: local reduce, the chosen algorithm, write-back."""
         nbytes = count * (slots[0].itemsize if slots else 0)
         divide = job.world_size if op is ReduceOp.AVG else 1
+        auto = self.wants_auto(requested_algorithm)
 
         def plan_for(formation: Formation, me: int) -> Plan:
             epoch = epoch_of(ready.key)
             # run_plan has waited for this epoch's agreement where auto needs one.
             agreement = job.costs.agreed(formation.generation, epoch, formation.daemons) if (
-                epoch > 0 and self.wants_auto(requested_algorithm)) else None
+                epoch > 0 and auto) else None
             algorithm = self.choose_algorithm(requested_algorithm, formation, nbytes, job.name,
                                               epoch, agreement, explores(ready.key))
             work = slots[0] if slots else np.empty(0, dtype=np.uint8)
@@ -579,8 +580,7 @@ class ClusterJobs:
                 if algorithm in CALIBRATING else None,
             )
 
-        await self.run_plan(job, ready, op, fingerprint, plan_for,
-                            agreed_costs=self.wants_auto(requested_algorithm))
+        await self.run_plan(job, ready, op, fingerprint, plan_for, agreed_costs=auto)
 
     async def run_plan(
         self,
@@ -717,14 +717,11 @@ class ClusterJobs:
                     f"(auto) from peer daemons {missing}",
                     {"job": job.name, "key": ready.key, "waiting_for": missing},
                 ) from None
-        costs = agreement.costs
-        priced = job.costs.priced
-        if priced is None or priced.generation != generation or (
-            priced.alpha_s, priced.beta_s_per_byte) != costs:
-            priced = dataclasses.replace(formation, alpha_s=costs.alpha_s,
-                                         beta_s_per_byte=costs.beta_s_per_byte)
-            job.costs.priced = priced  # the epoch's later collectives reuse it
-        return priced
+        if agreement.priced is None:
+            agreement.priced = dataclasses.replace(
+                formation, alpha_s=agreement.costs.alpha_s,
+                beta_s_per_byte=agreement.costs.beta_s_per_byte)
+        return agreement.priced
 
     @staticmethod
     async def _with_job_context(

@@ -53,16 +53,19 @@ class Offer(NamedTuple):
     explore_factor: float = 1.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Agreement:
-    """What every member uses for an epoch: median figures and median times."""
+    """What every member uses for an epoch: median figures and median times,
+    plus what this daemon derived from them once (so the epoch's later
+    collectives reuse it)."""
 
     costs: Costs
     times: Mapping[Group, float]
     #: The smallest member's `auto_explore_factor`: all must use the same one.
     explore_factor: float = 1.0
-    #: `auto`'s picks made from this agreement, by (bytes, explore): the same
-    #: inputs give the same pick, so the epoch's later collectives reuse it.
+    #: The job's formation re-priced with `costs`.
+    priced: Formation | None = dataclasses.field(default=None, compare=False)
+    #: `auto`'s picks made from this agreement, by (bytes, explore).
     picks: dict[tuple[int, bool], tuple[str, str]] = dataclasses.field(
         default_factory=dict, compare=False)
 
@@ -99,8 +102,6 @@ class CostEpochs:
         #: The figures agreed for the newest epoch so far (None before the first).
         self.latest: Costs | None = None
         self._latest_epoch: Epoch = (-1, -1)
-        #: The job's formation re-priced with the figures last agreed (a cache).
-        self.priced: Formation | None = None
 
     def first_offer(self, generation: int, epoch: int) -> bool:
         """True once per (generation, epoch): this daemon should send its figures now."""
