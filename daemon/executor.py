@@ -154,11 +154,20 @@ class ScheduleRun:
         for (source, _), expected in self._expected.items():
             if source == peer and _remaining(expected):
                 return True
-        return any(
-            recv.peer == peer
-            for step in self.schedule.steps[self.step + 1 :]
-            for recv in step.recvs
-        )
+        itemsize = self.buffer.itemsize
+        for index in range(self.step + 1, self.steps):
+            wanted = sum(recv.stop - recv.start
+                         for recv in self.schedule.steps[index].recvs if recv.peer == peer)
+            if not wanted:
+                continue
+            # Slices of a later step that came early are here already (checked when
+            # their step begins); only the rest is still to come.
+            kept = sum(memoryview(payload).nbytes // itemsize
+                       for source, _, _, payload in self._early.get(index, ())
+                       if source == peer)
+            if kept < wanted:
+                return True
+        return False
 
     def start(self) -> None:
         """Begin; with `agree_with`, first a fingerprint-only message to each of those

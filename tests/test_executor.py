@@ -76,6 +76,44 @@ def test_any_arrival_order_gives_the_exact_sum(algorithm: str, daemons: int) -> 
     asyncio.run(main())
 
 
+# (star has no later step a slice could arrive early for)
+@pytest.mark.parametrize("algorithm", ["ring", "rhd", "tree"])
+@pytest.mark.parametrize("daemons", [3, 4, 5])
+def test_a_run_needs_a_peer_exactly_while_its_slices_are_still_to_come(
+    algorithm: str, daemons: int
+) -> None:
+    """When a daemon leaves the job, the others decide from `needs_from` whether
+    they can still finish.  It must be true exactly while some of the elements a
+    run receives from that daemon have not arrived, whatever the arrival order:
+    slices kept early for a later step count as arrived."""
+    async def main() -> None:
+        count = 10_007
+        wire, _ = make_runs(algorithm, daemons, count, asyncio.get_running_loop())
+        schedules = build_schedules(algorithm, daemons, count)
+        total = {(src, me): sum(recv.stop - recv.start for step in schedule.steps
+                                for recv in step.recvs if recv.peer == src)
+                 for me, schedule in enumerate(schedules) for src in range(daemons)}
+        arrived = dict.fromkeys(total, 0)
+        shuffle = random.Random(daemons * 17 + len(algorithm))
+        for run in wire.runs:
+            run.start()
+        kept_early = 0
+        while wire.queue:
+            source, target, header, payload = wire.queue[shuffle.randrange(len(wire.queue))]
+            if header["step"] > wire.runs[target].step:
+                kept_early += 1
+            wire.deliver(wire.queue.index((source, target, header, payload)))
+            arrived[source, target] += len(payload) // 8
+            for (src, me), wanted in total.items():
+                if src != me:
+                    assert wire.runs[me].needs_from(src) == (arrived[src, me] < wanted), (
+                        src, me, wire.runs[me].step)
+        assert kept_early > 0  # the case this test is about happened
+        assert all(run.done.done() and run.done.exception() is None for run in wire.runs)
+
+    asyncio.run(main())
+
+
 def test_a_ring_forwards_each_reduced_slice_before_its_step_ends() -> None:
     """Step 2's slice j leaves as soon as step 1's slice j is reduced, not after
     all of step 1: the steps overlap on the wire."""
