@@ -147,8 +147,8 @@ def render_table(snapshot: dict[str, Any]) -> str:
     ]
     counters = snapshot.get("counters", {})
     dropped = {k: v for k, v in counters.items()
-               if v and k in ("malformed", "stale_generation", "links_rejected_keys",
-                              "links_malformed", "dropped_unknown_job")}
+               if v and k in ("malformed", "stale_generation", "stale_membership",
+                              "links_rejected_keys", "links_malformed", "dropped_unknown_job")}
     lines.append(f"collectives {counters.get('collectives', 0)}  failed "
                  f"{counters.get('failed', 0)}  dropped {dropped or 0}")
     for name, job in snapshot.get("jobs", {}).items():

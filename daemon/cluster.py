@@ -11,6 +11,7 @@ slices, aborts, and peers lost.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -55,6 +56,8 @@ log = logging.getLogger("gradsync.daemon.cluster")
 #: buffers over a few daemons (measured: up to about 1 MiB at 4 daemons); its
 #: root's per-message cost, which the model does not charge, rules it out beyond.
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
+#: Withdrawals remembered, to drop an announcement they overtook (see `_on_withdraw`).
+WITHDRAWALS_KEPT = 4096
 STAR_MAX_DAEMONS = 8
 
 #: Algorithms whose timings calibrate `auto`: those the model prices exactly as
@@ -124,6 +127,8 @@ class ClusterJobs:
         self.run_call = run_call
         self.counters = counters
         self.remote: dict[str, dict[str, Announcement]] = {}
+        #: (job, peer) -> the newest incarnation that peer withdrew, oldest first.
+        self.withdrawn: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self.trace: TraceRecorder | None = None
         self.stats: StatsRecorder | None = None
         #: Timings of this daemon's allreduces, from which it fits `auto`'s figures.
@@ -233,6 +238,9 @@ class ClusterJobs:
 
     def _on_announce(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
         announcement = Announcement.from_wire(peer, header)
+        if self.withdrawn.get((announcement.job, peer), -1) >= announcement.incarnation:
+            self.counters["stale_membership"] += 1  # its withdrawal overtook it
+            return
         table = self.remote.setdefault(announcement.job, {})
         previous = table.get(peer)
         table[peer] = announcement
@@ -249,10 +257,28 @@ class ClusterJobs:
         self._try_form(job)
 
     def _on_withdraw(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+        """A peer's part of a job ended.
+
+        A withdrawal travels over the data stream when there is one, behind the
+        slices sent before it (a peer must not hear that a daemon left before it
+        has read that daemon's last slices); announcements take the ZeroMQ link.
+        So the two can pass each other: incarnations grow on every daemon, and a
+        withdrawal older than the announcement held is dropped, as is an
+        announcement no newer than a withdrawal heard.
+        """
         name, incarnation = header["job"], header.get("incarnation")
+        if not isinstance(incarnation, int) or isinstance(incarnation, bool):
+            raise ValueError("withdraw: 'incarnation' must be an integer")
         table = self.remote.get(name, {})
-        if peer in table and table[peer].incarnation == incarnation:
+        held = table.get(peer)
+        if held is not None and held.incarnation > incarnation:
+            self.counters["stale_membership"] += 1
+            return
+        self._remember_withdrawal(name, peer, incarnation)
+        if held is not None:
             del table[peer]
+            if not table:
+                del self.remote[name]
         if job is not None and job.formation is not None and peer in job.formation.daemons:
             reason = str(header.get("reason") or "its part of the job ended")
             code = str(header.get("code") or RankLostError.code)
@@ -266,6 +292,12 @@ class ClusterJobs:
             self._break(job, error, fail_runs=False)
             for run in list(job.runs.values()):
                 _fail_if_waiting_on_gone(job, run, error)
+
+    def _remember_withdrawal(self, name: str, peer: str, incarnation: int) -> None:
+        key = (name, peer)
+        self.withdrawn[key] = max(incarnation, self.withdrawn.pop(key, incarnation))
+        while len(self.withdrawn) > WITHDRAWALS_KEPT:
+            self.withdrawn.popitem(last=False)
 
     def _on_abort(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
         if job is None or job.formation is None or header.get("gen") != job.formation.generation:
@@ -452,8 +484,10 @@ class ClusterJobs:
 
     def peer_lost(self, peer: str, jobs: dict[str, Job], why: str) -> None:
         """Fail every collective of every job that spans the lost peer."""
-        for table in self.remote.values():
+        for name, table in list(self.remote.items()):
             table.pop(peer, None)
+            if not table:
+                del self.remote[name]
         self._break_jobs_with(peer, jobs, f"was lost ({why})")
 
     def stream_broken(self, peer: str, jobs: dict[str, Job], why: str) -> None:
@@ -499,7 +533,12 @@ class ClusterJobs:
             job.pending.pop(pending.key, None)
             for submission in pending.submissions.values():
                 submission.respond(error)
-        self.withdraw(job, error)
+        if fail_runs or not job.runs:
+            self.withdraw(job, error)
+        elif job.withdrawal is None:
+            # The collectives still running here may send slices their peers need
+            # yet: the withdrawal follows them, once they end (see `_on_withdraw`).
+            job.withdrawal = error
 
     # -- running a collective -----------------------------------------------
 
@@ -647,6 +686,8 @@ class ClusterJobs:
         finally:
             job.runs.pop(ready.key, None)
             run.release()
+            if job.withdrawal is not None and not job.runs:
+                self.withdraw(job, job.withdrawal)
         if plan.timed is not None and len(formation.daemons) > 1:
             self.meter.record(len(formation.daemons), plan.timed,
                               time.monotonic() - data_phase, plan.modelled)

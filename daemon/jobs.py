@@ -117,6 +117,8 @@ class Job:
         self.incarnation = 0
         self.announcement: Announcement | None = None
         self.withdrawn = False
+        #: Why this daemon withdraws once its running collectives end (`ClusterJobs._break`).
+        self.withdrawal: GradsyncError | None = None
         self.formation: Formation | None = None
         self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
         self.runs: dict[Key, ScheduleRun] = {}

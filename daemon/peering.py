@@ -103,7 +103,10 @@ class Peering:
             curve,
             insecure=config.insecure,
             kinds=PEER_KINDS,
-            stream_kinds=("slice",),
+            # A withdraw follows the sender's slices down the same stream: a daemon
+            # whose ranks leave right after their last collective must not overtake
+            # the slices its peers still need to finish that collective.
+            stream_kinds=("slice", "withdraw"),
             peer_timeout_s=config.peer_timeout_s,
             on_peer_up=self._peer_up,
             on_peer_lost=self._peer_lost,

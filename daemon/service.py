@@ -78,6 +78,7 @@ class GradsyncService:
         self.shutting_down = False
         self.counters: dict[str, int] = {
             "malformed": 0, "collectives": 0, "failed": 0, "stale_generation": 0,
+            "stale_membership": 0,
             "dropped_unknown_job": 0, "rejected_keys": 0, "stats_rejected_keys": 0,
             "slices_placed": 0, "early_refused": 0,
         }

@@ -189,6 +189,52 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
         collect(ranks, timeout_s=20)
 
 
+@pytest.mark.timeout(60)
+def test_a_withdrawal_and_an_announcement_that_passed_each_other_are_told_apart(
+    start_daemon: StartDaemon,
+) -> None:
+    """Withdrawals ride the data stream behind the slices, announcements the ZeroMQ
+    link, so one can overtake the other; incarnations say which came first."""
+    ghost_port, port = free_ports(2)
+    endpoint, ghost = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{ghost_port}"
+    daemon = start_daemon("--listen", endpoint, "--peers", f"{endpoint},{ghost}", "--insecure")
+    context = zmq.Context()
+    try:
+        fake = context.socket(zmq.DEALER)
+        fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
+        fake.setsockopt(zmq.LINGER, 0)
+        fake.connect(endpoint)
+
+        def send(kind: str, incarnation: object) -> None:
+            header = {"kind": kind, "job": "passing", "incarnation": incarnation}
+            if kind == "announce":
+                header.update(world_size=2, ranks=[1], alpha_s=1e-4, beta_s_per_byte=1e-9)
+            else:
+                header.update(reason="its ranks left", code="rank_lost")
+            fake.send_multipart([encode_header(ghost, header)])
+
+        start = counters(daemon)
+        send("withdraw", 10)
+        send("announce", 10)  # overtaken by its own withdrawal: dropped
+        send("announce", 12)  # a later incarnation: held
+        send("withdraw", 11)  # older than the one held: dropped
+        send("withdraw", "ten")  # malformed
+        poll_until(lambda: counters(daemon)["stale_membership"] >= start["stale_membership"] + 2
+                   and counters(daemon)["malformed"] >= start["malformed"] + 1,
+                   20, "the passed messages to be told apart")
+        # In order, each newer than the last: none is stale.  A malformed one after
+        # them marks when they have all been handled (one peer's messages keep order).
+        send("withdraw", 12)
+        send("announce", 13)
+        send("withdraw", None)
+        poll_until(lambda: counters(daemon)["malformed"] >= start["malformed"] + 2, 20,
+                   "the last messages to be handled")
+        assert counters(daemon)["stale_membership"] == start["stale_membership"] + 2
+    finally:
+        context.destroy(linger=0)
+    daemon.assert_alive()
+
+
 @pytest.mark.timeout(120)
 def test_a_flood_of_early_slices_ends_the_job_not_the_daemon(start_daemon: StartDaemon) -> None:
     """Slices for a job that has not formed are kept until it does, but no more than
