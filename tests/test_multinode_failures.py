@@ -30,6 +30,15 @@ def counters(daemon: DaemonProcess) -> dict[str, int]:
     return dict(query(daemon.endpoint, 5.0)["counters"])
 
 
+def ghost_dealer(context: zmq.Context[Any], ghost: str, endpoint: str) -> zmq.Socket[Any]:
+    """A socket that speaks to `endpoint` as the listed, never started peer `ghost`."""
+    fake = context.socket(zmq.DEALER)
+    fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.connect(endpoint)
+    return fake
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
 def test_lost_peer_fails_collectives_with_peer_lost(
@@ -151,10 +160,7 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
         before = counters(daemons[0])["stale_generation"]
         context = zmq.Context()
         try:
-            fake = context.socket(zmq.DEALER)
-            fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
-            fake.setsockopt(zmq.LINGER, 0)
-            fake.connect(endpoints[0])
+            fake = ghost_dealer(context, ghost, endpoints[0])
             header = {"kind": "slice", "job": "live", "gen": 12345, "key": 0,
                       "fp": ["allreduce", "float32", 1000, "sum", "ring"],
                       "step": 0, "start": 0, "stop": 1000}
@@ -200,10 +206,7 @@ def test_a_withdrawal_and_an_announcement_that_passed_each_other_are_told_apart(
     daemon = start_daemon("--listen", endpoint, "--peers", f"{endpoint},{ghost}", "--insecure")
     context = zmq.Context()
     try:
-        fake = context.socket(zmq.DEALER)
-        fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
-        fake.setsockopt(zmq.LINGER, 0)
-        fake.connect(endpoint)
+        fake = ghost_dealer(context, ghost, endpoint)
 
         def send(kind: str, incarnation: object) -> None:
             header = {"kind": kind, "job": "passing", "incarnation": incarnation}
@@ -249,10 +252,7 @@ def test_a_flood_of_early_slices_ends_the_job_not_the_daemon(start_daemon: Start
                            env={"WORLD_SIZE": "2", "GRADSYNC_TIMEOUT_S": "60"})
     context = zmq.Context()
     try:
-        fake = context.socket(zmq.DEALER)
-        fake.setsockopt(zmq.ROUTING_ID, ghost.encode())
-        fake.setsockopt(zmq.LINGER, 0)
-        fake.connect(endpoint)
+        fake = ghost_dealer(context, ghost, endpoint)
         header = {"kind": "slice", "job": "flood", "gen": 1, "key": 0,
                   "fp": ["allreduce", "float32", 1000, "sum", "ring"],
                   "step": 0, "t": 0, "off": 0}
