@@ -27,7 +27,7 @@ from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose, esti
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
 from gradsync.daemon.cost_epochs import Agreement, Offer, epoch_of, epoch_to_offer, explores
-from gradsync.daemon.executor import ScheduleRun, SendFailed, is_placed
+from gradsync.daemon.executor import ChunkPool, ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
 from gradsync.daemon.stats import StatsRecorder
@@ -133,6 +133,8 @@ class ClusterJobs:
         self.stats: StatsRecorder | None = None
         #: Timings of this daemon's allreduces, from which it fits `auto`'s figures.
         self.meter = CostMeter()
+        #: Reduce chunks that placed slices of every run take turns with.
+        self.chunks = ChunkPool()
 
     # -- membership ---------------------------------------------------------
 
@@ -677,6 +679,7 @@ class ClusterJobs:
             agree_with=[
                 index for index in range(len(formation.daemons)) if index != me
             ] if plan.agree_first else [],
+            chunks=self.chunks,
         )
         job.runs[ready.key] = run
         data_phase = time.monotonic()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradsync.daemon.algorithms import build_schedules
-from gradsync.daemon.executor import ScheduleRun
+from gradsync.daemon.executor import ChunkPool, ScheduleRun
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveError, ProtocolError
 
@@ -159,16 +159,18 @@ def feed(placement: Any, data: bytes, rng: random.Random, upto: int | None = Non
 def test_slices_placed_as_they_arrive_give_the_exact_sum(algorithm: str) -> None:
     """Slices of the current step are placed (copies straight into the buffer,
     reductions chunk by chunk) and filled in odd-sized pieces, several at once,
-    between ordinary deliveries: the result is exact."""
+    between ordinary deliveries: the result is exact.  The runs share one pool of
+    reduce chunks: a chunk goes back only once its placement is done with it."""
 
     async def main() -> None:
         daemons, count = 3, 150_001  # slices of 512 KiB: reductions in several chunks
         wire = Wire()
+        chunks = ChunkPool()
         buffers = [np.arange(count, dtype=np.float64) * (d + 1) + d for d in range(daemons)]
         for me, schedule in enumerate(build_schedules(algorithm, daemons, count)):
             wire.runs.append(ScheduleRun(
                 schedule, buffers[me], ReduceOp.SUM, wire.sender(me), 512 * 1024,
-                asyncio.get_running_loop(),
+                asyncio.get_running_loop(), chunks=chunks,
             ))
         want = sum(np.arange(count, dtype=np.float64) * (d + 1) + d for d in range(daemons))
         rng = random.Random(len(algorithm))
@@ -176,6 +178,7 @@ def test_slices_placed_as_they_arrive_give_the_exact_sum(algorithm: str) -> None
             run.start()
         filling: list[tuple[int, int, dict[str, Any], bytes, Any]] = []
         placed = {True: 0, False: 0}
+        most_at_once = 0
         while wire.queue or filling:
             if filling and (not wire.queue or rng.random() < 0.5):
                 index = rng.randrange(len(filling))
@@ -195,7 +198,11 @@ def test_slices_placed_as_they_arrive_give_the_exact_sum(algorithm: str) -> None
             else:
                 placed[placement.expected.reduce] += 1
                 filling.append((source, target, header, payload, placement))
+                most_at_once = max(most_at_once, sum(
+                    1 for *_, filled in filling if filled.expected.reduce))
         assert placed[True] > 0 and placed[False] > 0, placed
+        # Reused: no more chunks made than placements ever filled at once.
+        assert 0 < chunks.made <= most_at_once, (chunks.made, most_at_once, placed)
         for run, buffer in zip(wire.runs, buffers, strict=True):
             assert run.done.done() and run.done.exception() is None
             np.testing.assert_array_equal(buffer, want)
