@@ -1,4 +1,6 @@
-"""The same job across daemons in separate network namespaces joined by a veth pair.
+"""The same job across daemons in separate network namespaces joined by a veth pair;
+and, with one host's data stream slowed (tc), a rank that leaves while its last
+slices are still on the wire.
 
 Each daemon runs in its own namespace and reaches the other only through the
 veth link, over addresses this test assigns inside the namespaces it creates
@@ -70,3 +72,50 @@ def test_job_across_network_namespaces(
         assert summary["failures"] == 0, result.stdout
     for daemon in daemons:
         assert "formed across 2 daemons" in daemon.log()
+
+
+def _tc(host: str, *args: str) -> None:
+    subprocess.run(["ip", "netns", "exec", host, "tc", *args], check=True,
+                   capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_leaving_fails_no_one_while_its_last_slices_are_in_flight(
+    start_daemon: StartDaemon, two_hosts: tuple[str, str]
+) -> None:
+    """Host A sends everything but its ZeroMQ link at 200 kbit/s, so its data
+    stream to B lags.  A's rank finishes its allreduce (its last slice is with
+    A's kernel, still on the way to B) and leaves at once: B must read that slice
+    before it hears that A's rank left, and finish, instead of failing the
+    collective for a rank that already did its part."""
+    if shutil.which("tc") is None:
+        pytest.skip("needs tc (iproute2) to slow one stream")
+    port = 29400
+    endpoints = [f"tcp://{SUBNET}.{i}:{port}" for i in (1, 2)]
+    veth = f"gsva{os.getpid() % 100000}"
+    host_a = two_hosts[0]
+    try:
+        _tc(host_a, "qdisc", "add", "dev", veth, "root", "handle", "1:", "htb", "default", "20")
+        _tc(host_a, "class", "add", "dev", veth, "parent", "1:", "classid", "1:10", "htb",
+            "rate", "10gbit")
+        _tc(host_a, "class", "add", "dev", veth, "parent", "1:", "classid", "1:20", "htb",
+            "rate", "200kbit", "ceil", "200kbit")
+        for direction in ("dport", "sport"):  # the ZeroMQ link, either way: full speed
+            _tc(host_a, "filter", "add", "dev", veth, "parent", "1:0", "protocol", "ip",
+                "prio", "1", "u32", "match", "ip", direction, str(port), "0xffff",
+                "flowid", "1:10")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        pytest.skip(f"cannot shape the veth link here: {exc}")
+    peers = ",".join(endpoints)
+    daemons = [
+        start_daemon("--listen", endpoints[i], "--peers", peers, "--insecure",
+                     prefix=["ip", "netns", "exec", two_hosts[i]])
+        for i in range(2)
+    ]
+    for attempt in range(3):
+        results = run_spread(daemons, (1, 1), "multinode_finish.py",
+                             [str(4 * 1024), "1", "ring"], job=f"leaving-{attempt}")
+        for result in results:
+            assert result.records() == [{"rounds": 1, "wrong": 0}], result.stdout
+    for daemon in daemons:
+        daemon.assert_alive()
