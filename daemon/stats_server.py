@@ -4,7 +4,7 @@ Requests arrive on a ROUTER (REQ clients see plain REQ/REP), so a `trace`
 request records in the background while `stats` requests are still answered.
 
 `--stats ipc://PATH` (default: the client socket's path + `.stats`) answers a
-msgpack request `{"v": 1, "kind": "stats"}` with one snapshot and anything
+msgpack request `{"v": PROTOCOL_VERSION, "kind": "stats"}` with one snapshot and anything
 else with an error; PATH + `.pub` (for `tcp://HOST:PORT`: the next port)
 publishes a snapshot every second for `gradsync top`.  Nothing received here
 can change the daemon.

@@ -184,7 +184,7 @@ def test_decode_request_refuses_overlong_keys() -> None:
     assert messages.decode_request(body_of(long_ok)) == long_ok
 
 
-@pytest.mark.parametrize("version", [0, 2, 99, -1])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 99, -1])
 def test_other_versions_raise_version_mismatch_with_both_numbers(version: int) -> None:
     with pytest.raises(VersionMismatchError) as caught:
         messages.decode_request(body_of({**envelope("ping"), "v": version}))
