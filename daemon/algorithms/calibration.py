@@ -31,6 +31,7 @@ the caller decides whose figures and timings a job uses (see `cost_epochs.py`).
 from __future__ import annotations
 
 import collections
+import statistics
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -155,7 +156,8 @@ def _group_points(samples: Iterable[_Sample]) -> list[tuple[float, float, float]
 
 
 def _middle(values: list[float]) -> float:
-    """The middle value (of an even count, the upper of the two middle ones)."""
+    """The middle value (of an even count, the upper of the two middle ones): a
+    time some collective actually took."""
     return sorted(values)[len(values) // 2]
 
 
@@ -176,7 +178,7 @@ def _split_fit(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
         return prior
     floor = max(min(s for _, s in steps), MIN_STEP_BYTES)
     if floor <= MAX_LATENCY_STEP_BYTES:
-        alpha = _median([tau for tau, s in steps if s <= 2 * floor])
+        alpha = statistics.median([tau for tau, s in steps if s <= 2 * floor])
         separation = SEPARATION
     else:  # only large buffers ran: alpha as before, every group may speak for beta
         alpha, separation = prior.alpha_s, 1.0
@@ -184,16 +186,9 @@ def _split_fit(points: list[tuple[float, float, float]], prior: Costs) -> Costs:
     readings = [(tau - alpha) / s for tau, s in steps
                 if s >= separation * floor and tau - alpha >= BYTES_SHARE * tau]
     if readings:
-        beta = max(_median(readings), MIN_BETA_S_PER_BYTE)
+        beta = max(statistics.median(readings), MIN_BETA_S_PER_BYTE)
     # Alpha once more, from every group whose bytes are a small share of its time.
     latency = [tau - s * beta for tau, s in steps if s * beta <= LATENCY_SHARE * tau]
     if latency:
-        alpha = max(0.0, _median(latency))
+        alpha = max(0.0, statistics.median(latency))
     return Costs(alpha, beta)
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-
