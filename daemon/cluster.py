@@ -714,8 +714,7 @@ class ClusterJobs:
         # cannot tell (see CostMeter.fit), better than the start-up probes.
         prior = job.costs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
         own = self.meter.fit(len(daemons), prior) or prior
-        timings = list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:]
-        times = {group: seconds for group, seconds in timings if _is_group(group)}
+        times = dict(list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:])
         factor = self.config.auto_explore_factor
         job.costs.add(formation.generation, epoch, self.transport.endpoint,
                       Offer(own, times, factor))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 #: Collectives remembered per daemon count.
@@ -62,7 +62,7 @@ MEASURED_MARGIN = 0.05
 Group = tuple[str, int]
 #: A stored sample: its group, the model's (alphas, bytes at beta) or None when
 #: it only times the algorithm, and the seconds it took.
-_Sample = tuple[Hashable, tuple[float, float] | None, float]
+_Sample = tuple[Group, tuple[float, float] | None, float]
 
 
 class Costs(NamedTuple):
@@ -80,7 +80,7 @@ class CostMeter:
         self._samples: dict[int, collections.deque[_Sample]] = {}
 
     def record(
-        self, daemons: int, group: Hashable, seconds: float,
+        self, daemons: int, group: Group, seconds: float,
         terms: tuple[float, float] | None = None,
     ) -> None:
         """One collective over `daemons` daemons took `seconds`; with `terms`
@@ -105,9 +105,9 @@ class CostMeter:
             return None
         return _split_fit(points, prior)
 
-    def timings(self, daemons: int) -> dict[Hashable, float]:
+    def timings(self, daemons: int) -> dict[Group, float]:
         """Median seconds per group with `MIN_GROUP_SAMPLES`, every algorithm's."""
-        groups: dict[Hashable, list[float]] = {}
+        groups: dict[Group, list[float]] = {}
         for group, _, seconds in self._samples.get(daemons, ()):
             groups.setdefault(group, []).append(seconds)
         return {group: _middle(times) for group, times in groups.items()
@@ -146,7 +146,7 @@ def measured_pick(
 
 def _group_points(samples: Iterable[_Sample]) -> list[tuple[float, float, float]]:
     """(a, b, median seconds) per calibrating group with enough samples."""
-    groups: dict[Hashable, tuple[float, float, list[float]]] = {}
+    groups: dict[Group, tuple[float, float, list[float]]] = {}
     for group, terms, seconds in samples:
         if terms is not None:
             entry = groups.setdefault(group, (*terms, []))
