@@ -65,7 +65,8 @@ STAR_MAX_DAEMONS = 8
 #: cost at the root and prices the tree within 25 %, so their timings would
 #: bend the figures away from what the others cost.
 CALIBRATING = frozenset({"ring", "rhd"})
-#: Timings (algorithm, size) a daemon offers per epoch at most: the latest ones.
+#: Timings (algorithm, size) a daemon offers per epoch at most: the groups of
+#: its remembered collectives that first ran most recently.
 MAX_TIMES_OFFERED = 64
 
 #: Link costs assumed until a peer's have been measured.
