@@ -366,7 +366,7 @@ class ClusterJobs:
             run = job.runs.get(key)
             if run is None or key in job.failed or peer not in formation.daemons:
                 return None
-            if list(header.get("fp") or []) != list(run.fingerprint):
+            if (header.get("fp") or []) != run.wire_fingerprint:
                 return None
             placement = run.place(formation.index_of(peer), int(header["step"]),
                                   int(header["t"]), int(header["off"]), sizes[0])
@@ -397,7 +397,8 @@ class ClusterJobs:
                 return  # placed while its collective ran here; that one has ended since
             self._keep_early(job, peer, header, frames, key)
             return
-        if list(header.get("fp") or []) != list(run.fingerprint):
+        # A placed slice's fingerprint was checked when it was placed (`place`).
+        if not is_placed(frames[0]) and (header.get("fp") or []) != run.wire_fingerprint:
             self._mismatch(job, key, run, peer, header)
             return
         if self.stats is not None:

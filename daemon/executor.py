@@ -141,6 +141,8 @@ class ScheduleRun:
         self._agree_with = list(agree_with)
         self._agreements_missing = set(agree_with)
         self.fingerprint = fingerprint
+        #: The fingerprint as a slice's header carries it (msgpack gives lists).
+        self.wire_fingerprint = list(fingerprint)
         self.algorithm = algorithm
         self.buffer = buffer
         self.op = op
@@ -436,7 +438,9 @@ class _Placement:
     """Where one placed slice of the current step goes as it arrives (a `PayloadSink`).
 
     Once `cancel`led (the run ended), the rest of the payload is read and
-    dropped: the buffer may belong to someone else by then.
+    dropped: the buffer may belong to someone else by then.  `window` and
+    `advance` run once per read from the socket, so each subclass implements
+    them whole rather than through a chain of helpers.
     """
 
     def __init__(self, expected: _Expected, begin: int, target: np.ndarray) -> None:
@@ -454,20 +458,14 @@ class _Placement:
         self._discard = memoryview(bytearray(min(self.remaining, REDUCE_CHUNK_BYTES) or 1))
         self._drop_target()
 
+    def _discard_window(self) -> memoryview:
+        assert self._discard is not None
+        return self._discard[: min(self.remaining, self._discard.nbytes)]
+
     def window(self) -> memoryview:
-        if self._discard is not None:
-            return self._discard[: min(self.remaining, self._discard.nbytes)]
-        return self._window()
-
-    def advance(self, count: int) -> None:
-        self.remaining -= count
-        if self._discard is None:
-            self._advance(count)
-
-    def _window(self) -> memoryview:
         raise NotImplementedError
 
-    def _advance(self, count: int) -> None:
+    def advance(self, count: int) -> None:
         raise NotImplementedError
 
     def _drop_target(self) -> None:
@@ -486,12 +484,13 @@ class _CopyPlacement(_Placement):
         super().__init__(expected, begin, target)
         self._bytes: memoryview | None = target.view(np.uint8).data
 
-    def _window(self) -> memoryview:
-        assert self._bytes is not None
+    def window(self) -> memoryview:
+        if self._bytes is None:
+            return self._discard_window()
         return self._bytes[self.nbytes - self.remaining :]
 
-    def _advance(self, count: int) -> None:
-        pass
+    def advance(self, count: int) -> None:
+        self.remaining -= count
 
     def _drop_target(self) -> None:
         self._bytes = None
@@ -509,11 +508,15 @@ class _ReducePlacement(_Placement):
         self._op = op
         self._pool = chunks
         self._whole: np.ndarray | None = chunks.take()
-        chunk = min(target.nbytes, REDUCE_CHUNK_BYTES - REDUCE_CHUNK_BYTES % target.itemsize)
-        self._chunk = self._whole[:chunk]
-        self._chunk_bytes = self._chunk.data
+        itemsize = target.itemsize
+        chunk = min(target.nbytes, REDUCE_CHUNK_BYTES - REDUCE_CHUNK_BYTES % itemsize)
+        self._itemsize = itemsize
+        #: The chunk as bytes (what the socket writes) and as elements (what is combined).
+        self._chunk_bytes = self._whole[:chunk].data
+        self._chunk = self._whole[:chunk].view(target.dtype)
         self._filled = 0  # bytes of the current chunk
-        self._done = 0  # bytes combined into the target
+        self._limit = chunk  # bytes the current chunk takes before it is combined
+        self._done = 0  # elements combined into the target
 
     def _give_back(self) -> None:
         """The chunk is no longer written or read: the next placement may have it."""
@@ -521,22 +524,28 @@ class _ReducePlacement(_Placement):
             self._pool.give(self._whole)
             self._whole = None
 
-    def _window(self) -> memoryview:
-        size = min(self._chunk.nbytes, self.nbytes - self._done)
-        return self._chunk_bytes[self._filled : size]
+    def window(self) -> memoryview:
+        if self._target is None:
+            return self._discard_window()
+        return self._chunk_bytes[self._filled : self._limit]
 
-    def _advance(self, count: int) -> None:
-        self._filled += count
-        if self._filled < min(self._chunk.nbytes, self.nbytes - self._done):
+    def advance(self, count: int) -> None:
+        self.remaining -= count
+        target = self._target
+        if target is None:
             return
-        assert self._target is not None
-        itemsize = self._target.itemsize
-        first = self._done // itemsize
-        source = self._chunk[: self._filled].view(self._target.dtype)
-        combine_into(self._target[first : first + source.size], source, self._op)
-        self._done += self._filled
+        filled = self._filled + count
+        if filled < self._limit:
+            self._filled = filled
+            return
+        size = filled // self._itemsize
+        first = self._done
+        combine_into(target[first : first + size],
+                     self._chunk if size == self._chunk.size else self._chunk[:size], self._op)
+        self._done = first + size
         self._filled = 0
-        if self._done == self.nbytes:
+        self._limit = min(self._limit, self.remaining)
+        if self.remaining == 0:
             self._give_back()
 
     def _drop_target(self) -> None:
