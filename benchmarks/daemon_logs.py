@@ -20,15 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 _LINK = re.compile(r"link to (?P<peer>\S+): rtt (?P<rtt>[\d.]+) µs, (?P<mbps>[\d.]+) MB/s")
-#: What `auto` always chooses among (gradsync.daemon.cluster.AUTO_CANDIDATES).
-AUTO_CANDIDATES = ("ring", "rhd", "tree")
-#: Up to this many daemons star is a candidate too (gradsync.daemon.cluster).
-STAR_MAX_DAEMONS = 8
-
-
-def auto_candidates(daemons: int) -> tuple[str, ...]:
-    """What `auto` chooses among for a job over this many daemons."""
-    return AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ())
 
 
 @dataclasses.dataclass
@@ -102,6 +93,7 @@ def picks_from_stats(
             result.costs.setdefault(nbytes, (entry["alpha_s"], entry["beta_s_per_byte"]))
     try:
         from gradsync.daemon.algorithms.cost_model import estimate_s
+        from gradsync.daemon.cluster import auto_candidates
     except ImportError:
         return result
     for nbytes, (alpha, beta) in result.costs.items():
@@ -116,6 +108,7 @@ def model_choice(daemons: int, nbytes: int, alpha: float, beta: float) -> str | 
     """What the daemon's cost model picks (None if gradsync is not importable here)."""
     try:
         from gradsync.daemon.algorithms.cost_model import choose
+        from gradsync.daemon.cluster import auto_candidates
     except ImportError:
         return None
     best: str = choose(daemons, nbytes, alpha, beta, candidates=auto_candidates(daemons))[0]

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from daemon_logs import auto_candidates, crossovers, model_choice
+from daemon_logs import crossovers, model_choice
 from plan import (
     CURVE_CONTENDERS,
     FIXED_ALGORITHMS,
@@ -25,6 +25,7 @@ from plan import (
 )
 from report import Cell, ContenderRun, details_table, format_bw, format_time, results_table
 
+from gradsync.daemon.cluster import auto_candidates
 from gradsync.daemon.cost_epochs import EPOCH_KEYS
 
 if TYPE_CHECKING:

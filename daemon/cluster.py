@@ -56,9 +56,10 @@ log = logging.getLogger("gradsync.daemon.cluster")
 #: buffers over a few daemons (measured: up to about 1 MiB at 4 daemons); its
 #: root's per-message cost, which the model does not charge, rules it out beyond.
 AUTO_CANDIDATES = ("ring", "rhd", "tree")
+#: ... and star too, up to this many daemons.
+STAR_MAX_DAEMONS = 8
 #: Withdrawals remembered, to drop an announcement they overtook (see `_on_withdraw`).
 WITHDRAWALS_KEPT = 4096
-STAR_MAX_DAEMONS = 8
 
 #: Algorithms whose timings calibrate `auto`: those the model prices exactly as
 #: built (tests/test_cost_model.py).  The model leaves out star's per-message
@@ -74,16 +75,19 @@ DEFAULT_ALPHA_S = 50e-6
 DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
 
 
+def auto_candidates(daemons: int) -> tuple[str, ...]:
+    """What `auto` chooses among for a job over this many daemons."""
+    return AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ())
+
+
 @functools.lru_cache(maxsize=4096)
 def auto_pick(
     daemons: int, nbytes: int, alpha_s: float, beta_s_per_byte: float
 ) -> tuple[str, tuple[tuple[str, float], ...]]:
     """`auto`'s choice and the estimates behind it; remembered, since a job asks
     the same question (its formation's figures, the same sizes) every collective."""
-    best, estimates = choose(
-        daemons, nbytes, alpha_s, beta_s_per_byte,
-        candidates=AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ()),
-    )
+    best, estimates = choose(daemons, nbytes, alpha_s, beta_s_per_byte,
+                             candidates=auto_candidates(daemons))
     return best, tuple(estimates.items())
 
 
