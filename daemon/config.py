@@ -58,7 +58,11 @@ class DaemonConfig:
     curve_authorized: str | None = None
     insecure: bool = False
     peer_timeout_s: float = 30.0
-    pipeline_slice_bytes: int = 2 * 1024**2
+    #: 4 MiB rather than 1 or 2: each slice costs the daemon's Python about 80
+    #: calls at either end, and 4 MiB slices measured 6 to 20 % faster than
+    #: 2 MiB ones where the CPUs bind, the same where the wire does
+    #: (benchmarks/RESULTS.md, interdaemon notes).
+    pipeline_slice_bytes: int = 4 * 1024**2
     algorithm: str = "auto"
     #: `auto` times every algorithm its model prices within this factor of the
     #: best before it settles by timings (1: the model alone decides).

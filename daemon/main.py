@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--peer-timeout-s", metavar="S",
                        help="a silent peer is declared lost after this long (default 30)")
     peers.add_argument("--pipeline-slice-bytes", metavar="SIZE",
-                       help="inter-daemon transfers are cut into slices this big (2MiB)")
+                       help="inter-daemon transfers are cut into slices this big (4MiB)")
     peers.add_argument("--algorithm", metavar="NAME",
                        help="auto (default), ring, tree, rhd or star")
     peers.add_argument("--auto-explore-factor", metavar="F",
