@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,7 +21,13 @@ import pytest
 
 from conftest import DaemonProcess
 from gradsync.client.ping import query
-from gradsync.daemon.config import ConfigError, DaemonConfig, env_name, load_config
+from gradsync.daemon.config import (
+    ConfigError,
+    DaemonConfig,
+    env_name,
+    load_config,
+    parse_size,
+)
 
 StartDaemon = Callable[..., DaemonProcess]
 GRADSYNCD = os.path.join(os.path.dirname(sys.executable), "gradsyncd")
@@ -44,6 +51,34 @@ def test_defaults() -> None:
     assert config.threads == (os.cpu_count() or 1)
     assert config.log_level == "info"
     assert config.socket.startswith("ipc:///") and config.socket.endswith("/gradsyncd.sock")
+
+
+def test_the_readmes_settings_tables_name_every_setting_its_flag_and_default() -> None:
+    """Docs that match: each setting once, with its flag and, where the code has
+    a fixed default, that value (none is said in words)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `([a-z_]+)` \| `(--[a-z-]+)` \| (.+?) \| ", readme, re.MULTILINE)
+    documented = {name: (flag, default) for name, flag, default in rows}
+    assert len(documented) == len(rows), "a setting is documented twice"
+    fields = dataclasses.fields(DaemonConfig)
+    assert set(documented) == {field.name for field in fields}
+    for field in fields:
+        flag, default = documented[field.name]
+        assert flag == "--" + field.name.replace("_", "-")
+        literal = re.fullmatch(r"`([^`]*)`", default)
+        if field.default is dataclasses.MISSING:
+            continue  # computed at start (the socket path, the core count)
+        if field.default in (None, ()):
+            assert literal is None, f"{field.name}: README gives {default}, the code none"
+            continue
+        assert literal is not None, f"{field.name}: README gives {default!r}, not a value"
+        text = literal.group(1)
+        if isinstance(field.default, bool):
+            assert text == str(field.default).lower(), field.name
+        elif field.name.endswith("_bytes"):
+            assert parse_size(text) == field.default, field.name
+        else:
+            assert type(field.default)(text) == field.default, field.name
 
 
 def test_flags_beat_environment_beat_toml_beat_defaults(tmp_path: Path) -> None:
