@@ -14,12 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
+import numpy as np
 import pytest
 import zmq
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
 from conftest import DaemonProcess, collect, poll_until
 from gradsync.client.ping import query
+from gradsync.client.stats_cli import fetch_snapshot
+from gradsync.daemon.membership import Announcement, form
 from gradsync.daemon.peers.wire import encode_header
 
 StartDaemon = Callable[..., DaemonProcess]
@@ -308,3 +312,113 @@ def test_curve_links_work_and_unknown_keys_are_rejected(
     assert counters(daemons[0])["links_sent"] > 0
     assert all(counters(daemon)["links_stream_sent"] == 0 for daemon in daemons)
     assert json.dumps(counters(daemons[0]))  # the snapshot is plain data
+
+
+class GhostPeers:
+    """Listed peers played by the test: each binds a ROUTER at its endpoint (so the
+    daemon's link to it comes up), answers the daemon's probes, and records, in
+    order, every other message the daemon sends it; `send` speaks to the daemon."""
+
+    def __init__(self, context: zmq.Context[Any], ghosts: list[str], daemon: str) -> None:
+        self.inbox: dict[str, list[tuple[dict[str, Any], list[bytes]]]] = {g: [] for g in ghosts}
+        self._routers = {}
+        for ghost in ghosts:
+            router = context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(ghost)
+            self._routers[ghost] = router
+        self._dealers = {ghost: ghost_dealer(context, ghost, daemon) for ghost in ghosts}
+
+    def pump(self, seconds: float = 0.05) -> None:
+        """Answer probes and record messages for up to `seconds`."""
+        poller = zmq.Poller()
+        for router in self._routers.values():
+            poller.register(router, zmq.POLLIN)
+        for socket, _ in poller.poll(int(seconds * 1000)):
+            ghost = next(g for g, r in self._routers.items() if r is socket)
+            while socket.poll(0):
+                identity, head, *payloads = socket.recv_multipart()
+                header = msgpack.unpackb(head)
+                if header["kind"] in ("link.ping", "link.bulk"):
+                    pong = encode_header(ghost, {"kind": "link.pong", "seq": header["seq"]})
+                    socket.send_multipart([identity, pong])
+                else:
+                    self.inbox[ghost].append((header, payloads))
+
+    def wait_for(self, ghost: str, kind: str, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [h for h, _ in self.inbox[ghost] if h["kind"] == kind]
+            if found:
+                return found[0]
+            self.pump()
+        raise AssertionError(f"{ghost} heard no {kind!r} within {timeout_s}s")
+
+    def send(self, ghost: str, header: dict[str, Any], *payloads: bytes) -> None:
+        self._dealers[ghost].send_multipart([encode_header(ghost, header), *payloads])
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slices(
+    start_daemon: StartDaemon,
+) -> None:
+    """Star allreduce over three daemons, this one the root, the other two played
+    by the test.  One leaf sends its part and leaves at once (its ranks exited);
+    the root has everything it needs from that leaf, so the collective goes on,
+    but the job is over for good.  The other leaf sends its part only once the
+    root has heard of the departure.  The root must send that leaf its result
+    before it says that it withdraws too: a leaf hearing the withdrawal first
+    would fail the collective that is about to succeed."""
+    port, first_port, second_port = free_ports(3)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    leaving, staying = f"tcp://127.0.0.1:{first_port}", f"tcp://127.0.0.1:{second_port}"
+    daemon = start_daemon("--listen", endpoint, "--peers", f"{endpoint},{leaving},{staying}",
+                          "--insecure")
+    count, job = 1000, "deferred"
+    context = zmq.Context()
+    try:
+        ghosts = GhostPeers(context, [leaving, staying], endpoint)
+        (rank,) = spawn_spread([daemon], (1,), "multinode_finish.py", [str(count), "1", "star"],
+                               job=job, env={"WORLD_SIZE": "3", "GRADSYNC_TIMEOUT_S": "60"})
+        ours = ghosts.wait_for(leaving, "announce", 30)
+        announced = {endpoint: Announcement.from_wire(endpoint, ours)}
+        for index, ghost in enumerate((leaving, staying), start=1):
+            fields = {"job": job, "incarnation": 100 + index, "world_size": 3,
+                      "ranks": [index], "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
+            ghosts.send(ghost, {"kind": "announce", **fields})
+            announced[ghost] = Announcement.from_wire(ghost, fields)
+        formation = form(announced, 3)
+        assert formation is not None and formation.daemons[0] == endpoint  # the root
+
+        def contribute(ghost: str, value: float) -> None:
+            ghosts.send(ghost, {"kind": "slice", "job": job, "gen": formation.generation,
+                                "key": 0, "fp": ["allreduce", "float32", count, "sum", None,
+                                                 "star"], "step": 0, "t": 0, "off": 0},
+                        np.full(count, value, np.float32).tobytes())
+
+        def runs_wait_for() -> list[list[str]]:
+            entries = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"][job]["in_flight"]
+            return [entry["waiting_for_peers"] for entry in entries if "steps" in entry]
+
+        # Each rank r contributes r: the sum is 0 + 1 + 2.
+        contribute(leaving, 1.0)
+        poll_until(lambda: runs_wait_for() == [[staying]], 30,
+                   "the root's collective to have the leaving leaf's part")
+        ghosts.send(leaving, {"kind": "withdraw", "job": job, "incarnation": 101,
+                              "reason": "its ranks left", "code": "rank_lost"})
+        deadline = time.monotonic() + 30
+        while f"on peer daemon {leaving}: its ranks left" not in daemon.log():
+            assert time.monotonic() < deadline, "the daemon did not hear the leaf leave"
+            ghosts.pump()
+        contribute(staying, 2.0)
+        ghosts.wait_for(staying, "withdraw", 30)
+        heard = [(header["kind"], payloads) for header, payloads in ghosts.inbox[staying]]
+        kinds = [kind for kind, _ in heard]
+        assert kinds == ["announce", "slice", "withdraw"], kinds
+        result = np.frombuffer(heard[1][1][0], np.float32)
+        np.testing.assert_array_equal(result, np.full(count, 3.0, np.float32))
+    finally:
+        context.destroy(linger=0)
+    (outcome,) = collect([rank], timeout_s=30)
+    assert outcome.records()[-1] == {"rounds": 1, "wrong": 0}, outcome.stdout + outcome.stderr
+    daemon.assert_alive()
