@@ -28,7 +28,15 @@ from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.collectives import Plan
 from gradsync.daemon.cost_epochs import Agreement, Offer, epoch_of, epoch_to_offer, explores
 from gradsync.daemon.executor import ChunkPool, ScheduleRun, SendFailed, is_placed
-from gradsync.daemon.membership import Announcement, Formation, conflicts, form, new_incarnation
+from gradsync.daemon.membership import (
+    BOOT,
+    Announcement,
+    Formation,
+    conflicts,
+    form,
+    is_wire_int,
+    new_incarnation,
+)
 from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -132,8 +140,10 @@ class ClusterJobs:
         self.run_call = run_call
         self.counters = counters
         self.remote: dict[str, dict[str, Announcement]] = {}
-        #: (job, peer) -> the newest incarnation that peer withdrew, oldest first.
-        self.withdrawn: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        #: (job, peer) -> (boot, newest incarnation) that peer withdrew, oldest first.
+        self.withdrawn: collections.OrderedDict[tuple[str, str], tuple[int, int]] = (
+            collections.OrderedDict()
+        )
         self.trace: TraceRecorder | None = None
         self.stats: StatsRecorder | None = None
         #: Timings of this daemon's allreduces, from which it fits `auto`'s figures.
@@ -148,7 +158,7 @@ class ClusterJobs:
         costs = self.transport.link_costs() or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
         job.incarnation = new_incarnation()
         job.announcement = Announcement(
-            self.transport.endpoint, job.name, job.incarnation, job.world_size,
+            self.transport.endpoint, job.name, job.incarnation, BOOT, job.world_size,
             tuple(sorted(job.members)), costs[0], costs[1],
         )
         for peer in self.transport.peers():
@@ -174,6 +184,7 @@ class ClusterJobs:
         for peer in self.transport.peers():
             self.transport.send(peer, {
                 "kind": "withdraw", "job": job.name, "incarnation": job.incarnation,
+                "boot": BOOT,
                 "reason": error.message, "code": error.code,
             })
 
@@ -245,7 +256,9 @@ class ClusterJobs:
 
     def _on_announce(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
         announcement = Announcement.from_wire(peer, header)
-        if self.withdrawn.get((announcement.job, peer), -1) >= announcement.incarnation:
+        withdrawn = self.withdrawn.get((announcement.job, peer))
+        if (withdrawn is not None and withdrawn[0] == announcement.boot
+                and withdrawn[1] >= announcement.incarnation):
             self.counters["stale_membership"] += 1  # its withdrawal overtook it
             return
         table = self.remote.setdefault(announcement.job, {})
@@ -253,7 +266,9 @@ class ClusterJobs:
         table[peer] = announcement
         if job is None:
             return
-        if (previous is not None and previous.incarnation != announcement.incarnation
+        if (previous is not None
+                and (previous.boot, previous.incarnation)
+                != (announcement.boot, announcement.incarnation)
                 and job.formation is not None and peer in job.formation.daemons):
             self._break(job, PeerLostError(
                 f"peer daemon {peer} re-created {job.describe()} (its ranks restarted); "
@@ -269,19 +284,21 @@ class ClusterJobs:
         A withdrawal travels over the data stream when there is one, behind the
         slices sent before it (a peer must not hear that a daemon left before it
         has read that daemon's last slices); announcements take the ZeroMQ link.
-        So the two can pass each other: incarnations grow on every daemon, and a
-        withdrawal older than the announcement held is dropped, as is an
-        announcement no newer than a withdrawal heard.
+        So the two can pass each other: incarnations grow within each run of a
+        daemon (its `boot`), and a withdrawal older than the announcement held
+        from the same boot is dropped, as is an announcement no newer than a
+        withdrawal heard from the same boot.  A restarted daemon's messages are
+        never stale: its old ones all came before its old connection closed.
         """
-        name, incarnation = header["job"], header.get("incarnation")
-        if not isinstance(incarnation, int) or isinstance(incarnation, bool):
-            raise ValueError("withdraw: 'incarnation' must be an integer")
+        name, incarnation, boot = header["job"], header.get("incarnation"), header.get("boot")
+        if not is_wire_int(incarnation) or not is_wire_int(boot):
+            raise ValueError("withdraw: 'incarnation' and 'boot' must be integers")
         table = self.remote.get(name, {})
         held = table.get(peer)
-        if held is not None and held.incarnation > incarnation:
+        if held is not None and held.boot == boot and held.incarnation > incarnation:
             self.counters["stale_membership"] += 1
             return
-        self._remember_withdrawal(name, peer, incarnation)
+        self._remember_withdrawal(name, peer, boot, incarnation)
         if held is not None:
             del table[peer]
             if not table:
@@ -300,9 +317,12 @@ class ClusterJobs:
             for run in list(job.runs.values()):
                 _fail_if_waiting_on_gone(job, run, error)
 
-    def _remember_withdrawal(self, name: str, peer: str, incarnation: int) -> None:
+    def _remember_withdrawal(self, name: str, peer: str, boot: int, incarnation: int) -> None:
         key = (name, peer)
-        self.withdrawn[key] = max(incarnation, self.withdrawn.pop(key, incarnation))
+        previous = self.withdrawn.pop(key, None)
+        if previous is not None and previous[0] == boot:
+            incarnation = max(incarnation, previous[1])
+        self.withdrawn[key] = (boot, incarnation)
         while len(self.withdrawn) > WITHDRAWALS_KEPT:
             self.withdrawn.popitem(last=False)
 

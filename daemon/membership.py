@@ -9,6 +9,11 @@ the same generation (a hash of every member's incarnation) and the same
 cost-model inputs, without any extra agreement round.  After a failure the
 job is created anew on each daemon, with new incarnations, hence a new
 generation: messages of the old one are recognisable and dropped.
+
+Incarnations grow within one run of a daemon, not across restarts (they start
+from the clock, which may be stepped back): so every announcement also names
+the daemon's `BOOT`, random per start, and incarnations are only compared
+within one boot.
 """
 
 from __future__ import annotations
@@ -17,11 +22,21 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import secrets
 import statistics
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 _incarnations = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + os.getpid() % 1000)
+
+
+#: This run of the daemon (see the module docstring).
+BOOT = secrets.randbits(62)
+
+
+def is_wire_int(value: Any) -> TypeGuard[int]:
+    """An integer as msgpack decodes one (bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def new_incarnation() -> int:
@@ -36,6 +51,8 @@ class Announcement:
     daemon: str
     job: str
     incarnation: int
+    #: The `BOOT` of the daemon that made it: incarnations compare within one.
+    boot: int
     world_size: int
     ranks: tuple[int, ...]
     alpha_s: float
@@ -45,6 +62,7 @@ class Announcement:
         return {
             "job": self.job,
             "incarnation": self.incarnation,
+            "boot": self.boot,
             "world_size": self.world_size,
             "ranks": list(self.ranks),
             "alpha_s": self.alpha_s,
@@ -64,13 +82,14 @@ class Announcement:
             raise ValueError("announce: 'world_size' must be a positive integer")
         if not ranks or any(not 0 <= r < world for r in ranks) or len(set(ranks)) != len(ranks):
             raise ValueError("announce: ranks out of range or repeated")
-        job, incarnation = fields.get("job"), fields.get("incarnation")
-        if not isinstance(job, str) or not isinstance(incarnation, int):
-            raise ValueError("announce: 'job' must be a string, 'incarnation' an integer")
+        job, incarnation, boot = fields.get("job"), fields.get("incarnation"), fields.get("boot")
+        if not isinstance(job, str) or not is_wire_int(incarnation) or not is_wire_int(boot):
+            raise ValueError(
+                "announce: 'job' must be a string, 'incarnation' and 'boot' integers")
         alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
         if not isinstance(alpha, (int, float)) or not isinstance(beta, (int, float)):
             raise ValueError("announce: link costs must be numbers")
-        return cls(daemon, job, incarnation, world, tuple(sorted(ranks)),
+        return cls(daemon, job, incarnation, boot, world, tuple(sorted(ranks)),
                    float(alpha), float(beta))
 
 
@@ -102,7 +121,8 @@ def form(announcements: dict[str, Announcement], world_size: int) -> Formation |
     ordered = sorted(announcements.values(), key=lambda a: a.ranks[0])
     digest = hashlib.blake2b(digest_size=8)
     for announcement in ordered:
-        digest.update(f"{announcement.daemon}|{announcement.incarnation};".encode())
+        digest.update(
+            f"{announcement.daemon}|{announcement.boot}|{announcement.incarnation};".encode())
     return Formation(
         daemons=tuple(a.daemon for a in ordered),
         ranks_by_daemon=tuple(a.ranks for a in ordered),

@@ -204,7 +204,9 @@ def test_a_withdrawal_and_an_announcement_that_passed_each_other_are_told_apart(
     start_daemon: StartDaemon,
 ) -> None:
     """Withdrawals ride the data stream behind the slices, announcements the ZeroMQ
-    link, so one can overtake the other; incarnations say which came first."""
+    link, so one can overtake the other; incarnations say which came first, within
+    one run (`boot`) of the peer: a restarted peer's are never stale, even when its
+    clock went back and its incarnations with it."""
     ghost_port, port = free_ports(2)
     endpoint, ghost = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{ghost_port}"
     daemon = start_daemon("--listen", endpoint, "--peers", f"{endpoint},{ghost}", "--insecure")
@@ -212,8 +214,10 @@ def test_a_withdrawal_and_an_announcement_that_passed_each_other_are_told_apart(
     try:
         fake = ghost_dealer(context, ghost, endpoint)
 
-        def send(kind: str, incarnation: object) -> None:
+        def send(kind: str, incarnation: object, boot: object = 1) -> None:
             header = {"kind": kind, "job": "passing", "incarnation": incarnation}
+            if boot is not None:
+                header["boot"] = boot
             if kind == "announce":
                 header.update(world_size=2, ranks=[1], alpha_s=1e-4, beta_s_per_byte=1e-9)
             else:
@@ -221,22 +225,32 @@ def test_a_withdrawal_and_an_announcement_that_passed_each_other_are_told_apart(
             fake.send_multipart([encode_header(ghost, header)])
 
         start = counters(daemon)
+
+        def handled(malformed: int) -> dict[str, int]:
+            """Counters once `malformed` bad messages are in: a bad one sent last marks
+            when all before it have been handled (one peer's messages keep order)."""
+            poll_until(lambda: counters(daemon)["malformed"] >= start["malformed"] + malformed,
+                       20, "the messages to be handled")
+            now = counters(daemon)
+            return {name: now[name] - start[name] for name in ("stale_membership", "malformed")}
+
         send("withdraw", 10)
         send("announce", 10)  # overtaken by its own withdrawal: dropped
         send("announce", 12)  # a later incarnation: held
         send("withdraw", 11)  # older than the one held: dropped
         send("withdraw", "ten")  # malformed
-        poll_until(lambda: counters(daemon)["stale_membership"] >= start["stale_membership"] + 2
-                   and counters(daemon)["malformed"] >= start["malformed"] + 1,
-                   20, "the passed messages to be told apart")
-        # In order, each newer than the last: none is stale.  A malformed one after
-        # them marks when they have all been handled (one peer's messages keep order).
+        assert handled(1) == {"stale_membership": 2, "malformed": 1}
+        # In order, each newer than the last: none is stale.
         send("withdraw", 12)
         send("announce", 13)
+        send("withdraw", 13)
+        # The peer restarts with its clock set back: a new boot, lower incarnations.
+        send("announce", 5, boot=2)  # held: another boot than the withdrawal of 13
         send("withdraw", None)
-        poll_until(lambda: counters(daemon)["malformed"] >= start["malformed"] + 2, 20,
-                   "the last messages to be handled")
-        assert counters(daemon)["stale_membership"] == start["stale_membership"] + 2
+        assert handled(2) == {"stale_membership": 2, "malformed": 2}
+        send("withdraw", 4, boot=2)  # older than boot 2's announcement held: dropped
+        send("announce", 20, boot=None)  # malformed: no boot
+        assert handled(3) == {"stale_membership": 3, "malformed": 3}
     finally:
         context.destroy(linger=0)
     daemon.assert_alive()
@@ -383,7 +397,7 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         ours = ghosts.wait_for(leaving, "announce", 30)
         announced = {endpoint: Announcement.from_wire(endpoint, ours)}
         for index, ghost in enumerate((leaving, staying), start=1):
-            fields = {"job": job, "incarnation": 100 + index, "world_size": 3,
+            fields = {"job": job, "incarnation": 100 + index, "boot": 7, "world_size": 3,
                       "ranks": [index], "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
             ghosts.send(ghost, {"kind": "announce", **fields})
             announced[ghost] = Announcement.from_wire(ghost, fields)
@@ -404,7 +418,7 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         contribute(leaving, 1.0)
         poll_until(lambda: runs_wait_for() == [[staying]], 30,
                    "the root's collective to have the leaving leaf's part")
-        ghosts.send(leaving, {"kind": "withdraw", "job": job, "incarnation": 101,
+        ghosts.send(leaving, {"kind": "withdraw", "job": job, "incarnation": 101, "boot": 7,
                               "reason": "its ranks left", "code": "rank_lost"})
         deadline = time.monotonic() + 30
         while f"on peer daemon {leaving}: its ranks left" not in daemon.log():
