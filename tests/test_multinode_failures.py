@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -24,7 +23,8 @@ from conftest import DaemonProcess, collect, poll_until
 from gradsync.client.ping import query
 from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.membership import Announcement, form
-from gradsync.daemon.peers.wire import encode_header
+from gradsync.daemon.peers.wire import BULK, PING, PONG, encode_header
+from gradsync.protocol.codec import decode_body
 
 StartDaemon = Callable[..., DaemonProcess]
 PEER_TIMEOUT_S = 2.0
@@ -335,7 +335,7 @@ class GhostPeers:
 
     def __init__(self, context: zmq.Context[Any], ghosts: list[str], daemon: str) -> None:
         self.inbox: dict[str, list[tuple[dict[str, Any], list[bytes]]]] = {g: [] for g in ghosts}
-        self._routers = {}
+        self._routers: dict[str, zmq.Socket[Any]] = {}
         for ghost in ghosts:
             router = context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
@@ -352,9 +352,9 @@ class GhostPeers:
             ghost = next(g for g, r in self._routers.items() if r is socket)
             while socket.poll(0):
                 identity, head, *payloads = socket.recv_multipart()
-                header = msgpack.unpackb(head)
-                if header["kind"] in ("link.ping", "link.bulk"):
-                    pong = encode_header(ghost, {"kind": "link.pong", "seq": header["seq"]})
+                header = decode_body(head)
+                if header["kind"] in (PING, BULK):
+                    pong = encode_header(ghost, {"kind": PONG, "seq": header["seq"]})
                     socket.send_multipart([identity, pong])
                 else:
                     self.inbox[ghost].append((header, payloads))
