@@ -345,7 +345,7 @@ class ClusterJobs:
         """A member's figures for one epoch of `auto` (see cost_epochs.py)."""
         generation, epoch = header["gen"], header["epoch"]
         alpha, beta = header["alpha_s"], header["beta_s_per_byte"]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (generation, epoch)):
+        if not is_wire_int(generation) or not is_wire_int(epoch):
             raise ValueError("costs: 'gen' and 'epoch' must be integers")
         if not all(_seconds(v) for v in (alpha, beta)) or epoch < 1:
             raise ValueError("costs: epoch must be positive, alpha and beta seconds in [0, 1000)")

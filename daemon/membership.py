@@ -74,11 +74,9 @@ class Announcement:
         """Build from a peer's message; raises ValueError on a malformed one."""
         ranks = fields.get("ranks")
         world = fields.get("world_size")
-        if not isinstance(ranks, list) or not all(
-            isinstance(r, int) and not isinstance(r, bool) for r in ranks
-        ):
+        if not isinstance(ranks, list) or not all(is_wire_int(r) for r in ranks):
             raise ValueError("announce: 'ranks' must be a list of integers")
-        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        if not is_wire_int(world) or world < 1:
             raise ValueError("announce: 'world_size' must be a positive integer")
         if not ranks or any(not 0 <= r < world for r in ranks) or len(set(ranks)) != len(ranks):
             raise ValueError("announce: ranks out of range or repeated")
