@@ -54,9 +54,14 @@ def add_stats_arguments(parser: argparse.ArgumentParser, live: bool = False) -> 
 
 def _endpoint(args: argparse.Namespace) -> str:
     if args.stats:
-        return str(args.stats)
+        return _with_scheme(str(args.stats))
     daemon = args.daemon or os.environ.get("GRADSYNC_DAEMON") or default_endpoint()
-    return f"{daemon}.stats"
+    return f"{_with_scheme(daemon)}.stats"
+
+
+def _with_scheme(endpoint: str) -> str:
+    """A bare absolute path as `ipc://PATH`, as the daemon takes it (ZeroMQ needs it)."""
+    return "ipc://" + endpoint if endpoint.startswith("/") else endpoint
 
 
 def curve_options(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:

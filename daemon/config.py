@@ -17,7 +17,7 @@ from typing import Any
 
 from gradsync.protocol.endpoint import (
     default_endpoint,
-    parse_ipc_endpoint,
+    ipc_endpoint,
     stats_stream_endpoint,
 )
 
@@ -133,8 +133,9 @@ def _log_level(value: Any) -> str:
 def _endpoint(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError("expected an endpoint string like ipc:///run/gradsync/gradsyncd.sock")
-    parse_ipc_endpoint(value)
-    return value
+    # A bare path is taken as ipc://PATH: the endpoints derived from it (PATH.stats)
+    # must carry the scheme too.
+    return ipc_endpoint(value)
 
 
 def _stats_endpoint(value: Any) -> str:

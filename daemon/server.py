@@ -120,12 +120,6 @@ async def serve(config: DaemonConfig) -> None:
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        log.info(
-            "gradsyncd %s (pid %d) ready on ipc://%s: %d reduce threads, "
-            "collective timeout %gs, shm limit %d bytes",
-            __version__, os.getpid(), path, config.threads,
-            config.collective_timeout_s, config.max_shm_bytes,
-        )
         stats_server = None
         if endpoints is None:
             log.warning("statistics endpoint disabled: %s.stats.pub would exceed the Unix "
@@ -141,6 +135,14 @@ async def serve(config: DaemonConfig) -> None:
                 raise StartupError(
                     f"cannot bind the stats endpoint {endpoints[0]}: {exc}"
                 ) from None
+        # Only now, with every endpoint bound: a daemon that says it is ready must not
+        # then die of one it could not bind.
+        log.info(
+            "gradsyncd %s (pid %d) ready on ipc://%s: %d reduce threads, "
+            "collective timeout %gs, shm limit %d bytes",
+            __version__, os.getpid(), path, config.threads,
+            config.collective_timeout_s, config.max_shm_bytes,
+        )
         notifier = Notifier()
         # Sockets are bound and peers configured: clients can connect from now on.
         notifier.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={_status(service)}")

@@ -30,6 +30,13 @@ def parse_ipc_endpoint(endpoint: str) -> str:
     return path
 
 
+def ipc_endpoint(endpoint: str) -> str:
+    """`endpoint` spelled `ipc://PATH`, so that a bare absolute path works wherever an
+    endpoint goes (ZeroMQ, which serves statistics beside the socket, needs the
+    scheme); raises ValueError as `parse_ipc_endpoint` does."""
+    return "ipc://" + parse_ipc_endpoint(endpoint)
+
+
 def stats_stream_endpoint(endpoint: str) -> str:
     """The PUB endpoint beside a stats endpoint.
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, wait_until_ready
 from gradsync.client.ping import query
+from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.config import (
     ConfigError,
     DaemonConfig,
@@ -286,3 +287,31 @@ def test_running_daemon_reports_the_winning_timeout(
     assert query(from_toml.endpoint, 5.0)["collective_timeout_s"] == 7.0
     assert query(from_env.endpoint, 5.0)["collective_timeout_s"] == 5.0
     assert query(from_flag.endpoint, 5.0)["collective_timeout_s"] == 3.0
+
+
+@pytest.mark.timeout(60)
+def test_a_bare_socket_path_is_taken_as_ipc_and_its_stats_endpoint_works(
+    short_tmp: str,
+) -> None:
+    """`--socket /PATH` (no ipc://) is `ipc:///PATH`: the daemon stays up, and its
+    statistics answer beside the socket, read by `gradsync stats --daemon /PATH`."""
+    assert load_config(flags={"socket": "/run/x.sock"}, environ={}).socket == "ipc:///run/x.sock"
+    path = f"{short_tmp}/plain.sock"
+    log_path = Path(short_tmp) / "plain.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [GRADSYNCD, "--socket", path], stdout=log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=CLEAN_ENV,
+        )
+    daemon = DaemonProcess(f"ipc://{path}", short_tmp, process, log_path)
+    try:
+        wait_until_ready(path, process, log_path)
+        assert fetch_snapshot(f"ipc://{path}.stats", 5.0)["pid"] == process.pid
+        table = subprocess.run(
+            [sys.executable, "-m", "gradsync.client.cli", "stats", "--daemon", path],
+            capture_output=True, text=True, timeout=30, env=CLEAN_ENV,
+        )
+        assert table.returncode == 0 and f"pid {process.pid}" in table.stdout, table
+        daemon.assert_alive()
+    finally:
+        assert daemon.stop() == 0, daemon.log()
