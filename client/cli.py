@@ -68,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--daemon", default=None, metavar="ENDPOINT",
         help=f"daemon endpoint (default: $GRADSYNC_DAEMON or {default_endpoint()})",
     )
-    ping_parser.add_argument("--timeout-s", type=float, default=5.0)
+    ping_parser.add_argument("--timeout-s", type=float, default=5.0,
+                             help="how long one try waits for the answer (default 5)")
+    ping_parser.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS",
+        help="try again until the daemon answers or SECONDS have passed (default: try once), "
+        "e.g. right after starting it",
+    )
     return parser
 
 
@@ -87,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "keygen":
         return int(run_keygen(args))
     if args.command == "ping":
-        return int(ping(args.daemon, args.timeout_s))
+        return int(ping(args.daemon, args.timeout_s, args.wait))
     return 2
 
 

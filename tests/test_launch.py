@@ -376,6 +376,13 @@ def test_ping_without_a_daemon_fails_naming_the_endpoint(
     assert endpoint in result.stderr
     assert "no gradsync daemon answers" in result.stderr
 
+    # --wait asks until its time is up, then fails the same way.
+    started = time.monotonic()
+    waited = run_cli(["ping", "--wait", "0.5", "--daemon", endpoint], clean_env(sandbox))
+    assert time.monotonic() - started >= 0.5
+    assert waited.returncode == 1 and waited.stdout == ""
+    assert endpoint in waited.stderr and "waited 0.5s" in waited.stderr, waited.stderr
+
     # No --daemon, no GRADSYNC_DAEMON: the default endpoint under XDG_RUNTIME_DIR.
     default = run_cli(["ping"], clean_env(sandbox))
     assert default.returncode == 1
@@ -391,6 +398,20 @@ def test_ping_a_killed_daemon_fails(daemon: DaemonProcess, sandbox: dict[str, Pa
     assert result.returncode == 1
     assert daemon.endpoint in result.stderr
     assert "no gradsync daemon answers" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ping_wait_retries_until_a_starting_daemon_answers(
+    start_daemon: Any, short_tmp: str, sandbox: dict[str, Path]
+) -> None:
+    """`ping --wait` started before the daemon: it keeps asking and succeeds."""
+    endpoint = f"ipc://{short_tmp}/d0.sock"  # where start_daemon's first daemon listens
+    pinger = start_cli(["ping", "--wait", "30", "--daemon", endpoint], clean_env(sandbox))
+    daemon = start_daemon()
+    assert daemon.endpoint == endpoint
+    result = finish(pinger)
+    assert result.returncode == 0, result.stderr
+    assert f"pid {daemon.pid}" in result.stdout
 
 
 @pytest.mark.timeout(120)
