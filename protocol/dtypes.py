@@ -30,6 +30,13 @@ class ReduceOp(enum.StrEnum):
     MIN = "min"
     MAX = "max"
     PROD = "prod"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+
+#: The ops that combine bit patterns, defined for integer dtypes only.
+BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 _NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
@@ -58,9 +65,14 @@ def parse_reduce_op(op: str | ReduceOp) -> ReduceOp:
 
 
 def check_op_for_dtype(op: ReduceOp, dtype: str) -> None:
-    """Refuse combinations with no sensible meaning (avg of integers)."""
+    """Refuse combinations with no sensible meaning (avg of integers, bits of floats)."""
     if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"reduce op 'avg' is not defined for integer dtype {dtype}: "
             "use 'sum' and divide yourself, or a float dtype"
+        )
+    if op in BITWISE_OPS and dtype in FLOAT_DTYPES:
+        raise ValueError(
+            f"reduce op '{op.value}' is not defined for float dtype {dtype}: "
+            "bitwise ops take int8, uint8, int32 or int64"
         )

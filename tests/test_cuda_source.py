@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from gradsync.daemon.backends.cuda_source import BF16_PREAMBLE, fused_source
-from gradsync.protocol.dtypes import FLOAT_DTYPES, ReduceOp
+from gradsync.protocol.dtypes import BITWISE_OPS, FLOAT_DTYPES, ReduceOp
 
 C_TYPES = {
     "float32": "float", "float64": "double", "int8": "signed char",
@@ -44,7 +44,9 @@ static unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4)
 def cases() -> Iterator[tuple[int, ReduceOp, str]]:
     for dtype in C_TYPES:
         for op in ReduceOp:
-            if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
+            if (op is ReduceOp.AVG and dtype not in FLOAT_DTYPES) or (
+                op in BITWISE_OPS and dtype in FLOAT_DTYPES
+            ):
                 continue
             for count in COUNTS:
                 yield count, op, dtype
@@ -104,7 +106,8 @@ def reference(arrays: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
         wide = [a.view(ml_dtypes.bfloat16).astype(np.float32) for a in arrays]
         return reference(wide, op, "float32").astype(ml_dtypes.bfloat16).view(np.uint16)
     ufunc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-             ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+             ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
+             ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}[op]
     acc = arrays[0].copy()
     with np.errstate(all="ignore"):
         for array in arrays[1:]:
@@ -140,6 +143,15 @@ def test_each_slot_is_read_once_and_written_once() -> None:
         assert (f"acc / (float){count}" in body or f"acc / (double){count}" in body) == (
             op is ReduceOp.AVG
         ), body
+
+
+@pytest.mark.parametrize("dtype", sorted(FLOAT_DTYPES))
+def test_bitwise_ops_of_floats_are_refused_not_generated(dtype: str) -> None:
+    """No kernel text with `&` of floats: the generator refuses, naming op and dtype."""
+    for op in BITWISE_OPS:
+        refusal = f"'{op.value}' is not defined for float dtype {dtype}"
+        with pytest.raises(ValueError, match=refusal):
+            fused_source(2, op, dtype)
 
 
 def test_bfloat16_rounding_matches_ml_dtypes(kernels: ctypes.CDLL) -> None:

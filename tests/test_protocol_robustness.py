@@ -284,7 +284,8 @@ def fuzz_allreduce(rng: random.Random, own: int, other: int) -> Iterator[dict[st
             "count": rng.choice([0, 1, 3, 256, 1024, 1025, -1, 2**40]),
             "dtype": rng.choice(["float32", "float64", "int8", "int64", "bfloat16",
                                  "complex64", "Float32", "", "bool"]),
-            "op": rng.choice(["sum", "avg", "max", "MIN", "prod", "xor", "", "sum "]),
+            "op": rng.choice(["sum", "avg", "max", "MIN", "prod", "band", "BXOR", "xor", "",
+                              "sum "]),
         }
         choice = rng.randrange(4)
         if choice == 1:
@@ -297,7 +298,7 @@ def fuzz_allreduce(rng: random.Random, own: int, other: int) -> Iterator[dict[st
 
 
 ITEMSIZE = {"float32": 4, "float64": 8, "int8": 1, "int64": 8, "bfloat16": 2}
-OPS = {"sum", "avg", "max", "min", "prod"}
+OPS = {"sum", "avg", "max", "min", "prod", "band", "bxor"}
 
 
 def fuzz_is_valid(fields: dict[str, Any], own: int, own_bytes: int) -> bool:
@@ -306,7 +307,8 @@ def fuzz_is_valid(fields: dict[str, Any], own: int, own_bytes: int) -> bool:
     op = fields["op"].lower()
     if size is None or op not in OPS:
         return False
-    if op == "avg" and not fields["dtype"].startswith(("float", "bfloat")):
+    is_float = fields["dtype"].startswith(("float", "bfloat"))
+    if (op == "avg" and not is_float) or (op in ("band", "bxor") and is_float):
         return False
     count, offset = fields["count"], fields["offset"]
     if count < 0 or offset < 0:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import inspect
 import random
 import struct
+from collections.abc import Iterator
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
@@ -21,6 +23,14 @@ from conftest import DaemonProcess
 from gradsync.client import Client, InvalidArgumentError
 from gradsync.protocol import errors, messages
 from gradsync.protocol.codec import MAX_FRAME_BYTES, FrameReader, decode_body, encode_frame
+from gradsync.protocol.dtypes import (
+    BITWISE_OPS,
+    DTYPES,
+    FLOAT_DTYPES,
+    ReduceOp,
+    check_op_for_dtype,
+    parse_reduce_op,
+)
 from gradsync.protocol.errors import GradsyncError, ProtocolError, VersionMismatchError
 from gradsync.protocol.version import PROTOCOL_VERSION
 
@@ -255,6 +265,32 @@ def test_error_hierarchy_and_unknown_codes() -> None:
     assert type(unknown) is GradsyncError and unknown.details == {"a": 1}
 
 
+# -- reduce ops and the dtypes they are defined for ----------------------------
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_check_op_for_dtype_refuses_avg_of_integers_and_bits_of_floats(op: ReduceOp) -> None:
+    for dtype in DTYPES:
+        is_float = dtype in FLOAT_DTYPES
+        if (op is ReduceOp.AVG and not is_float) or (op in BITWISE_OPS and is_float):
+            kind = "float" if is_float else "integer"
+            with pytest.raises(ValueError, match=rf"'{op.value}' is not defined for {kind} "
+                                                 rf"dtype {dtype}\b"):
+                check_op_for_dtype(op, dtype)
+        else:
+            check_op_for_dtype(op, dtype)
+
+
+@pytest.mark.timeout(10)
+def test_parse_reduce_op_takes_the_bitwise_names_and_lists_them() -> None:
+    assert [parse_reduce_op(name) for name in ("BAND", "bor", "BXor")] == [
+        ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
+    with pytest.raises(ValueError, match=r"expected one of: sum, avg, min, max, prod, band, "
+                                         r"bor, bxor$"):
+        parse_reduce_op("xor")
+
+
 # -- argument checks in the client -------------------------------------------
 
 
@@ -272,6 +308,12 @@ BAD_CALLS: list[Any] = [
     pytest.param(_read_only, "sum", "read-only", id="read-only"),
     pytest.param(lambda: np.ones(4, dtype=np.int32), "avg", "avg", id="avg-int32"),
     pytest.param(lambda: np.ones(4, dtype=np.uint8), "AVG", "avg", id="avg-uint8"),
+    pytest.param(lambda: np.ones(4, dtype=np.float32), "band",
+                 "'band' is not defined for float dtype float32", id="band-float32"),
+    pytest.param(lambda: np.ones(4, dtype=np.float16), "BOR",
+                 "'bor' is not defined for float dtype float16", id="bor-float16"),
+    pytest.param(lambda: np.ones(4, dtype=ml_dtypes.bfloat16), "bxor",
+                 "'bxor' is not defined for float dtype bfloat16", id="bxor-bfloat16"),
     pytest.param(lambda: np.ones(4, dtype=np.float32), "xor", "unknown reduce op", id="op"),
     pytest.param(lambda: np.ones(4, dtype=np.float32), 3, "unknown reduce op", id="op-int"),
     pytest.param(lambda: np.ones(4, dtype=np.complex64), "sum", "unsupported dtype",
@@ -283,30 +325,55 @@ BAD_CALLS: list[Any] = [
 ]
 
 
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize(("make", "op", "match"), BAD_CALLS)
-def test_client_refuses_bad_arguments_locally_without_using_a_key(
-    daemon: DaemonProcess, make: Any, op: Any, match: str
-) -> None:
-    # A short deadline: a bad call that wrongly reached the daemon fails fast, not by hanging.
+@pytest.fixture
+def two_ranks(daemon: DaemonProcess) -> Iterator[tuple[Client, Client]]:
+    """Both ranks of a world-2 job, with a short deadline: a bad call that wrongly
+    reached the daemon fails fast, not by hanging."""
     first = Client(daemon.endpoint, job="args", rank=0, world_size=2, timeout_s=5)
     second = Client(daemon.endpoint, job="args", rank=1, world_size=2, timeout_s=5)
     try:
-        bad = make()
-        before = np.array(bad, copy=True)
-        with pytest.raises(InvalidArgumentError, match=match):
-            first.all_reduce(bad, op=op)
-        np.testing.assert_array_equal(np.asarray(bad), before)
-        # Nothing reached the daemon: rank 0's next key still pairs with rank 1's first.
-        a = np.full(3, 1.5, dtype=np.float32)
-        b = np.full(3, 2.0, dtype=np.float32)
-        work = first.all_reduce(a, async_op=True)
-        second.all_reduce(b)
-        assert work is not None and work.wait()
-        np.testing.assert_array_equal(a, np.full(3, 3.5, dtype=np.float32))
+        yield first, second
     finally:
         first.close()
         second.close()
+
+
+def assert_no_key_used(first: Client, second: Client) -> None:
+    """Nothing reached the daemon: rank 0's next key still pairs with rank 1's first."""
+    a = np.full(3, 1.5, dtype=np.float32)
+    b = np.full(3, 2.0, dtype=np.float32)
+    work = first.all_reduce(a, async_op=True)
+    second.all_reduce(b)
+    assert work is not None and work.wait()
+    np.testing.assert_array_equal(a, np.full(3, 3.5, dtype=np.float32))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("make", "op", "match"), BAD_CALLS)
+def test_client_refuses_bad_arguments_locally_without_using_a_key(
+    two_ranks: tuple[Client, Client], make: Any, op: Any, match: str
+) -> None:
+    bad = make()
+    before = np.array(bad, copy=True)
+    with pytest.raises(InvalidArgumentError, match=match):
+        two_ranks[0].all_reduce(bad, op=op)
+    np.testing.assert_array_equal(np.asarray(bad), before)
+    assert_no_key_used(*two_ranks)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_client_refuses_bitwise_ops_of_floats_in_the_other_reducing_collectives(
+    two_ranks: tuple[Client, Client], collective: str
+) -> None:
+    data = np.arange(4, dtype=np.float64)
+    with pytest.raises(InvalidArgumentError, match="'bor' is not defined for float dtype float64"):
+        if collective == "reduce":
+            two_ranks[0].reduce(data, dst=1, op="bor")
+        else:
+            two_ranks[0].reduce_scatter(np.zeros(2, dtype=np.float64), data, op="bor")
+    np.testing.assert_array_equal(data, np.arange(4, dtype=np.float64))
+    assert_no_key_used(*two_ranks)
 
 
 @pytest.mark.timeout(30)

@@ -2,7 +2,8 @@
 
 Every algorithm, every M from 1 to 17, counts 0, 1, M - 1, M + 1 (and
 1,000,003 for a subset of M): every daemon must end with exactly the reduction
-of all inputs (float64 holding small integers, so sums are exact), the
+of all inputs (float64 holding small integers, so sums are exact; int64 bit
+patterns for the bitwise ops, where xor shows any element combined twice), the
 schedules must obey the pairing and overlap rules, and each daemon's traffic
 must match theory.
 """
@@ -33,23 +34,27 @@ SIZES = range(1, 18)
 LARGE_COUNT = 1_000_003
 LARGE_SIZES = (1, 2, 3, 5, 8, 13, 16, 17)
 LARGE_MAX_SIZES = (3, 16, 17)  # max is checked on every size with small counts already
-ITEMSIZE = 8  # float64
-EXPECTED = {"sum": np.add.reduce, "max": np.maximum.reduce}
+ITEMSIZE = 8  # float64, and int64 for the bitwise ops
+EXPECTED = {"sum": np.add.reduce, "max": np.maximum.reduce, "band": np.bitwise_and.reduce,
+            "bor": np.bitwise_or.reduce, "bxor": np.bitwise_xor.reduce}
+BITWISE = ("band", "bor", "bxor")
 
 
 def small_counts(size: int) -> list[int]:
     return sorted({0, 1, max(size - 1, 0), size + 1, 3 * size + 2})
 
 
-def make_inputs(size: int, count: int, seed: int) -> list[np.ndarray]:
+def make_inputs(size: int, count: int, seed: int, op: str = "sum") -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
+    if op in BITWISE:
+        return [rng.integers(-(2**63), 2**63, count, dtype=np.int64) for _ in range(size)]
     return [rng.integers(-8, 9, count).astype(np.float64) for _ in range(size)]
 
 
 def run(algorithm: str, size: int, count: int, op: str) -> SimulationResult:
     """Simulate one allreduce and assert every daemon holds the exact reduction."""
     schedules = build_schedules(algorithm, size, count)
-    inputs = make_inputs(size, count, seed=size * 7919 + count)
+    inputs = make_inputs(size, count, seed=size * 7919 + count, op=op)
     result = simulate(schedules, inputs, op)
     expected = EXPECTED[op](np.stack(inputs), axis=0)
     for rank, output in enumerate(result.outputs):
@@ -125,7 +130,7 @@ def check_traffic(algorithm: str, size: int, count: int, result: SimulationResul
 @pytest.mark.parametrize("size", SIZES)
 def test_small_counts_every_size(algorithm: str, size: int) -> None:
     for count in small_counts(size):
-        for op in ("sum", "max"):
+        for op in EXPECTED:
             result = run(algorithm, size, count, op)
             check_traffic(algorithm, size, count, result)
         schedules = build_schedules(algorithm, size, count)

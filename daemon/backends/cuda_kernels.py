@@ -19,7 +19,7 @@ from gradsync.daemon.backends.cuda_source import (
     BF16_PREAMBLE,
     fused_source,
 )
-from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype
 
 _UFUNCS = {
     ReduceOp.SUM: cupy.add,
@@ -27,6 +27,9 @@ _UFUNCS = {
     ReduceOp.MIN: cupy.minimum,
     ReduceOp.MAX: cupy.maximum,
     ReduceOp.PROD: cupy.multiply,
+    ReduceOp.BAND: cupy.bitwise_and,
+    ReduceOp.BOR: cupy.bitwise_or,
+    ReduceOp.BXOR: cupy.bitwise_xor,
 }
 
 def _bf16_kernel(expression: str, name: str) -> Any:
@@ -62,7 +65,11 @@ def allreduce_in_place(slots: list[Any], op: ReduceOp, dtype: str) -> None:
 
 
 def combine(target: Any, source: Any, op: ReduceOp, dtype: str) -> None:
-    """target ← target op source on the current stream (avg combines as sum)."""
+    """target ← target op source on the current stream (avg combines as sum).
+
+    A bitwise op on a float dtype is refused with `ValueError`, as in `fused_source`.
+    """
+    check_op_for_dtype(op, dtype)
     if dtype == "bfloat16":
         _BF16_COMBINE[op](target, source, target)
     else:

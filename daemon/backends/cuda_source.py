@@ -8,7 +8,7 @@ them in the same pass.
 
 from __future__ import annotations
 
-from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.dtypes import BITWISE_OPS, ReduceOp, check_op_for_dtype
 
 BF16_PREAMBLE = r"""
 __device__ float bf16_to_f32(unsigned short bits) {
@@ -27,13 +27,17 @@ _ACCUMULATORS = {
     "float16": "float", "bfloat16": "float", "float32": "float", "float64": "double",
     "int8": "T", "uint8": "T", "int32": "T", "int64": "T",
 }
-#: NaN-propagating min and max, as numpy's minimum and maximum.
+#: NaN-propagating min and max, as numpy's minimum and maximum; the bitwise
+#: ops only ever see integer accumulators (`check_op_for_dtype`).
 _COMBINE = {
     ReduceOp.SUM: "{a} + {b}",
     ReduceOp.AVG: "{a} + {b}",
     ReduceOp.PROD: "{a} * {b}",
     ReduceOp.MIN: "(({a}) != ({a}) || ({a}) < ({b})) ? ({a}) : ({b})",
     ReduceOp.MAX: "(({a}) != ({a}) || ({a}) > ({b})) ? ({a}) : ({b})",
+    ReduceOp.BAND: "{a} & {b}",
+    ReduceOp.BOR: "{a} | {b}",
+    ReduceOp.BXOR: "{a} ^ {b}",
 }
 
 
@@ -41,8 +45,10 @@ def fused_source(count: int, op: ReduceOp, dtype: str) -> tuple[str, str]:
     """(parameters, body) of the one-pass kernel over `count` in-place slots.
 
     Every slot is read once and written once (2·count passes over the data,
-    against 5·(count - 1) for pairwise combining and copying back).
+    against 5·(count - 1) for pairwise combining and copying back).  A bitwise
+    op on a float dtype is refused with `ValueError`: C has no `&` of floats.
     """
+    check_op_for_dtype(op, dtype)
     names = [f"s{i}" for i in range(count)]
     bfloat16 = dtype == "bfloat16"
     accumulator = _ACCUMULATORS[dtype]
@@ -64,5 +70,8 @@ def fused_source(count: int, op: ReduceOp, dtype: str) -> tuple[str, str]:
     return params, "\n".join(lines)
 
 
-#: Pairwise bfloat16 combining (of floats a and b), with the same NaN rules.
-BF16_EXPRESSIONS = {op: _COMBINE[op].format(a="a", b="b") for op in ReduceOp}
+#: Pairwise bfloat16 combining (of floats a and b), with the same NaN rules;
+#: no bitwise ops, which floats do not have.
+BF16_EXPRESSIONS = {
+    op: _COMBINE[op].format(a="a", b="b") for op in ReduceOp if op not in BITWISE_OPS
+}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-from reference_data import AVG_RTOL, make_input, matches, np_dtype, reference
+from reference_data import make_input, matches, np_dtype, op_applies, reference
 
 from gradsync.client import Client
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
-OPS = ["sum", "avg", "min", "max", "prod"]
+OPS = ["sum", "avg", "min", "max", "prod", "band", "bor", "bxor"]
 SHAPES = [(), (0,), (2, 0, 3), (1,), (7,), (16, 16, 16), (1_000_003,)]
 def main() -> int:
     kinds = sys.argv[1].split(",") if len(sys.argv) > 1 else ["empty", "ordinary"]
@@ -22,7 +22,7 @@ def main() -> int:
         for kind in kinds:
             for dtype in DTYPES:
                 for op in OPS:
-                    if op == "avg" and dtype not in AVG_RTOL:
+                    if not op_applies(op, dtype):
                         continue
                     for shape in SHAPES:
                         case += 1

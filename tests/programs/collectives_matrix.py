@@ -10,7 +10,7 @@ import json
 import sys
 
 import numpy as np
-from reference_data import make_input, matches, np_dtype, reference
+from reference_data import make_input, matches, np_dtype, op_applies, reference
 
 from gradsync.client import Client
 
@@ -18,6 +18,13 @@ KINDS = ["broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatt
          "all_to_all", "barrier"]
 DTYPES = ["float32", "int64", "bfloat16"]
 CHUNKS = [0, 1, 7, 100_003]
+#: The ops a reducing collective takes turns with, case by case (those its dtype has).
+REDUCE_OPS = {"reduce": ["max", "band", "bxor"], "reduce_scatter": ["sum", "bor", "bxor"]}
+
+
+def reduce_op(kind: str, dtype: str, case: int) -> str:
+    ops = [op for op in REDUCE_OPS[kind] if op_applies(op, dtype)]
+    return ops[case % len(ops)]
 
 
 def run_kind(client: Client, kind: str, dtype: str, c: int, case: int, root: int,
@@ -40,22 +47,24 @@ def run_kind(client: Client, kind: str, dtype: str, c: int, case: int, root: int
         client.broadcast(array, src=root)
         return matches(array, everyone[root], "sum", dtype)
     if kind == "reduce":
-        everyone = inputs(c, "max")
+        op = reduce_op(kind, dtype, case)
+        everyone = inputs(c, op)
         array = buffer(c, everyone[rank])
-        client.reduce(array, dst=root, op="max")
-        expected = reference(everyone, "max") if rank == root else everyone[rank]
-        return matches(array, expected, "max", dtype)
+        client.reduce(array, dst=root, op=op)
+        expected = reference(everyone, op) if rank == root else everyone[rank]
+        return matches(array, expected, op, dtype)
     if kind == "all_gather":
         everyone = inputs(c)
         output = buffer(world * c)
         client.all_gather(output, buffer(c, everyone[rank]))
         return matches(output, np.concatenate(everyone), "sum", dtype)
     if kind == "reduce_scatter":
-        everyone = inputs(world * c)
+        op = reduce_op(kind, dtype, case)
+        everyone = inputs(world * c, op)
         output = buffer(c)
-        client.reduce_scatter(output, buffer(world * c, everyone[rank]), op="sum")
-        expected = reference(everyone, "sum")[rank * c : (rank + 1) * c]
-        return matches(output, expected, "sum", dtype)
+        client.reduce_scatter(output, buffer(world * c, everyone[rank]), op=op)
+        expected = reference(everyone, op)[rank * c : (rank + 1) * c]
+        return matches(output, expected, op, dtype)
     if kind == "gather":
         everyone = inputs(c)
         output = buffer(world * c) if rank == root else None

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-from reference_data import make_input, matches, np_dtype, reference
+from reference_data import make_input, matches, np_dtype, op_applies, reference
 
 from gradsync.client import Client
 
 ALGORITHMS = ["ring", "tree", "rhd", "star", "auto"]
-OPS = ["sum", "avg", "min", "max", "prod"]
+OPS = ["sum", "avg", "min", "max", "prod", "band", "bor", "bxor"]
 DTYPES = ["float32", "int32", "bfloat16", "float64"]
 COUNTS = [0, 1, 7, 1000, 300_001]
 def main() -> int:
@@ -22,7 +22,7 @@ def main() -> int:
         for algorithm in algorithms:
             for dtype in DTYPES:
                 for op in OPS:
-                    if op == "avg" and dtype.startswith("int"):
+                    if not op_applies(op, dtype):
                         continue
                     for count in COUNTS:
                         case += 1

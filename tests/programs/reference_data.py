@@ -2,8 +2,9 @@
 
 Inputs are small integers (or ±1, 2 for prod), so sums, products, min and max
 are exact in every dtype and results can be compared for equality; only avg,
-which divides, needs a tolerance (`AVG_RTOL`).  Every rank can derive every
-other rank's input, so each checks the full result itself.
+which divides, needs a tolerance (`AVG_RTOL`).  The bitwise ops (integers only)
+get bit patterns over the dtype's full width, so a lost high bit shows.  Every
+rank can derive every other rank's input, so each checks the full result itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,16 @@ import ml_dtypes
 import numpy as np
 
 AVG_RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6, "float64": 1e-12}
+BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
+
+def op_applies(op: str, dtype: str) -> bool:
+    """Whether the daemon defines `op` for `dtype`: no avg of integers, no bits of floats."""
+    if op == "avg":
+        return dtype in AVG_RTOL
+    if op in BITWISE:
+        return dtype not in AVG_RTOL
+    return True
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -21,6 +32,13 @@ def np_dtype(name: str) -> np.dtype:
 def make_input(rank: int, case: int, shape: tuple[int, ...], dtype: str, op: str) -> np.ndarray:
     count = int(np.prod(shape))
     index = np.arange(count, dtype=np.int64)
+    if op in BITWISE:
+        # A multiplicative hash of (rank, case, index), wrapping in 64 bits; the
+        # cast keeps the low bits, so every bit of every width varies.
+        with np.errstate(over="ignore"):
+            mixed = (index.astype(np.uint64) + np.uint64(rank * 1_000_003 + case * 7919 + 1)
+                     ) * np.uint64(0x9E3779B97F4A7C15)
+        return (mixed ^ (mixed >> np.uint64(29))).astype(np_dtype(dtype)).reshape(shape)
     if op == "prod":
         values = np.array([1, 2, 1, -1, 1], dtype=np.int64)[(index * 3 + rank + case) % 5]
         if dtype == "uint8":
@@ -40,6 +58,8 @@ def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
                 np.add(acc, x, out=acc)
             elif op == "prod":
                 np.multiply(acc, x, out=acc)
+            elif op in BITWISE:
+                BITWISE[op](acc, x, out=acc)
             elif op == "min":
                 np.minimum(acc, x, out=acc)
             else:
