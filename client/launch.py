@@ -119,6 +119,14 @@ def _answers(endpoint: str) -> bool:
     return True
 
 
+def _has_peers(endpoint: str) -> bool:
+    """Whether the daemon has peer daemons configured (asked, not guessed from our flags)."""
+    try:
+        return bool(query(endpoint, 2.0).get("peers"))
+    except GradsyncError:
+        return True  # it answered a moment ago; the ranks will report what is wrong
+
+
 def _wait_ready(endpoint: str, process: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + _DAEMON_START_TIMEOUT_S
     while True:
@@ -273,12 +281,13 @@ def run_launch(args: argparse.Namespace) -> int:
     command = _rank_command(args.script, list(args.script_args))
     job = args.job or (f"launch-{os.getpid()}" if args.nnodes == 1 else "launch")
     daemon_args = _daemon_args(args)
-    if args.nnodes > 1 and "--peers" not in daemon_args:
-        log("a multi-node launch needs a daemon with peers: run gradsyncd with --listen "
-            "and --peers on every node (or pass them here for a private daemon)")
     with SignalForwarder() as signals:
         try:
             with daemon_for(args.daemon, daemon_args, signals) as endpoint:
+                if args.nnodes > 1 and not _has_peers(endpoint):
+                    log(f"a multi-node launch needs a daemon with peers, and the one at "
+                        f"{endpoint} has none: run gradsyncd with --listen and --peers on "
+                        "every node (or pass them here for a private daemon)")
                 return run_ranks(
                     command, args.nproc_per_node, endpoint, job, args.nnodes, args.node_rank,
                     signals,

@@ -181,11 +181,13 @@ class ClusterJobs:
         if job.announcement is None or job.withdrawn:
             return
         job.withdrawn = True
+        origin, reason = job.end_origin or (self.transport.endpoint, error.message)
         for peer in self.transport.peers():
             self.transport.send(peer, {
                 "kind": "withdraw", "job": job.name, "incarnation": job.incarnation,
                 "boot": BOOT,
-                "reason": error.message, "code": error.code,
+                "reason": reason, "code": error.code,
+                "origin": origin, "clean": job.ended_cleanly,
             })
 
     def _try_form(self, job: Job) -> None:
@@ -293,6 +295,9 @@ class ClusterJobs:
         name, incarnation, boot = header["job"], header.get("incarnation"), header.get("boot")
         if not is_wire_int(incarnation) or not is_wire_int(boot):
             raise ValueError("withdraw: 'incarnation' and 'boot' must be integers")
+        origin, clean = header.get("origin", peer), header.get("clean", False)
+        if not isinstance(origin, str) or not isinstance(clean, bool):
+            raise ValueError("withdraw: 'origin' must be a string and 'clean' a boolean")
         table = self.remote.get(name, {})
         held = table.get(peer)
         if held is not None and held.boot == boot and held.incarnation > incarnation:
@@ -304,16 +309,25 @@ class ClusterJobs:
             if not table:
                 del self.remote[name]
         if job is not None and job.formation is not None and peer in job.formation.daemons:
-            reason = str(header.get("reason") or "its part of the job ended")
-            code = str(header.get("code") or RankLostError.code)
-            error = error_from_wire(
-                code, f"{job.describe()} on peer daemon {peer}: {reason}",
-                {"job": name, "peer": peer},
-            )
+            level = logging.DEBUG
+            if job.broken is not None:
+                # Already ended here, and logged why: most often this is the peer's
+                # answer to our own withdrawal, which would only echo our reason.
+                error = job.broken
+            else:
+                reason = str(header.get("reason") or "its part of the job ended")
+                code = str(header.get("code") or RankLostError.code)
+                error = error_from_wire(
+                    code, f"{job.describe()} on peer daemon {origin}: {reason}",
+                    {"job": name, "peer": origin},
+                )
+                job.end_origin = (origin, reason)
+                job.ended_cleanly = clean
+                level = logging.INFO if clean else logging.WARNING
             if not isinstance(error, CollectiveError):
                 error = RankLostError(error.message, error.details)
             job.gone.add(peer)
-            self._break(job, error, fail_runs=False)
+            self._break(job, error, fail_runs=False, level=level)
             for run in list(job.runs.values()):
                 _fail_if_waiting_on_gone(job, run, error)
 
@@ -540,16 +554,20 @@ class ClusterJobs:
                 {"job": job.name, "peer": peer},
             ))
 
-    def _break(self, job: Job, error: GradsyncError, fail_runs: bool = True) -> None:
+    def _break(
+        self, job: Job, error: GradsyncError, fail_runs: bool = True,
+        level: int = logging.WARNING,
+    ) -> None:
         """No new collectives for this generation; pending ones fail now.
 
         Running ones fail too unless `fail_runs` is False: a peer that withdraws
         after finishing its part (its ranks exited) must not fail collectives
-        that already hold everything they need from it.
+        that already hold everything they need from it.  `level`: how loud the
+        log line is (a job's normal end is no warning).
         """
         if job.broken is None:
             job.broken = error
-        log.warning("%s", error.message)
+        log.log(level, "%s", error.message)
         job.costs.fail(error)
         if fail_runs:
             for run in list(job.runs.values()):

@@ -119,6 +119,12 @@ class Job:
         self.withdrawn = False
         #: Why this daemon withdraws once its running collectives end (`ClusterJobs._break`).
         self.withdrawal: GradsyncError | None = None
+        #: The job ended normally: its ranks left after their last collective (a rank
+        #: said `bye`, here or on a peer).  Its end is then news, not a warning.
+        self.ended_cleanly = False
+        #: (daemon, reason) of the peer's withdrawal that ended the job here; passed on
+        #: as it came, so that daemons further on name where the end began.
+        self.end_origin: tuple[str, str] | None = None
         self.formation: Formation | None = None
         self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
         self.runs: dict[Key, ScheduleRun] = {}

@@ -103,8 +103,14 @@ class GradsyncService:
         if job is None or session.rank is None:
             return
         reason = "disconnected" if session.closed_cleanly else "died (connection lost)"
-        for pending in job.remove_member(session.rank, reason):
+        was_broken = job.broken is not None
+        failed = job.remove_member(session.rank, reason)
+        for pending in failed:
             self._fail(pending, job.broken or JobError(f"{job.describe()} broke"))
+        if not was_broken and session.closed_cleanly and not failed:
+            # A rank that said bye with nothing in flight: the job's normal end,
+            # which the withdrawal tells the peers, so that they do not warn.
+            job.ended_cleanly = True
         if job.multi_node and self.cluster is not None and job.broken is not None:
             error = job.broken
             for key in list(job.runs):
@@ -165,6 +171,8 @@ class GradsyncService:
             "jobs": len(self.jobs),
             "shm_in_use": self.buffers.in_use,
             "segments": len(self.buffers),
+            # Whether multi-node jobs can form here (gradsync launch --nnodes asks).
+            "peers": len(self.cluster.transport.peers()) if self.cluster is not None else 0,
         }
 
     def _hello(self, session: ClientSession, message: Message) -> None:

@@ -20,9 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import free_ports
+from cluster import free_ports, peer_args
 
-from conftest import PROGRAMS, DaemonProcess, assert_lock_released, launch_daemon, segments_of
+from conftest import (
+    PROGRAMS,
+    DaemonProcess,
+    assert_lock_released,
+    launch_daemon,
+    poll_until,
+    segments_of,
+)
 from gradsync.protocol.version import __version__
 
 REPO = Path(__file__).resolve().parent.parent
@@ -440,3 +447,29 @@ def test_two_node_launch_numbers_ranks_like_torchrun(sandbox: dict[str, Path]) -
             assert record["sum"] == [0 + 1 + 2 + 3, 4, 1 + 10 + 100 + 1000]
             seen.append(record["rank"])
     assert sorted(seen) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_a_two_node_launch_on_daemons_with_peers_ends_without_a_warning(
+    start_daemon: Any, sandbox: dict[str, Path]
+) -> None:
+    """The usual multi-node run: a daemon with peers on each node, one launch per node.
+    Nothing goes wrong, so nothing may warn: not the launchers, not the daemons as
+    the ranks leave after their last collective (their leaving is the job's end)."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(2)]
+    launchers = [
+        start_cli(["launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                   "--job", "clean-end", "--daemon", daemons[node].endpoint,
+                   str(PROGRAMS / "launch_report.py")], clean_env(sandbox))
+        for node in range(2)
+    ]
+    for result in [finish(launcher) for launcher in launchers]:
+        assert result.returncode == 0, result.stderr
+        assert "gradsync launch:" not in result.stderr, result.stderr
+    poll_until(lambda: all("job 'clean-end' ended" in d.log() for d in daemons), 30,
+               "both daemons to see the job end")
+    # The only warnings expected: the two at start that --insecure links are insecure.
+    warnings = [line for daemon in daemons for line in daemon.log().splitlines()
+                if " WARNING " in line and "insecure" not in line.lower()]
+    assert warnings == [], "\n".join(warnings)

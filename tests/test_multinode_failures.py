@@ -419,7 +419,7 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         poll_until(lambda: runs_wait_for() == [[staying]], 30,
                    "the root's collective to have the leaving leaf's part")
         ghosts.send(leaving, {"kind": "withdraw", "job": job, "incarnation": 101, "boot": 7,
-                              "reason": "its ranks left", "code": "rank_lost"})
+                              "reason": "its ranks left", "code": "rank_lost", "clean": True})
         deadline = time.monotonic() + 30
         while f"on peer daemon {leaving}: its ranks left" not in daemon.log():
             assert time.monotonic() < deadline, "the daemon did not hear the leaf leave"
@@ -429,6 +429,10 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         heard = [(header["kind"], payloads) for header, payloads in ghosts.inbox[staying]]
         kinds = [kind for kind, _ in heard]
         assert kinds == ["announce", "slice", "withdraw"], kinds
+        # Passed on as it came: the end began at the leaving leaf, and was a normal one.
+        relayed = ghosts.inbox[staying][2][0]
+        assert (relayed["origin"], relayed["reason"], relayed["clean"]) == (
+            leaving, "its ranks left", True), relayed
         result = np.frombuffer(heard[1][1][0], np.float32)
         np.testing.assert_array_equal(result, np.full(count, 3.0, np.float32))
     finally:
