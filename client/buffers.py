@@ -59,6 +59,10 @@ class SegmentRegistry:
         """Stop tracking a segment and queue it for freeing in the daemon."""
         self._forget(segment_id, True)
 
+    def drop(self, segment_id: int) -> None:
+        """Stop tracking a segment the daemon frees by itself (its session closed)."""
+        self._forget(segment_id, False)
+
     def _forget(self, segment_id: int, free_in_daemon: bool) -> None:
         with self._lock:
             self._segments.pop(segment_id, None)

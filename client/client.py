@@ -96,6 +96,10 @@ class Client:
         self.timeout_s = identity.timeout_s
         self.algorithm: str | None = os.environ.get("GRADSYNC_ALGO") or None
         self._segments = _segments or SegmentRegistry()
+        #: A registry shared with other clients of this process (a sub-group's, or the
+        #: torch backend's) outlives this client: close() forgets only its own segments.
+        self._shares_segments = _segments is not None
+        self._mapped: set[int] = set()
         self._scratch = ScratchPool(self._segments)
         self._submit_lock = threading.Lock()
         self._sequence = 0
@@ -151,7 +155,11 @@ class Client:
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
         self._scratch.clear()
-        self._segments.clear()
+        if self._shares_segments:
+            for segment_id in self._mapped:  # the daemon frees them with this session
+                self._segments.drop(segment_id)
+        else:
+            self._segments.clear()
 
     def __enter__(self) -> Client:
         return self
@@ -217,6 +225,7 @@ class Client:
         reply = self._connection.call("alloc", timeout_s=_HELLO_TIMEOUT_S,
                                       nbytes=count * np_dtype.itemsize)
         mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], True)
+        self._mapped.add(reply["segment"])
         return np.frombuffer(mapping, dtype=np_dtype, count=count).reshape(dims)
 
     def _device_buffers(self) -> DeviceBuffers:
@@ -252,6 +261,7 @@ class Client:
         capacity = ScratchPool.capacity_for(nbytes)
         reply = self._connection.call("alloc", timeout_s=_HELLO_TIMEOUT_S, nbytes=capacity)
         mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], False)
+        self._mapped.add(reply["segment"])
         return ScratchSlot(reply["segment"], reply["nbytes"], mapping)
 
     # -- collectives --------------------------------------------------------
