@@ -41,7 +41,10 @@ from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
 
-__all__ = ["BucketTiming", "DistributedDataParallel", "StepRecord", "comm_hook"]
+__all__ = [
+    "BucketTiming", "DistributedDataParallel", "ProcessGroupGradsync", "StepRecord", "comm_hook",
+    "empty",
+]
 
 #: Offsets of tensors packed into one broadcast buffer (any dtype can view them).
 _ALIGN = 64
@@ -546,3 +549,14 @@ def _complete_futures(pending: queue.SimpleQueue[_Pending | None]) -> None:
             future.set_exception(exc)  # type: ignore[arg-type]
         else:
             future.set_result(tensor)
+
+
+# -- the torch.distributed backend "gradsync" (registered on import) ------------------
+
+from gradsync.client.torch_backend import (  # noqa: E402 (after the DDP wrapper it extends)
+    ProcessGroupGradsync,
+    empty,
+    register,
+)
+
+register()

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -186,6 +187,20 @@ class RankResult:
     def records(self) -> list[dict[str, object]]:
         """JSON lines the rank program printed."""
         return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
+
+
+def records_by_scenario(
+    results: Sequence[RankResult], scenarios: Sequence[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Rank programs' JSON records grouped by "scenario"; each scenario once per rank."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        for record in result.records():
+            grouped.setdefault(str(record["scenario"]), []).append(record)
+    assert sorted(grouped) == sorted(scenarios), results[0].stdout + results[0].stderr
+    for name, records in grouped.items():
+        assert len(records) == len(results), f"{name}: {records}"
+    return grouped
 
 
 def spawn_rank(

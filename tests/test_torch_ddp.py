@@ -17,12 +17,11 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cluster import free_ports, peer_args, run_spread
 
-from conftest import DaemonProcess, RankResult, run_ranks
+from conftest import DaemonProcess, RankResult, records_by_scenario, run_ranks
 
 torch = pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
 
@@ -53,13 +52,8 @@ CORE = ["f64_buckets", "f32", "unused", "no_sync"]
 
 def check_training(results: list[RankResult], scenarios: list[str]) -> None:
     """Every scenario ran on every rank, within tolerance, with identical parameters."""
-    by_scenario: dict[str, list[dict[str, Any]]] = {}
-    for result in results:
-        for record in result.records():
-            by_scenario.setdefault(str(record["scenario"]), []).append(record)
-    assert sorted(by_scenario) == sorted(scenarios), results[0].stdout + results[0].stderr
+    by_scenario = records_by_scenario(results, scenarios)
     for name, records in by_scenario.items():
-        assert len(records) == len(results), f"{name}: {records}"
         digests = {r["digest"] for r in records}
         assert len(digests) == 1, f"{name}: parameters differ between ranks: {records}"
         if "initial" in records[0]:  # rank 0's parameters everywhere after construction

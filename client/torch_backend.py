@@ -1,0 +1,614 @@
+"""The torch.distributed backend "gradsync": a Python `ProcessGroup` over the local daemon.
+
+`import gradsync.client.torch` registers it, after which
+`torch.distributed.init_process_group("gradsync")` works with any launcher and
+init_method; torch's DDP, FSDP2, DeviceMesh and functional collectives then run
+over gradsync unchanged.  One process group is one gradsync job: rank 0 of the
+group writes a fresh job name to the group's c10d store, every rank writes
+which daemon it talks to, and from that each rank knows its local rank within
+the group.  The store carries nothing else; data goes through the daemons.
+
+Tensors in daemon memory (`gradsync.client.torch.empty`) are reduced where they
+lie; other CPU tensors are staged through a daemon scratch segment (one copy
+in, one copy out); non-contiguous tensors and list arguments get one more copy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradsync.client.buffers import SegmentRegistry
+from gradsync.client.client import Client
+from gradsync.client.environment import resolve_identity
+from gradsync.client.ping import query
+from gradsync.client.torch_tensors import (
+    NUMPY_DTYPES,
+    Staged,
+    as_buffer,
+    chain,
+    check_same,
+    copy_back_all,
+    flat_wire_tensor,
+    packed,
+    unpack,
+    wire_op,
+)
+from gradsync.client.torch_work import Completer, Operation, TorchWork, torch_error
+from gradsync.client.work import Work as GradsyncWork
+from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
+
+BACKEND = "gradsync"
+
+__all__ = ["BACKEND", "ProcessGroupGradsync", "empty", "register"]
+
+
+#: One segment registry per daemon, shared by every group's client in this process,
+#: so a tensor from `empty()` is found (and not staged) whichever group uses it.
+_REGISTRIES: dict[str, SegmentRegistry] = {}
+_REGISTRIES_LOCK = threading.Lock()
+
+
+def _registry_for(daemon: str) -> SegmentRegistry:
+    with _REGISTRIES_LOCK:
+        return _REGISTRIES.setdefault(daemon, SegmentRegistry())
+
+
+# -- the process group ---------------------------------------------------------------
+
+
+class ProcessGroupGradsync(dist.ProcessGroup):
+    """A torch process group whose collectives run in the gradsync daemons.
+
+    Built by torch through the registered creator; users never construct it.
+    """
+
+    def __init__(
+        self,
+        store: Any,  # a c10d Store (the group's PrefixStore)
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        group_id: str = "",
+    ) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._group_name = group_id
+        self._group_desc = ""
+        timeout_s = timeout.total_seconds()
+        self._timeout_s = timeout_s if timeout_s > 0 else None
+        identity = resolve_identity(None, None, None, None, None, None, None)
+        self._daemon = identity.daemon
+        self._registry = _registry_for(self._daemon)
+        self._job = self._rendezvous_job(store, identity.job)
+        self._nodes = self._rendezvous_nodes(store)
+        local = [r for r in range(size) if self._nodes[r] == self._nodes[rank]]
+        self._client = self._connect(self._job, rank, size, local.index(rank), len(local))
+        self._p2p: dict[tuple[int, int, int], Client] = {}
+        self._p2p_lock = threading.Lock()
+        self._completer = Completer(group_id or "default")
+        self._closed = False
+
+    # -- rendezvous through the store (names only, never data) --------------------
+
+    def _rendezvous_job(self, store: Any, base: str) -> str:
+        key = "gradsync/job"
+        if self.rank() == 0:
+            store.set(key, f"{base}/torch-{uuid.uuid4().hex[:12]}")
+        return bytes(store.get(key)).decode()
+
+    def _rendezvous_nodes(self, store: Any) -> list[str]:
+        """Every rank's daemon identity, in rank order (who shares this node)."""
+        try:
+            welcome = query(self._daemon, 30.0)
+        except GradsyncError as exc:
+            raise dist.DistBackendError(f"gradsync: {exc}") from exc
+        mine = f"{socket.gethostname()}|{self._daemon}|{welcome.get('pid')}"
+        store.set(f"gradsync/node/{self.rank()}", mine)
+        keys = [f"gradsync/node/{r}" for r in range(self.size())]
+        values = store.multi_get(keys) if hasattr(store, "multi_get") else [
+            store.get(k) for k in keys
+        ]
+        return [bytes(v).decode() for v in values]
+
+    def _connect(
+        self, job: str, rank: int, size: int, local_rank: int, local_size: int
+    ) -> Client:
+        try:
+            return Client(daemon=self._daemon, job=job, rank=rank, world_size=size,
+                          local_rank=local_rank, local_world_size=local_size,
+                          timeout_s=self._timeout_s, _segments=self._registry)
+        except GradsyncError as exc:
+            raise torch_error(exc, self._group_name) from exc
+
+    # -- names and identity ----------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def gradsync_job(self) -> str:
+        """The gradsync job this group is (as `gradsync stats` shows it)."""
+        return self._job
+
+    @property
+    def client(self) -> Client:
+        """The group's gradsync client (its `empty()` gives zero-copy buffers)."""
+        return self._client
+
+    def __repr__(self) -> str:
+        return (f"<ProcessGroupGradsync {self._group_name!r} rank {self.rank()}/{self.size()} "
+                f"job {self._job!r}>")
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the job, stop the future threads (joined), disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        self._completer.close()
+        with self._p2p_lock:
+            pairs, self._p2p = list(self._p2p.values()), {}
+        for pair in pairs:
+            pair.close()
+        self._client.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        """True once `shutdown()` (torch's destroy_process_group) has run."""
+        return self._closed
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _work(
+        self,
+        what: str,
+        issue: Callable[[], Sequence[GradsyncWork | None]],
+        outputs: list[torch.Tensor],
+        finish: Callable[[], None] | None = None,
+    ) -> TorchWork:
+        if self._closed:
+            raise dist.DistBackendError(
+                f"gradsync: process group {self._group_name!r} is shut down"
+            )
+        try:
+            works = issue()
+        except GradsyncError as exc:
+            raise torch_error(exc, self._group_name) from exc
+        operation = Operation(lambda: self._group_name, what, works, outputs, finish)
+        return TorchWork(operation, self._completer)
+
+    # -- collectives -----------------------------------------------------------------
+
+    def allreduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        staged = [Staged(t) for t in tensors]
+        ops = [wire_op(t, op) for t in tensors]
+
+        def issue() -> list[GradsyncWork | None]:
+            return [self._client.all_reduce(s.array, op=o, async_op=True)
+                    for s, o in zip(staged, ops, strict=True)]
+
+        return self._work("allreduce", issue, tensors, copy_back_all(staged))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        root = opts.rootRank if opts is not None else 0
+        staged = [Staged(t) for t in tensors]
+
+        def issue() -> list[GradsyncWork | None]:
+            return [self._client.broadcast(s.array, src=root, async_op=True) for s in staged]
+
+        return self._work("broadcast", issue, tensors, copy_back_all(staged))
+
+    def reduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        root = opts.rootRank if opts is not None else 0
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        staged = [Staged(t) for t in tensors]
+        ops = [wire_op(t, op) for t in tensors]
+
+        def issue() -> list[GradsyncWork | None]:
+            return [self._client.reduce(s.array, dst=root, op=o, async_op=True)
+                    for s, o in zip(staged, ops, strict=True)]
+
+        return self._work("reduce", issue, tensors, copy_back_all(staged))
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> TorchWork:
+        """`output` holds every rank's `input`, in rank order (all_gather_into_tensor)."""
+        return self._all_gather_flat(output, input)
+
+    def _all_gather_flat(
+        self, output: torch.Tensor, input: torch.Tensor,
+        then: Callable[[], None] | None = None,
+    ) -> TorchWork:
+        if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
+            raise InvalidArgumentError(
+                f"all_gather_into_tensor: output must be {input.dtype} with "
+                f"{self.size()} x {input.numel()} elements, got {output.dtype} with "
+                f"{output.numel()}"
+            )
+        out, inp = Staged(output, copy_in=False), Staged(input)
+
+        def issue() -> list[GradsyncWork | None]:
+            return [self._client.all_gather(out.array, inp.array, async_op=True)]
+
+        finish = out.copy_back if then is None else chain(out.copy_back, then)
+        return self._work("all_gather_into_tensor", issue, [output], finish)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        return self._coalesced([self.all_gather_single(o, i, opts)
+                                for o, i in zip(outputs, inputs, strict=True)], outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def allgather(  # type: ignore[override]
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> TorchWork:
+        works = []
+        for outputs, input in zip(output_lists, inputs, strict=True):
+            if len(outputs) != self.size():
+                raise InvalidArgumentError(
+                    f"all_gather: the output list has {len(outputs)} tensors for a group "
+                    f"of {self.size()}"
+                )
+            check_same("all_gather", outputs, input)
+            gathered = torch.empty(self.size() * input.numel(), dtype=input.dtype,
+                                   device=input.device)
+            works.append(self._all_gather_flat(
+                gathered, input, functools.partial(unpack, gathered, outputs)
+            ))
+        return self._coalesced(works, [t for outputs in output_lists for t in outputs])
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> TorchWork:
+        return self.allgather(output_lists, inputs, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> TorchWork:
+        """Rank r's `output` gets chunk r of `input` reduced over ranks (reduce_scatter_tensor)."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if input.numel() != output.numel() * self.size() or output.dtype != input.dtype:
+            raise InvalidArgumentError(
+                f"reduce_scatter_tensor: input must be {output.dtype} with "
+                f"{self.size()} x {output.numel()} elements, got {input.dtype} with "
+                f"{input.numel()}"
+            )
+        reduce_op = wire_op(input, op)
+        out, inp = Staged(output, copy_in=False), Staged(input)
+
+        def issue() -> list[GradsyncWork | None]:
+            return [self._client.reduce_scatter(out.array, inp.array, op=reduce_op,
+                                                async_op=True)]
+
+        return self._work("reduce_scatter_tensor", issue, [output], out.copy_back)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        return self._coalesced([self.reduce_scatter_single(o, i, opts)
+                                for o, i in zip(outputs, inputs, strict=True)], outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> TorchWork:
+        works = []
+        for output, inputs in zip(outputs, input_lists, strict=True):
+            if len(inputs) != self.size():
+                raise InvalidArgumentError(
+                    f"reduce_scatter: the input list has {len(inputs)} tensors for a group "
+                    f"of {self.size()}"
+                )
+            check_same("reduce_scatter", inputs, output)
+            works.append(self.reduce_scatter_single(output, packed(inputs, output), opts))
+        return self._coalesced(works, outputs)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> TorchWork:
+        """torch's all_to_all_single; uneven splits are padded to the largest split."""
+        size = self.size()
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() % size or output.numel() != input.numel():
+                raise InvalidArgumentError(
+                    f"all_to_all_single: input and output need the same number of elements, "
+                    f"divisible by {size}; got {input.numel()} and {output.numel()}"
+                )
+            out, inp = Staged(output, copy_in=False), Staged(input)
+
+            def issue() -> list[GradsyncWork | None]:
+                return [self._client.all_to_all(out.array, inp.array, async_op=True)]
+
+            return self._work("all_to_all_single", issue, [output], out.copy_back)
+        rows_in = list(input_split_sizes) or [input.shape[0] // size] * size
+        rows_out = list(output_split_sizes) or [output.shape[0] // size] * size
+        row = math.prod(input.shape[1:])
+        in_chunks = list(input.reshape(-1).split([r * row for r in rows_in]))  # type: ignore[no-untyped-call]
+        out_flat = torch.empty(output.numel(), dtype=output.dtype, device=output.device)
+        out_chunks = list(out_flat.split([r * row for r in rows_out]))  # type: ignore[no-untyped-call]
+
+        def finish() -> None:
+            output.copy_(out_flat.view(output.shape))
+
+        return self._uneven_all_to_all(out_chunks, in_chunks, [output], finish)
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        if len(outputs) != self.size() or len(inputs) != self.size():
+            raise InvalidArgumentError(
+                f"all_to_all: need {self.size()} input and output tensors, got "
+                f"{len(inputs)} and {len(outputs)}"
+            )
+        return self._uneven_all_to_all(
+            [t.reshape(-1) if t.is_contiguous() else t for t in outputs],
+            [t.reshape(-1) for t in inputs], outputs,
+        )
+
+    def _uneven_all_to_all(
+        self,
+        out_chunks: list[torch.Tensor],
+        in_chunks: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        finish: Callable[[], None] | None = None,
+    ) -> TorchWork:
+        """All-to-all of chunks of any sizes: every chunk padded to the group's largest.
+
+        The largest chunk is agreed on first (one small allreduce, waited for here).
+        """
+        like = in_chunks[0] if in_chunks else out_chunks[0]
+        largest = np.array([max([c.numel() for c in [*in_chunks, *out_chunks]] or [0])],
+                           dtype=np.int64)
+        try:
+            self._client.all_reduce(largest, op="max")
+        except GradsyncError as exc:
+            raise torch_error(exc, self._group_name) from exc
+        pad = int(largest[0])
+        size = self.size()
+        send = torch.zeros(size * pad, dtype=like.dtype, device=like.device)
+        for j, chunk in enumerate(in_chunks):
+            send[j * pad : j * pad + chunk.numel()].copy_(chunk.reshape(-1))
+        received = torch.empty(size * pad, dtype=like.dtype, device=like.device)
+        out, inp = Staged(received, copy_in=False), Staged(send)
+
+        def unpad() -> None:
+            for j, chunk in enumerate(out_chunks):
+                chunk.copy_(received[j * pad : j * pad + chunk.numel()].view(chunk.shape))
+            if finish is not None:
+                finish()
+
+        def issue() -> list[GradsyncWork | None]:
+            if pad == 0:
+                return []
+            return [self._client.all_to_all(out.array, inp.array, async_op=True)]
+
+        return self._work("all_to_all", issue, outputs, unpad)
+
+    def gather(  # type: ignore[override]
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> TorchWork:
+        root = opts.rootRank if opts is not None else 0
+        (input,) = inputs
+        outputs = output_lists[0] if output_lists else []
+        if self.rank() == root:
+            if len(outputs) != self.size():
+                raise InvalidArgumentError(
+                    f"gather: rank {root} needs {self.size()} output tensors, got {len(outputs)}"
+                )
+            check_same("gather", outputs, input)
+        inp = Staged(input)
+        gathered = (torch.empty(self.size() * input.numel(), dtype=input.dtype,
+                                device=input.device) if self.rank() == root else None)
+
+        def issue() -> list[GradsyncWork | None]:
+            out = None if gathered is None else as_buffer(flat_wire_tensor(gathered))
+            return [self._client.gather(out, inp.array, dst=root, async_op=True)]
+
+        def finish() -> None:
+            if gathered is not None:
+                unpack(gathered, outputs)
+
+        return self._work("gather", issue, list(outputs), finish)
+
+    def scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> TorchWork:
+        root = opts.rootRank if opts is not None else 0
+        (output,) = outputs
+        inputs = input_lists[0] if input_lists else []
+        stacked = None
+        if self.rank() == root:
+            if len(inputs) != self.size():
+                raise InvalidArgumentError(
+                    f"scatter: rank {root} needs {self.size()} input tensors, got {len(inputs)}"
+                )
+            check_same("scatter", inputs, output)
+            stacked = packed(inputs, output)
+        out = Staged(output, copy_in=False)
+
+        def issue() -> list[GradsyncWork | None]:
+            inp = None if stacked is None else as_buffer(flat_wire_tensor(stacked))
+            return [self._client.scatter(out.array, inp, src=root, async_op=True)]
+
+        return self._work("scatter", issue, [output], out.copy_back)
+
+    def barrier(self, opts: Any = None) -> TorchWork:
+        return self._work("barrier", lambda: [self._client.barrier(async_op=True)], [])
+
+    # -- point to point --------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
+        """To group rank `dst`: sends and receives between two ranks match in order, per tag."""
+        staged = [Staged(t) for t in tensors]
+        pair = self._pair(self.rank(), dst, tag)
+        return self._work(
+            f"send to rank {dst} (tag {tag})",
+            lambda: [pair.broadcast(s.array, src=0, async_op=True) for s in staged], tensors,
+        )
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
+        staged = [Staged(t, copy_in=False) for t in tensors]
+        pair = self._pair(src, self.rank(), tag)
+        return self._work(
+            f"recv from rank {src} (tag {tag})",
+            lambda: [pair.broadcast(s.array, src=0, async_op=True) for s in staged], tensors,
+            copy_back_all(staged),
+        )
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
+        raise InvalidArgumentError(
+            "gradsync cannot receive from any source: pass src= to recv/irecv"
+        )
+
+    def _pair(self, src: int, dst: int, tag: int) -> Client:
+        """The two-rank job carrying src → dst messages of one tag (src is its rank 0)."""
+        for peer in (src, dst):
+            if not 0 <= peer < self.size():
+                raise InvalidArgumentError(
+                    f"point-to-point peer rank {peer} is not in [0, {self.size()})"
+                )
+        if src == dst:
+            raise InvalidArgumentError(f"rank {src} cannot send to itself")
+        with self._p2p_lock:
+            pair = self._p2p.get((src, dst, tag))
+            if pair is None:
+                same_node = self._nodes[src] == self._nodes[dst]
+                me = 0 if self.rank() == src else 1
+                pair = self._connect(
+                    f"{self._job}/p2p-{src}-{dst}-t{tag}", me, 2,
+                    me if same_node else 0, 2 if same_node else 1,
+                )
+                self._p2p[(src, dst, tag)] = pair
+            return pair
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _coalesced(self, works: list[TorchWork], outputs: list[torch.Tensor]) -> TorchWork:
+        """One torch Work over several: done when all are, failed if any failed."""
+        operations = [w._operation for w in works]
+
+        def finish() -> None:
+            for operation in operations:
+                operation.complete()
+
+        merged = Operation(lambda: self._group_name, "coalesced", [], outputs, finish)
+        merged.works = [w for operation in operations for w in operation.works]
+        return TorchWork(merged, self._completer)
+
+
+# -- torch entry points --------------------------------------------------------------
+
+
+def _create(backend_opts: Any, backend_options: Any = None) -> ProcessGroupGradsync:
+    """torch's creator (extended API): one gradsync job per process group."""
+    return ProcessGroupGradsync(
+        backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
+        backend_opts.timeout, str(backend_opts.group_id or ""),
+    )
+
+
+def register() -> None:
+    """Make "gradsync" a torch.distributed backend (idempotent)."""
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def empty(
+    *size: int, dtype: torch.dtype = torch.float32, group: Any = None
+) -> torch.Tensor:
+    """An uninitialised CPU tensor in daemon memory: collectives on it copy nothing.
+
+    `group` is a gradsync process group (default: the default group); the
+    memory stays valid while the tensor lives, and is zero-copy for every
+    gradsync group of this process.
+    """
+    dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupGradsync):
+        raise InvalidArgumentError(
+            "gradsync.client.torch.empty needs a process group of backend 'gradsync' "
+            f"(init_process_group('gradsync')); got {type(pg).__name__}"
+        )
+    wire = torch.bool if dtype == torch.bool else dtype
+    if wire not in NUMPY_DTYPES and wire != torch.bool:
+        raise InvalidArgumentError(f"gradsync.client.torch.empty: unsupported dtype {dtype}")
+    np_dtype = np.dtype(np.uint8) if wire == torch.bool else NUMPY_DTYPES[wire]
+    array = pg.client.empty(tuple(int(d) for d in dims), np_dtype)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bool) if dtype == torch.bool else tensor
