@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -22,11 +23,16 @@ from gradsync.protocol.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
+    # allow_abbrev=False everywhere: a mistyped or shortened flag is an error, not a
+    # guess (`--thread 4` must not quietly mean --threads).
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="gradsync command line", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_command = functools.partial(commands.add_parser, allow_abbrev=False)
 
-    launch = commands.add_parser(
+    launch = add_command(
         "launch",
         help="start N ranks of a script on this node (and a private daemon if none runs)",
         description="Start --nproc-per-node copies of SCRIPT with RANK, WORLD_SIZE, "
@@ -34,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_launch_arguments(launch)
 
-    demo = commands.add_parser(
+    demo = add_command(
         "demo",
         help="train a small MLP on N data-parallel ranks and check it against one process",
         description="Train an MLP on a generated spiral data set with --nproc ranks whose "
@@ -44,26 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_demo_arguments(demo)
 
-    keygen = commands.add_parser(
+    keygen = add_command(
         "keygen", help="create a CURVE keypair for a daemon's peer links",
         description="Write NAME.key (public: copy it into every peer's authorized folder) "
         "and NAME.key_secret (mode 0600: stays on this node) in DIR.",
     )
     add_keygen_arguments(keygen)
 
-    stats = commands.add_parser(
+    stats = add_command(
         "stats", help="a daemon's live statistics (table, JSON, Prometheus)"
     )
     add_stats_arguments(stats)
-    top = commands.add_parser("top", help="a live, refreshing view of a daemon's statistics")
+    top = add_command("top", help="a live, refreshing view of a daemon's statistics")
     add_stats_arguments(top, live=True)
 
-    trace = commands.add_parser(
+    trace = add_command(
         "trace", help="record collective phases for a while, write a Chrome trace (Perfetto)"
     )
     add_trace_arguments(trace)
 
-    ping_parser = commands.add_parser("ping", help="check that a daemon answers")
+    ping_parser = add_command("ping", help="check that a daemon answers")
     ping_parser.add_argument(
         "--daemon", default=None, metavar="ENDPOINT",
         help=f"daemon endpoint (default: $GRADSYNC_DAEMON or {default_endpoint()})",
@@ -75,11 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="try again until the daemon answers or SECONDS have passed (default: try once), "
         "e.g. right after starting it",
     )
+    for command in commands.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        # argparse leaves a subcommand's unknown flags to the top-level parser, whose
+        # usage says nothing about them: show the subcommand's usage instead.
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "launch":
         return int(run_launch(args))
     if args.command == "demo":

@@ -616,7 +616,8 @@ def train(client: Client, args: argparse.Namespace, out: IO[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """A rank of the demo (started by `gradsync demo`, with the launch variables set)."""
     parser = argparse.ArgumentParser(prog="python -m gradsync.client.demo",
-                                     description="one rank of `gradsync demo`")
+                                     description="one rank of `gradsync demo`",
+                                     allow_abbrev=False)
     add_demo_arguments(parser)
     args = parser.parse_args(argv)
     with Client() as client:

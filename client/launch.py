@@ -29,15 +29,16 @@ _GRACE_S = 10.0
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                        help="ranks to start on this node (default 1)")
+    # torchrun's spellings (--nproc_per_node, --node_rank) are accepted too.
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                        metavar="N", help="ranks to start on this node (default 1)")
     parser.add_argument("--daemon", default=None, metavar="ENDPOINT",
                         help="daemon endpoint; a private daemon is started there (or in a "
                         "temporary folder when not given) if none answers")
     parser.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="nodes the job spans (default 1); ranks are numbered "
                         "node_rank * nproc_per_node + local_rank, as torchrun does")
-    parser.add_argument("--node-rank", type=int, default=0, metavar="R",
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
                         help="this node's index in [0, nnodes) (default 0)")
     parser.add_argument("--job", default=None,
                         help="job name (default: unique per launch on one node; "

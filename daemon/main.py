@@ -23,6 +23,7 @@ DEFAULT_CONFIG_PATH = "/etc/gradsync/gradsyncd.toml"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradsyncd",
+        allow_abbrev=False,  # `--thread 4` is a mistake, not --threads
         description="gradsync node daemon: owns shared-memory gradient buffers and "
         "runs collectives for the training processes of this node.",
         epilog="Settings come from flags, then GRADSYNC_<SETTING> environment "

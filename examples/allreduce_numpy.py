@@ -59,7 +59,7 @@ def reference_weights(
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--samples", type=int, default=20_000)
     parser.add_argument("--features", type=int, default=32)

@@ -274,6 +274,15 @@ def test_gradsyncd_with_bad_flag_exits_2(short_tmp: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_gradsyncd_refuses_an_abbreviated_flag(short_tmp: str) -> None:
+    """`--thread 4` is a typo to report, not a guess at --threads."""
+    result = run_gradsyncd("--socket", f"ipc://{short_tmp}/never.sock", "--thread", "4")
+    assert result.returncode == 2, result
+    assert "unrecognized arguments: --thread" in result.stderr, result.stderr
+    assert not os.path.exists(f"{short_tmp}/never.sock")
+
+
+@pytest.mark.timeout(60)
 def test_running_daemon_reports_the_winning_timeout(
     start_daemon: StartDaemon, short_tmp: str
 ) -> None:

@@ -178,8 +178,8 @@ def test_launch_runs_the_example_on_a_private_daemon(sandbox: dict[str, Path]) -
 
 @pytest.mark.timeout(90)
 def test_launch_sets_rank_environment_and_job(sandbox: dict[str, Path]) -> None:
-    result = run_cli(
-        ["launch", "--nproc-per-node", "3", "--job", "named-job",
+    result = run_cli(  # torchrun's spelling of --nproc-per-node works too
+        ["launch", "--nproc_per_node", "3", "--job", "named-job",
          str(PROGRAMS / "launch_report.py")],
         clean_env(sandbox),
     )
@@ -293,6 +293,24 @@ def test_launch_refuses_zero_ranks(sandbox: dict[str, Path]) -> None:
     assert result.returncode == 2
     assert "--nproc-per-node must be at least 1" in result.stderr
     assert list(sandbox["tmp"].iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [(["launch", "--bogus", "x.py"], "usage: gradsync launch"),
+     (["launch", "--nproc-per", "2", "x.py"], "usage: gradsync launch"),  # no abbreviations
+     (["ping", "--timeout", "1"], "usage: gradsync ping"),
+     (["stats", "--js"], "usage: gradsync stats")],
+)
+def test_a_bad_flag_is_refused_with_its_subcommands_usage(
+    sandbox: dict[str, Path], args: list[str], usage: str
+) -> None:
+    result = run_cli(args, clean_env(sandbox))
+    assert result.returncode == 2, result
+    assert result.stderr.startswith(usage), result.stderr
+    assert "unrecognized arguments" in result.stderr
+    assert list(sandbox["tmp"].iterdir()) == []  # nothing was started
 
 
 @pytest.fixture
@@ -431,8 +449,9 @@ def test_two_node_launch_numbers_ranks_like_torchrun(sandbox: dict[str, Path]) -
         run_dir = sandbox["run"] / f"node{node}"
         run_dir.mkdir(mode=0o700)
         env = clean_env(sandbox, XDG_RUNTIME_DIR=str(run_dir))
+        node_rank = "--node-rank" if node == 0 else "--node_rank"  # torchrun's spelling
         launchers.append(start_cli(
-            ["launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+            ["launch", "--nnodes", "2", node_rank, str(node), "--nproc-per-node", "2",
              "--job", "two-nodes", "--listen", endpoints[node], "--peers", ",".join(endpoints),
              "--insecure", str(PROGRAMS / "launch_report.py")],
             env,
