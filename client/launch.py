@@ -232,7 +232,7 @@ def run_ranks(
             with signals.held():
                 ranks.append(subprocess.Popen(command, env=env))
             signals.raise_held()
-        code = _watch(ranks, received)
+        code = _watch(ranks, received, node_rank * nproc if nnodes > 1 else None)
         # Like torchrun: a launch stopped by a signal is not a success, however the
         # ranks exited.
         return 128 + received[0] if received and code == 0 else code
@@ -243,14 +243,21 @@ def run_ranks(
                 rank.wait()
 
 
-def _watch(ranks: list[subprocess.Popen[bytes]], received: list[int]) -> int:
+def _watch(
+    ranks: list[subprocess.Popen[bytes]], received: list[int], first_rank: int | None = None
+) -> int:
+    """Wait for the ranks; `first_rank`: the global rank of local rank 0 on a node of
+    a multi-node job (None on one node, where the two numberings are the same)."""
     while True:
         codes = [rank.poll() for rank in ranks]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             index, code = failed[0]
             if not received:
-                log(f"rank {index} exited with status {code}; stopping the other ranks")
+                # Global ranks, the numbering the job's own messages use.
+                who = (f"rank {index}" if first_rank is None
+                       else f"rank {first_rank + index} (local rank {index})")
+                log(f"{who} exited with status {code}; stopping the other ranks")
             _stop_all(ranks)
             return _exit_code(code or 1)
         if all(code == 0 for code in codes):

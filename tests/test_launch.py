@@ -219,6 +219,23 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_status(
 
 
 @pytest.mark.timeout(90)
+def test_a_failing_rank_on_another_node_is_named_by_its_global_rank(
+    sandbox: dict[str, Path],
+) -> None:
+    """On node 1 of a job of 2 ranks per node, local rank 0 is rank 2."""
+    script = sandbox["marks"] / "fail_first.py"
+    script.write_text("import os, sys, time\n"
+                      "sys.exit(3) if os.environ['LOCAL_RANK'] == '0' else time.sleep(60)\n")
+    result = run_cli(
+        ["launch", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", str(script)],
+        clean_env(sandbox),
+    )
+    assert result.returncode == 3, result.stderr
+    assert ("rank 2 (local rank 0) exited with status 3; stopping the other ranks"
+            in result.stderr), result.stderr
+
+
+@pytest.mark.timeout(90)
 def test_sigterm_to_launch_is_forwarded_and_everything_stops(
     sandbox: dict[str, Path],
 ) -> None:
