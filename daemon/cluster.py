@@ -496,11 +496,16 @@ class ClusterJobs:
         formation = job.formation
         assert formation is not None
         peer_ranks = list(formation.ranks_by_daemon[formation.index_of(peer)])
+        ours = _describe_fp(list(run.fingerprint))
         error = MismatchError(
             f"key {key!r} of {job.describe()}: ranks disagree: ranks {peer_ranks} (daemon "
             f"{peer}) sent {_describe_fp(theirs)}; ranks {sorted(job.members)} (daemon "
-            f"{self.transport.endpoint}) sent {_describe_fp(list(run.fingerprint))}",
-            {"job": job.name, "key": key},
+            f"{self.transport.endpoint}) sent {ours}",
+            # The same keys as a mismatch between the ranks of one daemon (jobs.py).
+            {"job": job.name, "key": key, "sent": {
+                **{str(rank): _describe_fp(theirs) for rank in peer_ranks},
+                **{str(rank): ours for rank in sorted(job.members)},
+            }},
         )
         self.abort(job, key, error)
 

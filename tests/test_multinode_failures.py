@@ -141,6 +141,11 @@ def test_cross_node_mismatch_names_ranks_and_job_continues(start_daemon: StartDa
         message = records[0]["mismatch"]
         assert message and "ranks [0]" in message and "ranks [1]" in message, message
         assert "float32[10]" in message and "float32[20]" in message, message
+        # The same details as a mismatch on one node: what each rank sent.
+        details = records[0]["details"]
+        assert set(details) == {"job", "key", "sent"} and details["job"] == "mm", details
+        assert "float32[10]" in details["sent"]["0"], details
+        assert "float32[20]" in details["sent"]["1"], details
         assert records[0]["untouched"] is True
         assert records[1]["after"] == [2.0] * 5
 

@@ -17,8 +17,8 @@ def main() -> int:
         try:
             client.all_reduce(mine)
         except MismatchError as exc:
-            print(json.dumps({"mismatch": exc.message, "untouched": bool((mine == before).all())}),
-                  flush=True)
+            print(json.dumps({"mismatch": exc.message, "details": exc.details,
+                              "untouched": bool((mine == before).all())}), flush=True)
         else:
             print(json.dumps({"mismatch": None}), flush=True)
             return 1
