@@ -161,13 +161,15 @@ def render_table(snapshot: dict[str, Any]) -> str:
         members = ",".join(job.get("members", {})) or "-"
         lines.append(f"job {name!r} ({state}) ranks here: {members}  "
                      f"done {sum(job['done'].values())}  errors {dict(job['errors']) or 0}")
-        for size, figures in sorted(job.get("latency", {}).items()):
-            if figures:
-                lines.append(
-                    f"    {size:>14}  n={figures['count']:<6} p50 {figures['p50_s'] * 1e3:8.3f} ms"
-                    f"  p99 {figures['p99_s'] * 1e3:8.3f} ms  busbw "
-                    f"{figures['busbw_Bps'] / 1e9:6.2f} GB/s"
-                )
+        latency = [(size, figures) for size, figures in job.get("latency", {}).items() if figures]
+        if latency:
+            lines.append("    latency by buffer size, over the last collectives of each size:")
+        for size, figures in sorted(latency, key=lambda item: _size_bound(item[0])):
+            lines.append(
+                f"    {_size_label(size):>18}: {figures['count']:>5} collectives  "
+                f"p50 {figures['p50_s'] * 1e3:8.3f} ms  p99 {figures['p99_s'] * 1e3:8.3f} ms  "
+                f"busbw {figures['busbw_Bps'] / 1e9:6.2f} GB/s"
+            )
         for nbytes, auto in sorted(job.get("auto", {}).items(), key=lambda kv: int(kv[0])):
             picks = ", ".join(f"{name} x{count}" for name, count in sorted(auto["picks"].items()))
             basis = ", ".join(f"{name} {count}" for name, count in
@@ -179,14 +181,43 @@ def render_table(snapshot: dict[str, Any]) -> str:
                 f"priced with alpha {auto['alpha_s'] * 1e6:.0f} µs, {rate:.2f} GB/s, "
                 f"epoch {auto['epoch']}"
             )
-        for flight in job.get("in_flight", []):
-            lines.append(f"    in flight: {flight}")
+        lines += [f"    in flight: {_in_flight(flight)}" for flight in job.get("in_flight", [])]
     for peer, link in snapshot.get("peers", {}).items():
         rtt = f"{link['rtt_s'] * 1e6:.0f} µs" if link.get("rtt_s") else "-"
         age = link.get("heartbeat_age_s")
         heard = f"{age:.1f}s ago" if age is not None else "never"
         lines.append(f"peer {peer}: {link['state']}  rtt {rtt}  heard {heard}")
     return "\n".join(lines)
+
+
+def _size_bound(size_class: str) -> float:
+    """The upper bound of a latency size class (`<=4096`, or `inf` for the largest)."""
+    return float(size_class[2:]) if size_class.startswith("<=") else float("inf")
+
+
+def _size_label(size_class: str) -> str:
+    bound = _size_bound(size_class)
+    return f"up to {_bytes(bound)}" if bound != float("inf") else "larger"
+
+
+def _in_flight(flight: dict[str, Any]) -> str:
+    """One in-flight collective: what it waits for, in words."""
+    key = flight.get("key")
+    if "steps" not in flight:  # still gathering this daemon's ranks
+        ranks = ", ".join(str(rank) for rank in flight.get("waiting_for_ranks", [])) or "none"
+        return f"key {key!r} for {flight.get('age_s', 0):.1f}s, waiting for local ranks {ranks}"
+    # `step` counts from 1; 0 is the fingerprint agreement before the first step, and
+    # steps + 1 the write-back after the last one.
+    step, steps = flight.get("step", 0), flight.get("steps", 0)
+    if step < 1:
+        where = f"agreeing with its peers before step 1 of {steps}"
+    elif step > steps:
+        where = f"all {steps} steps done, writing back"
+    else:
+        where = f"step {step} of {steps}"
+    peers = ", ".join(flight.get("waiting_for_peers") or [])
+    return (f"key {key!r}, {flight.get('algorithm')}: {where}"
+            + (f", waiting for peers {peers}" if peers else ""))
 
 
 def _label(value: Any) -> str:

@@ -17,7 +17,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DaemonProcess, collect, poll_until, spawn_ranks
-from gradsync.client.stats_cli import fetch_snapshot
+from gradsync.client.stats_cli import fetch_snapshot, render_table
 from gradsync.protocol import messages
 
 CLI = [sys.executable, "-m", "gradsync.client.cli"]
@@ -46,6 +46,7 @@ def test_snapshot_matches_a_known_workload(daemon: DaemonProcess, short_tmp: str
         assert snapshot["pid"] == daemon.pid and snapshot["shm"]["in_use"] > 0
         table = cli("stats", "--daemon", daemon.endpoint)
         assert table.returncode == 0 and "job 'known' (active)" in table.stdout, table.stdout
+        assert "up to 4.0 KiB:     8 collectives  p50" in table.stdout, table.stdout
         prometheus = cli("stats", "--daemon", daemon.endpoint, "--prometheus").stdout
         families = {f.name: f for f in text_string_to_metric_families(prometheus)}
         done = {s.labels["collective"]: s.value
@@ -58,6 +59,28 @@ def test_snapshot_matches_a_known_workload(daemon: DaemonProcess, short_tmp: str
         collect(ranks, timeout_s=30)
     ended = fetch_snapshot(daemon.endpoint + ".stats", 5.0)
     assert ended["jobs"]["known"]["active"] is False
+
+
+@pytest.mark.timeout(10)
+def test_the_table_says_in_words_what_in_flight_collectives_wait_for() -> None:
+    """In-flight entries as the daemon lists them, at each stage; no raw dicts."""
+    snapshot = {
+        "version": "0", "pid": 1, "uptime_s": 1.0, "shm": {"in_use": 0, "segments": 0},
+        "jobs": {"j": {"active": True, "members": {"0": {}}, "done": {}, "errors": {},
+                       "in_flight": [
+            {"key": 1, "age_s": 2.5, "waiting_for_ranks": [1, 3]},
+            {"key": 2, "step": 0, "steps": 2, "algorithm": "ring", "waiting_for_peers": ["B"]},
+            {"key": 3, "step": 1, "steps": 2, "algorithm": "ring", "waiting_for_peers": ["B"]},
+            {"key": 4, "step": 3, "steps": 2, "algorithm": "tree", "waiting_for_peers": []},
+        ]}},
+    }
+    rows = [line.strip() for line in render_table(snapshot).splitlines() if "in flight" in line]
+    assert rows == [
+        "in flight: key 1 for 2.5s, waiting for local ranks 1, 3",
+        "in flight: key 2, ring: agreeing with its peers before step 1 of 2, waiting for peers B",
+        "in flight: key 3, ring: step 1 of 2, waiting for peers B",
+        "in flight: key 4, tree: all 2 steps done, writing back",
+    ], rows
 
 
 @pytest.mark.timeout(60)
