@@ -101,9 +101,13 @@ def add_keygen_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", metavar="DIR", help="folder for the two files")
     parser.add_argument("--name", required=True, help="base name: writes NAME.key, "
                         "NAME.key_secret (e.g. the node's host name)")
-    parser.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
-                        help="where this daemon listens for peers, as the others dial it; "
-                        "recorded in the key so that they find it (required for CURVE links)")
+    role = parser.add_mutually_exclusive_group()
+    role.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
+                      help="where this daemon listens for peers, as the others dial it; "
+                      "recorded in the key so that they find it (required for CURVE links)")
+    role.add_argument("--reader", action="store_true",
+                      help="a key for reading statistics (gradsync stats/top/trace "
+                      "--curve-secret), not a daemon's: it needs no endpoint")
 
 
 def run_keygen(args: argparse.Namespace) -> int:
@@ -122,7 +126,8 @@ def run_keygen(args: argparse.Namespace) -> int:
         return 1
     print(f"public key: {public_path}  (copy into the authorized folder of every daemon)")
     print(f"secret key: {secret_path}  (mode 0600; keep on this node, pass as --curve-secret)")
-    if args.endpoint is None:
+    if args.endpoint is None and not args.reader:
         print("note: no --endpoint recorded; peers cannot find this daemon's server key "
-              "until its .key records 'endpoint = \"tcp://HOST:PORT\"' in its metadata")
+              "until its .key records 'endpoint = \"tcp://HOST:PORT\"' in its metadata "
+              "(a key only for reading statistics needs none: pass --reader)")
     return 0

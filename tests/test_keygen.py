@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import zmq.auth
+from cluster import free_ports
 
 from gradsync.client.keygen import add_keygen_arguments, generate_keypair, run_keygen
 from gradsync.daemon.peers import (
@@ -19,6 +23,7 @@ from gradsync.daemon.peers import (
 )
 
 pytestmark = pytest.mark.timeout(30)
+GRADSYNCD = os.path.join(os.path.dirname(sys.executable), "gradsyncd")
 
 
 def mode(path: str | Path) -> int:
@@ -78,6 +83,38 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert sorted(os.listdir(folder)) == ["n1.key", "n1.key_secret"]
 
 
+def test_a_reader_key_needs_no_endpoint_and_gets_no_note_about_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert keygen(str(tmp_path), "--name", "ops", "--reader") == 0
+    out = capsys.readouterr().out
+    assert "ops.key_secret" in out and "note:" not in out, out
+    assert load_secret(str(tmp_path / "ops.key_secret")).endpoint is None
+    # A daemon's key without --endpoint still gets the note.
+    assert keygen(str(tmp_path), "--name", "node1") == 0
+    assert "note: no --endpoint recorded" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a reader's key has no endpoint to record
+        keygen(str(tmp_path), "--name", "both", "--reader", "--endpoint", "tcp://h:1")
+
+
+def test_gradsyncd_given_a_public_key_as_its_secret_says_so(short_tmp: str) -> None:
+    folder = Path(short_tmp)
+    ours, theirs = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    public, _ = generate_keypair(str(folder / "keys"), "node1", ours)
+    (folder / "authorized").mkdir(mode=0o755)
+    shutil.copy(public, folder / "authorized")
+    result = subprocess.run(
+        [GRADSYNCD, "--socket", f"ipc://{short_tmp}/never.sock",
+         "--listen", ours, "--peers", f"{ours},{theirs}",
+         "--curve-secret", public, "--curve-authorized", str(folder / "authorized")],
+        capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")},
+    )
+    assert result.returncode == 2, result
+    assert f"{public} is a public key" in result.stderr, result.stderr
+    assert "leaked" not in result.stderr, result.stderr
+
+
 def test_secret_readable_by_group_or_others_is_refused(tmp_path: Path) -> None:
     _, secret = generate_keypair(str(tmp_path), "node1")
     for loose in (0o644, 0o640, 0o604):
@@ -90,9 +127,10 @@ def test_secret_readable_by_group_or_others_is_refused(tmp_path: Path) -> None:
 
 def test_file_without_secret_key_is_refused(tmp_path: Path) -> None:
     public, _ = generate_keypair(str(tmp_path), "node1")
-    os.chmod(public, 0o600)
-    with pytest.raises(KeyFileError, match="holds no secret-key"):
+    # At its usual mode 0644: said to be a public key, not a leaked secret one.
+    with pytest.raises(KeyFileError, match="is a public key") as caught:
         load_secret(public)
+    assert "chmod" not in str(caught.value) and "leaked" not in str(caught.value)
     garbage = tmp_path / "garbage.key_secret"
     garbage.write_text('curve\n    public-key = "short"\n')
     os.chmod(garbage, 0o600)

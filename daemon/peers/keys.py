@@ -118,19 +118,21 @@ def load_secret(path: str) -> Certificate:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise KeyFileError(f"secret key file {path} is not a regular file")
-        mode = stat.S_IMODE(info.st_mode)
-        if mode & 0o077:
-            raise KeyFileError(
-                f"secret key file {path} has mode {mode:04o}: it is readable by group or "
-                f"others; run `chmod 600 {path}` (and consider the key leaked)"
-            )
         cert = parse_certificate(path, _read_text(path, fd))
     finally:
         os.close(fd)
+    # A public key first: its mode 0644 is right for it, and "consider the key
+    # leaked" would send its owner off to replace a key that is fine.
     if cert.secret_key is None:
         raise KeyFileError(
-            f"{path} holds no secret-key (is it the public .key file? "
-            "pass the NAME.key_secret that `gradsync keygen` wrote)"
+            f"{path} is a public key (it holds no secret-key): pass the NAME.key_secret "
+            "that `gradsync keygen` wrote beside it"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise KeyFileError(
+            f"secret key file {path} has mode {mode:04o}: it is readable by group or "
+            f"others; run `chmod 600 {path}` (and consider the key leaked)"
         )
     return cert
 
