@@ -509,3 +509,20 @@ def test_a_two_node_launch_on_daemons_with_peers_ends_without_a_warning(
     warnings = [line for daemon in daemons for line in daemon.log().splitlines()
                 if " WARNING " in line and "insecure" not in line.lower()]
     assert warnings == [], "\n".join(warnings)
+
+
+@pytest.mark.timeout(60)
+def test_the_readmes_repository_layout_names_every_example_and_command(
+    sandbox: dict[str, Path],
+) -> None:
+    """The layout stays true: every examples/*.py, and exactly the CLI's subcommands."""
+    readme = (REPO / "README.md").read_text()
+    layout = readme.split("## Repository layout", 1)[1].split("\n## ", 1)[0]
+    examples = sorted(path.name for path in (REPO / "examples").glob("*.py"))
+    assert [name for name in examples if name not in layout] == [], layout
+    usage = run_cli(["--help"], clean_env(sandbox)).stdout
+    listed = re.search(r"\{([a-z,]+)\}", usage)
+    assert listed, usage
+    cli_line = re.search(r"CLI: ([a-z, ]+)$", layout, re.MULTILINE)
+    assert cli_line, layout
+    assert sorted(cli_line.group(1).split(", ")) == sorted(listed.group(1).split(","))
