@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, overload
@@ -87,6 +88,9 @@ class Client:
         identity = resolve_identity(
             daemon, job, rank, world_size, local_rank, local_world_size, timeout_s
         )
+        if identity.note is not None:
+            # A plain `python train.py` in an sbatch script: say it runs alone.
+            warnings.warn(f"gradsync: {identity.note}", RuntimeWarning, stacklevel=2)
         self.daemon = identity.daemon
         self.job = identity.job
         self.rank = identity.rank

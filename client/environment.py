@@ -7,7 +7,12 @@ Sources, highest first, decided once for the whole identity:
    which `gradsync launch` sets too;
 3. Slurm's (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, and the tasks of
    this node from `SLURM_NTASKS_PER_NODE` such as `4`, `2(x3)` or `3,2(x2)`,
-   indexed by `SLURM_NODEID`), as `srun` sets them;
+   indexed by `SLURM_NODEID`), as `srun` sets them: only in a job step
+   (`SLURM_STEP_ID`, or the older `SLURM_STEPID`, is set).  A batch script's
+   own processes see `SLURM_PROCID=0` and `SLURM_NTASKS=N` too, but a plain
+   `python train.py` there is one process, not N tasks; like torch, which
+   reads no Slurm variables, it runs as a job of one, and `Identity.note`
+   says why (`Client()` warns with it);
 4. Open MPI's (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
    `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`), as `mpirun` sets them;
 5. none of them: a job of one.
@@ -45,6 +50,8 @@ class Identity:
     timeout_s: float | None
     #: Which launcher's variables supplied the rank (one of `SOURCES`).
     source: str = "single"
+    #: Why the environment was not taken at its word, for the user to read (or None).
+    note: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,18 +130,20 @@ def _torchrun(env: Mapping[str, str]) -> _Launcher | None:
     )
 
 
+def _slurm_step(env: Mapping[str, str]) -> str | None:
+    """The job step this process is a task of; None outside any (a batch script)."""
+    return env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or None
+
+
 def _slurm(env: Mapping[str, str]) -> _Launcher | None:
-    if "SLURM_PROCID" not in env:
+    if "SLURM_PROCID" not in env or _slurm_step(env) is None:
         return None
     world_size = _int_from_env(env, "SLURM_NTASKS")
     if world_size is None:
         world_size = _int_from_env(env, "SLURM_NPROCS")  # the older name
     job = None
     if env.get("SLURM_JOB_ID"):
-        job = f"slurm-{env['SLURM_JOB_ID']}"
-        step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
-        if step:
-            job += f".{step}"
+        job = f"slurm-{env['SLURM_JOB_ID']}.{_slurm_step(env)}"
     return _Launcher(
         "slurm", _int_from_env(env, "SLURM_PROCID"), world_size,
         _int_from_env(env, "SLURM_LOCALID"), _slurm_local_world_size(env, world_size), job,
@@ -160,6 +169,20 @@ _VARIABLES = {
     "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                 "OMPI_COMM_WORLD_LOCAL_SIZE"),
 }
+
+
+def _batch_script_note(env: Mapping[str, str]) -> str | None:
+    """What to tell a process of a batch script that Slurm allotted several tasks."""
+    if "SLURM_PROCID" not in env or _slurm_step(env) is not None:
+        return None
+    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or ""
+    if not tasks.isdigit() or int(tasks) <= 1:
+        return None  # a job of one is what the allocation asked for: nothing to say
+    return (
+        f"SLURM_NTASKS={tasks} is set but SLURM_STEP_ID is not: this process runs in "
+        f"the batch script itself, not as one of {tasks} tasks of an srun step, so it "
+        f"runs as a job of one; start the ranks with `srun python ...` to run {tasks}"
+    )
 
 
 def detect_launcher(environ: Mapping[str, str]) -> _Launcher | None:
@@ -228,6 +251,7 @@ def resolve_identity(
             f"need 0 <= local_rank < local_world_size <= world_size, got "
             f"{local_rank}, {local_world_size}, {world_size}{where}"
         )
+    note = _batch_script_note(env) if source == "single" else None
     return Identity(
         daemon=daemon or env.get("GRADSYNC_DAEMON") or default_endpoint(),
         job=job or env.get("GRADSYNC_JOB") or "default",
@@ -237,4 +261,5 @@ def resolve_identity(
         local_world_size=local_world_size,
         timeout_s=timeout_s,
         source=source,
+        note=note,
     )

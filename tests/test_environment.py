@@ -20,7 +20,7 @@ from gradsync.protocol.errors import InvalidArgumentError
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
 SLURM = {
     "SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
-    "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_NODEID": "1",
+    "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
 }
 OMPI = {
     "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
@@ -88,7 +88,7 @@ def test_slurm_picks_this_nodes_task_count(
     per_node: str, node: str | None, local_world_size: int
 ) -> None:
     environ = {"SLURM_PROCID": "0", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0",
-               "SLURM_NTASKS_PER_NODE": per_node}
+               "SLURM_NTASKS_PER_NODE": per_node, "SLURM_STEP_ID": "0"}
     if node is not None:
         environ["SLURM_NODEID"] = node
     assert resolve_identity(environ=environ).local_world_size == local_world_size
@@ -96,12 +96,13 @@ def test_slurm_picks_this_nodes_task_count(
 
 @pytest.mark.timeout(10)
 def test_slurm_falls_back_to_the_step_layout_and_single_node() -> None:
-    base = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}
+    base = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEPID": "2"}
     step = {**base, "SLURM_STEP_TASKS_PER_NODE": "1,3", "SLURM_NODEID": "1"}
     assert resolve_identity(environ=step).local_world_size == 3
     one_node = {**base, "SLURM_NNODES": "1"}
     assert resolve_identity(environ=one_node).local_world_size == 4
-    assert resolve_identity(environ={"SLURM_PROCID": "0", "SLURM_NPROCS": "1"}).world_size == 1
+    older = {"SLURM_PROCID": "0", "SLURM_NPROCS": "1", "SLURM_STEPID": "0"}
+    assert resolve_identity(environ=older).world_size == 1
 
 
 @pytest.mark.timeout(10)
@@ -120,12 +121,12 @@ def test_default_job_names_are_the_same_on_every_node() -> None:
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"SLURM_PROCID": "0"}, "SLURM_PROCID and SLURM_NTASKS"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}, "SLURM_PROCID and SLURM_NTASKS"),
         ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE"),
         ({"RANK": "0"}, "RANK and WORLD_SIZE"),
-        ({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}, "SLURM_PROCID='x' is not an integer"),
+        ({**SLURM, "SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
         ({**SLURM, "SLURM_PROCID": "6"}, "rank 6 is outside world_size 6 (from slurm"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "1"},
          "SLURM_NTASKS_PER_NODE"),
         ({**SLURM, "SLURM_NTASKS_PER_NODE": "3,3", "SLURM_NODEID": ""}, "SLURM_NODEID"),
         ({**SLURM, "SLURM_NTASKS_PER_NODE": "3,3", "SLURM_NODEID": "2"}, "outside the 2 nodes"),
@@ -138,6 +139,53 @@ def test_bad_launcher_variables_are_refused_naming_them(
     with pytest.raises(InvalidArgumentError) as caught:
         resolve_identity(environ=environ)
     assert message in str(caught.value)
+
+
+#: What a process of an sbatch script sees (no srun): Slurm's task variables, no step.
+BATCH_SCRIPT = {
+    "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NUM_NODES": "2",
+}
+
+
+@pytest.mark.timeout(10)
+def test_a_batch_script_without_srun_runs_as_a_job_of_one_and_says_so() -> None:
+    identity = resolve_identity(environ=BATCH_SCRIPT)
+    assert (identity.source, identity.rank, identity.world_size, identity.local_world_size) == (
+        "single", 0, 1, 1)
+    assert identity.job == "default"
+    assert identity.note is not None
+    for needle in ("SLURM_NTASKS=4", "SLURM_STEP_ID", "job of one", "srun"):
+        assert needle in identity.note
+    # The same variables in a task of an srun step (either spelling of the step): 4 ranks.
+    for step in ("SLURM_STEP_ID", "SLURM_STEPID"):
+        task = resolve_identity(environ={**BATCH_SCRIPT, step: "0", "SLURM_PROCID": "3",
+                                         "SLURM_NODEID": "1", "SLURM_LOCALID": "1"})
+        assert (task.source, task.rank, task.world_size, task.local_world_size, task.note) == (
+            "slurm", 3, 4, 2, None)
+    # Nothing to say where the allocation is one task, or another launcher started it.
+    assert resolve_identity(environ={**BATCH_SCRIPT, "SLURM_NTASKS": "1"}).note is None
+    assert resolve_identity(environ={k: v for k, v in BATCH_SCRIPT.items()
+                                     if k != "SLURM_NTASKS"}).note is None
+    under_torchrun = resolve_identity(environ={**BATCH_SCRIPT, **TORCHRUN})
+    assert (under_torchrun.source, under_torchrun.note) == ("torchrun", None)
+    under_mpirun = resolve_identity(environ={**BATCH_SCRIPT, **OMPI})
+    assert (under_mpirun.source, under_mpirun.rank, under_mpirun.note) == ("openmpi", 2, None)
+
+
+@pytest.mark.timeout(60)
+def test_client_in_a_batch_script_warns_and_works_alone(daemon: DaemonProcess) -> None:
+    environ = {**launcher_free_environ(), **BATCH_SCRIPT, "GRADSYNC_DAEMON": daemon.endpoint}
+    [result] = collect([subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "env_report.py")], env=environ,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )], timeout_s=50)
+    assert result.returncode == 0, result.stderr
+    [record] = result.records()
+    assert (record["source"], record["rank"], record["world_size"], record["sum"]) == (
+        "single", 0, 1, 0)
+    assert "RuntimeWarning: gradsync: SLURM_NTASKS=4 is set but SLURM_STEP_ID is not" in (
+        result.stderr)
 
 
 # -- end to end ------------------------------------------------------------------
