@@ -54,6 +54,10 @@ class DaemonConfig:
     listen: str | None = None
     peers: tuple[str, ...] = ()
     peers_file: str | None = None
+    #: Peers are the nodes of the Slurm allocation (`SLURM_JOB_NODELIST`), each at
+    #: `port`; `listen` defaults to this node's name at `port` (daemon/slurm.py).
+    peers_from_slurm: bool = False
+    port: int = 29400
     curve_secret: str | None = None
     curve_authorized: str | None = None
     insecure: bool = False
@@ -159,6 +163,13 @@ def _endpoint_list(value: Any) -> tuple[str, ...]:
                  for item in items if not (isinstance(item, str) and not item.strip()))
 
 
+def _port(value: Any) -> int:
+    number = _positive_int(value)
+    if number > 65535:
+        raise ValueError(f"a TCP port is at most 65535, got {number}")
+    return number
+
+
 def _optional_path(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("expected a file or folder path")
@@ -203,6 +214,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "listen": _tcp_endpoint,
     "peers": _endpoint_list,
     "peers_file": _optional_path,
+    "peers_from_slurm": _boolean,
+    "port": _port,
     "curve_secret": _optional_path,
     "curve_authorized": _optional_path,
     "insecure": _boolean,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from gradsync.daemon.config import ConfigError, DaemonConfig, load_config
 from gradsync.daemon.journal_logging import setup_logging
 from gradsync.daemon.server import StartupError, serve
+from gradsync.daemon.slurm import with_slurm_peers
 from gradsync.protocol.version import __version__
 
 log = logging.getLogger("gradsync.daemon")
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--peers", metavar="LIST",
                        help="comma-separated peer endpoints (may include this daemon)")
     peers.add_argument("--peers-file", metavar="FILE", help="one peer endpoint per line")
+    peers.add_argument("--peers-from-slurm", action="store_true", default=None,
+                       help="peers: one daemon on every node of this Slurm job "
+                       "(SLURM_JOB_NODELIST, expanded by scontrol) at --port; --listen "
+                       "defaults to this node's name at --port")
+    peers.add_argument("--port", metavar="P",
+                       help="the peer port of every daemon with --peers-from-slurm "
+                       "(default 29400)")
     peers.add_argument("--curve-secret", metavar="FILE",
                        help="this daemon's CURVE secret key (from gradsync keygen)")
     peers.add_argument("--curve-authorized", metavar="DIR",
@@ -100,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config_path is None and os.path.exists(DEFAULT_CONFIG_PATH):
         config_path = DEFAULT_CONFIG_PATH
     try:
-        config = load_config(flags=flags, toml_path=config_path)
+        config = with_slurm_peers(load_config(flags=flags, toml_path=config_path))
     except ConfigError as exc:
         print(f"gradsyncd: configuration error: {exc}", file=sys.stderr)
         return 2
