@@ -34,7 +34,8 @@ class MappedSegment:
     segment_id: int
     nbytes: int
     address: int
-    mapping: weakref.ReferenceType[mmap.mmap]
+    #: What keeps the memory alive: our mmap, or the object that owns shared memory.
+    mapping: weakref.ReferenceType[object]
 
 
 class SegmentRegistry:
@@ -54,6 +55,17 @@ class SegmentRegistry:
         if track:
             weakref.finalize(mapping, self._forget, segment_id, True)
         return mapping
+
+    def adopt(self, segment_id: int, address: int, nbytes: int, owner: object) -> None:
+        """Track memory this process shares with the daemon (`Client.attach`).
+
+        `owner` (a torch storage, say) keeps it alive; once it is collected the
+        segment is queued for freeing, so the daemon drops its mapping.
+        """
+        entry = MappedSegment(segment_id, nbytes, address, weakref.ref(owner))
+        with self._lock:
+            self._segments[segment_id] = entry
+        weakref.finalize(owner, self._forget, segment_id, True)
 
     def forget(self, segment_id: int) -> None:
         """Stop tracking a segment and queue it for freeing in the daemon."""

@@ -232,6 +232,21 @@ class Client:
         self._mapped.add(reply["segment"])
         return np.frombuffer(mapping, dtype=np_dtype, count=count).reshape(dims)
 
+    def attach(self, fd: int, nbytes: int, address: int, owner: object) -> None:
+        """Let the daemon map memory this process already shares through `fd`.
+
+        `address` is where that memory starts here, `owner` what keeps it
+        alive (a torch storage moved to shared memory, say).  Arrays inside it
+        are then reduced where they lie, like those from `empty()`.  The daemon
+        accepts only processes of its own user; others get InvalidArgumentError
+        and keep staging.
+        """
+        self._check_open()
+        reply = self._connection.call("attach", timeout_s=_HELLO_TIMEOUT_S, fd=fd,
+                                      nbytes=nbytes)
+        self._segments.adopt(reply["segment"], address, nbytes, owner)
+        self._mapped.add(reply["segment"])
+
     def _device_buffers(self) -> DeviceBuffers:
         if self._device is None:
             self._device = DeviceBuffers(

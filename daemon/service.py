@@ -146,6 +146,8 @@ class GradsyncService:
                 self._alloc(session, message)
             elif kind == "free":
                 self._free(session, message)
+            elif kind == "attach":
+                self._attach(session, message)
             elif kind == "group_info":
                 self._group_info(session, message)
             elif kind == "allreduce":
@@ -170,6 +172,7 @@ class GradsyncService:
             "counters": {**self.counters, **self.extra_counters()},
             "jobs": len(self.jobs),
             "shm_in_use": self.buffers.in_use,
+            "shm_attached": self.buffers.attached,
             "segments": len(self.buffers),
             # Whether multi-node jobs can form here (gradsync launch --nnodes asks).
             "peers": len(self.cluster.transport.peers()) if self.cluster is not None else 0,
@@ -235,6 +238,30 @@ class GradsyncService:
                 **slab.backend.export(slab),
             )
         )
+
+    def _attach(self, session: ClientSession, message: Message) -> None:
+        """Map memory the client shares by a descriptor of its own: zero-copy from then on.
+
+        Only for a client of the daemon's own user, checked by the kernel's
+        credentials (SO_PEERCRED); others get an error and keep staging.
+        """
+        fd, nbytes = message["fd"], message["nbytes"]
+        who = f"rank {session.rank} of job {session.job_name!r}"
+        if session.peer_pid is None or session.peer_uid != os.getuid():
+            raise InvalidArgumentError(
+                f"attach from {who}: only processes of the daemon's own user may share "
+                "their memory with it; their tensors are staged instead"
+            )
+        if fd < 0 or nbytes <= 0:
+            raise InvalidArgumentError(f"attach from {who}: bad fd {fd} or size {nbytes}")
+        try:
+            slab = self.buffers.attach(f"/proc/{session.peer_pid}/fd/{fd}", nbytes, who)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"attach from {who}: cannot map its descriptor {fd} ({nbytes} bytes): {exc}"
+            ) from None
+        session.segments.add(slab.segment_id)
+        session.reply(messages.ok_reply(message["id"], segment=slab.segment_id))
 
     def _group_info(self, session: ClientSession, message: Message) -> None:
         """Which ranks of the caller's job are connected here (to size a sub-group)."""

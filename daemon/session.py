@@ -47,6 +47,8 @@ class ClientSession(asyncio.Protocol):
         self.peer_pidfd: int | None = None
         #: The client's pid as the kernel reports it (SO_PEERCRED), not as it claims.
         self.peer_pid: int | None = None
+        #: The client's user id (SO_PEERCRED).
+        self.peer_uid: int | None = None
 
     def describe(self) -> str:
         if self.job_name is None:
@@ -73,8 +75,9 @@ class ClientSession(asyncio.Protocol):
             return
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-            pid = _CREDS.unpack(creds)[0]
+            pid, uid, _ = _CREDS.unpack(creds)
             self.peer_pid = pid
+            self.peer_uid = uid
             self.peer_pidfd = os.pidfd_open(pid)
         except OSError:
             return

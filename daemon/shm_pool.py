@@ -13,6 +13,7 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 
 import numpy as np
 
@@ -33,6 +34,9 @@ class Segment:
     nbytes: int
     mapping: mmap.mmap
     owner: str  # who asked for it, for error messages and stats
+    #: Memory a client shares and the daemon only maps (`attach`): never unlinked here,
+    #: and not counted against the budget (the client's own memory).
+    attached: bool = False
 
     def view(self, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
         """A typed view of `count` elements at `offset` (bounds checked by caller)."""
@@ -47,6 +51,8 @@ class ShmPool:
         self.mode = mode
         self.shm_dir = shm_dir
         self.in_use = 0
+        #: Bytes of client memory mapped by `attach`.
+        self.attached = 0
         self._ids = itertools.count(1)
         self._segments: dict[int, Segment] = {}
         self._pid = os.getpid()
@@ -105,10 +111,39 @@ class ShmPool:
         self.in_use += size
         return segment
 
+    def attach(self, path: str, nbytes: int, owner: str, segment_id: int) -> Segment:
+        """Map `nbytes` of a file the client shares (its descriptor, seen through /proc).
+
+        Only regular files of the daemon's own user, at least `nbytes` long: a
+        file that shrinks under a mapping would fault the daemon, so only a
+        process that could kill the daemon anyway may share memory this way.
+        """
+        if nbytes <= 0:
+            raise ValueError(f"attach needs a positive size, got {nbytes}")
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise PermissionError(f"{owner}: only regular files of the daemon's user "
+                                      "can be attached")
+            if info.st_size < nbytes:
+                raise ValueError(f"{owner}: the file holds {info.st_size} bytes, "
+                                 f"not the {nbytes} asked for")
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        segment = Segment(segment_id, f"attached-{segment_id}", nbytes, mapping, owner, True)
+        self._segments[segment_id] = segment
+        self.attached += nbytes
+        return segment
+
     def release(self, segment_id: int) -> None:
         """Unlink a segment; memory returns once every mapping is gone."""
         segment = self._segments.pop(segment_id, None)
         if segment is None:
+            return
+        if segment.attached:  # the client's memory: dropping the mapping is all
+            self.attached -= segment.nbytes
             return
         self.in_use -= segment.nbytes
         try:

@@ -38,6 +38,9 @@ REQUESTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "event": ((bytes, _NONE), False),
     },
     "free": {"segment": ((int,), True)},
+    # Map memory the client already shares (a descriptor of its own, by number): a
+    # torch storage moved to shared memory becomes a segment, so it needs no staging.
+    "attach": {"fd": ((int,), True), "nbytes": ((int,), True)},
     "group_info": {},
     "collective": {
         "collective": ((str,), True),

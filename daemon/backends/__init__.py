@@ -62,6 +62,17 @@ class Buffers:
         self._slabs[slab.segment_id] = slab
         return slab
 
+    def attach(self, path: str, nbytes: int, owner: str) -> Slab:
+        """A host slab over memory a client already shares (not counted in the budget)."""
+        slab = self.host.attach(next(self._ids), path, nbytes, owner)
+        self._slabs[slab.segment_id] = slab
+        return slab
+
+    @property
+    def attached(self) -> int:
+        """Bytes of client memory the daemon maps (`attach`)."""
+        return self.host.pool.attached
+
     def release(self, segment_id: int) -> None:
         slab = self._slabs.pop(segment_id, None)
         if slab is not None:

@@ -34,6 +34,11 @@ class HostBackend:
         segment = self.pool.allocate(nbytes, owner, segment_id)
         return Slab(segment_id, segment.nbytes, owner, self, segment)
 
+    def attach(self, segment_id: int, path: str, nbytes: int, owner: str) -> Slab:
+        """A slab over memory the client shares (see `ShmPool.attach`)."""
+        segment = self.pool.attach(path, nbytes, owner, segment_id)
+        return Slab(segment_id, segment.nbytes, owner, self, segment)
+
     def export(self, slab: Slab) -> dict[str, Any]:
         return {"name": slab.handle.name}
 
