@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import math
+import os
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +52,7 @@ from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
 BACKEND = "gradsync"
+log = logging.getLogger("gradsync.client.torch")
 
 __all__ = ["BACKEND", "ProcessGroupGradsync", "empty", "register"]
 
@@ -62,6 +66,78 @@ _REGISTRIES_LOCK = threading.Lock()
 def _registry_for(daemon: str) -> SegmentRegistry:
     with _REGISTRIES_LOCK:
         return _REGISTRIES.setdefault(daemon, SegmentRegistry())
+
+
+class StorageSharer:
+    """Moves CPU storages that collectives use again and again into memory the daemon maps.
+
+    A tensor's second collective moves its storage to shared memory in place
+    (what `Tensor.share_memory_()` does: views follow, the data is copied once)
+    and lets the daemon map it, so it is reduced where it lies from then on,
+    like a tensor from `empty()`.  DDP's buckets take this path.  Only storages
+    of at least `MIN_BYTES`, mostly covered by the tensor, and resizable when
+    first seen: not `torch.from_numpy` memory nor storages exported with
+    `.numpy()`, which numpy arrays may alias.  A storage already in shared
+    memory (`share_memory_()`) does not move: it is mapped on first use.
+    `GRADSYNC_TORCH_SHARE=0` keeps every tensor staged.
+    """
+
+    MIN_BYTES = 64 * 1024
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("GRADSYNC_TORCH_SHARE", "1") not in ("0", "false", "no")
+        self._lock = threading.Lock()
+        #: storage → [state, collectives in flight on it]; state is "seen" (staged
+        #: before), "attached" or "refused".
+        self._state: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+    def offer(self, tensor: torch.Tensor, client: Client) -> Any:
+        """Share `tensor`'s storage if it is due; returns a token for `release`, or None.
+
+        A storage moves only while no collective of this process uses it (a
+        staged one would copy its result into the old memory).
+        """
+        if (not self.enabled or tensor.device.type != "cpu" or not tensor.is_contiguous()
+                or tensor.numel() * tensor.element_size() < self.MIN_BYTES):
+            return None
+        storage = tensor.untyped_storage()
+        with self._lock:
+            entry = self._state.get(storage)
+            if entry is None:
+                if storage.is_shared():  # shared already (share_memory_()): nothing moves
+                    state = self._share(tensor, storage, client)
+                else:
+                    # Not resizable: numpy memory (from_numpy) or exported by .numpy(), so
+                    # numpy arrays may alias it and moving it would cut them off.
+                    state = "seen" if storage.resizable() else "refused"
+                entry = self._state[storage] = [state, 0]
+            elif entry[0] == "seen" and entry[1] == 0:
+                entry[0] = self._share(tensor, storage, client)
+            entry[1] += 1
+        return storage
+
+    def release(self, tokens: Sequence[Any]) -> None:
+        """The collectives that took these tokens are over."""
+        with self._lock:
+            for storage in tokens:
+                entry = self._state.get(storage)
+                if entry is not None:
+                    entry[1] -= 1
+
+    @staticmethod
+    def _share(tensor: torch.Tensor, storage: Any, client: Client) -> str:
+        if storage.nbytes() > 2 * tensor.numel() * tensor.element_size():
+            return "refused"  # mostly other tensors' memory: not worth moving
+        try:
+            fd, nbytes = storage._share_fd_cpu_()
+            client.attach(int(fd), int(nbytes), int(storage.data_ptr()), storage)
+        except (GradsyncError, RuntimeError) as exc:
+            log.debug("staging a %d-byte storage: cannot share it (%s)", storage.nbytes(), exc)
+            return "refused"
+        return "attached"
+
+
+_SHARER = StorageSharer()
 
 
 # -- the process group ---------------------------------------------------------------
@@ -95,6 +171,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._client = self._connect(self._job, rank, size, local.index(rank), len(local))
         self._p2p: dict[tuple[int, int, int], Client] = {}
         self._p2p_lock = threading.Lock()
+        self._issuing = threading.local()
         self._completer = Completer(group_id or "default")
         self._closed = False
 
@@ -213,12 +290,31 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             raise dist.DistBackendError(
                 f"gradsync: process group {self._group_name!r} is shut down"
             )
+        tokens, self._issuing.tokens = self._tokens(), []
         try:
             works = issue()
         except GradsyncError as exc:
+            _SHARER.release(tokens)
             raise torch_error(exc, self._group_name) from exc
-        operation = Operation(lambda: self._group_name, what, works, outputs, finish)
+        operation = Operation(lambda: self._group_name, what, works, outputs, finish,
+                              functools.partial(_SHARER.release, tokens))
         return TorchWork(operation, self._completer)
+
+    def _stage(self, tensor: torch.Tensor, copy_in: bool = True) -> Staged:
+        """`tensor` as a daemon buffer (shared in place if it keeps coming back).
+
+        The sharer's tokens wait, per thread, for the `_work` that issues them.
+        """
+        token = _SHARER.offer(tensor, self._client)
+        if token is not None:
+            self._tokens().append(token)
+        return Staged(tensor, copy_in)
+
+    def _tokens(self) -> list[Any]:
+        tokens: list[Any] | None = getattr(self._issuing, "tokens", None)
+        if tokens is None:
+            tokens = self._issuing.tokens = []
+        return tokens
 
     # -- collectives -----------------------------------------------------------------
 
@@ -226,7 +322,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        staged = [Staged(t) for t in tensors]
+        staged = [self._stage(t) for t in tensors]
         ops = [wire_op(t, op) for t in tensors]
 
         def issue() -> list[GradsyncWork | None]:
@@ -242,7 +338,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         root = opts.rootRank if opts is not None else 0
-        staged = [Staged(t) for t in tensors]
+        staged = [self._stage(t) for t in tensors]
 
         def issue() -> list[GradsyncWork | None]:
             return [self._client.broadcast(s.array, src=root, async_op=True) for s in staged]
@@ -254,7 +350,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     ) -> TorchWork:
         root = opts.rootRank if opts is not None else 0
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        staged = [Staged(t) for t in tensors]
+        staged = [self._stage(t) for t in tensors]
         ops = [wire_op(t, op) for t in tensors]
 
         def issue() -> list[GradsyncWork | None]:
@@ -279,7 +375,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 f"{self.size()} x {input.numel()} elements, got {output.dtype} with "
                 f"{output.numel()}"
             )
-        out, inp = Staged(output, copy_in=False), Staged(input)
+        out, inp = self._stage(output, copy_in=False), self._stage(input)
 
         def issue() -> list[GradsyncWork | None]:
             return [self._client.all_gather(out.array, inp.array, async_op=True)]
@@ -334,7 +430,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 f"{input.numel()}"
             )
         reduce_op = wire_op(input, op)
-        out, inp = Staged(output, copy_in=False), Staged(input)
+        out, inp = self._stage(output, copy_in=False), self._stage(input)
 
         def issue() -> list[GradsyncWork | None]:
             return [self._client.reduce_scatter(out.array, inp.array, op=reduce_op,
@@ -383,7 +479,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                     f"all_to_all_single: input and output need the same number of elements, "
                     f"divisible by {size}; got {input.numel()} and {output.numel()}"
                 )
-            out, inp = Staged(output, copy_in=False), Staged(input)
+            out, inp = self._stage(output, copy_in=False), self._stage(input)
 
             def issue() -> list[GradsyncWork | None]:
                 return [self._client.all_to_all(out.array, inp.array, async_op=True)]
@@ -440,7 +536,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         for j, chunk in enumerate(in_chunks):
             send[j * pad : j * pad + chunk.numel()].copy_(chunk.reshape(-1))
         received = torch.empty(size * pad, dtype=like.dtype, device=like.device)
-        out, inp = Staged(received, copy_in=False), Staged(send)
+        out, inp = self._stage(received, copy_in=False), self._stage(send)
 
         def unpad() -> None:
             for j, chunk in enumerate(out_chunks):
@@ -468,7 +564,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                     f"gather: rank {root} needs {self.size()} output tensors, got {len(outputs)}"
                 )
             check_same("gather", outputs, input)
-        inp = Staged(input)
+        inp = self._stage(input)
         gathered = (torch.empty(self.size() * input.numel(), dtype=input.dtype,
                                 device=input.device) if self.rank() == root else None)
 
@@ -497,7 +593,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                 )
             check_same("scatter", inputs, output)
             stacked = packed(inputs, output)
-        out = Staged(output, copy_in=False)
+        out = self._stage(output, copy_in=False)
 
         def issue() -> list[GradsyncWork | None]:
             inp = None if stacked is None else as_buffer(flat_wire_tensor(stacked))
@@ -512,7 +608,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
         """To group rank `dst`: sends and receives between two ranks match in order, per tag."""
-        staged = [Staged(t) for t in tensors]
+        staged = [self._stage(t) for t in tensors]
         pair = self._pair(self.rank(), dst, tag)
         return self._work(
             f"send to rank {dst} (tag {tag})",
@@ -520,7 +616,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         )
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
-        staged = [Staged(t, copy_in=False) for t in tensors]
+        staged = [self._stage(t, copy_in=False) for t in tensors]
         pair = self._pair(src, self.rank(), tag)
         return self._work(
             f"recv from rank {src} (tag {tag})",

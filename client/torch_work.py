@@ -47,12 +47,15 @@ class Operation:
         works: Sequence[GradsyncWork | None],
         outputs: list[torch.Tensor],
         finish: Callable[[], None] | None = None,
+        done: Callable[[], None] | None = None,
     ) -> None:
         self.group_name = group_name
         self.what = what
         self.works = [w for w in works if w is not None]
         self.outputs = outputs
         self.finish = finish
+        #: Runs once the operation is over, successful or not.
+        self.done_callback = done
         self.lock = threading.Lock()
         self.done = False
         self.error: Exception | None = None
@@ -96,6 +99,8 @@ class Operation:
         except GradsyncError as exc:
             self.error = torch_error(exc, self.group_name())
         self.done = True
+        if self.done_callback is not None:
+            self.done_callback()
 
 
 class Completer:

@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch", reason="torch is the optional extra gradsyn
 
 StartDaemon = Callable[..., DaemonProcess]
 
-PRIMITIVES = "primitives,groups,functional"
+PRIMITIVES = "primitives,groups,functional,sharing"
 #: Largest |parameter - single-process reference| per training scenario.
 TOLERANCE = {
     "ddp": 1e-10,
@@ -122,24 +122,32 @@ def test_across_two_daemons(
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("init", ["tcp", "file"])
 def test_tcp_and_file_init_methods(daemon: DaemonProcess, short_tmp: str, init: str) -> None:
+    """Also: with GRADSYNC_TORCH_SHARE=0 no tensor moves to shared memory."""
     method = (f"tcp://127.0.0.1:{free_ports(1)[0]}" if init == "tcp"
               else f"file://{short_tmp}/store")
-    results = run_ranks(daemon.endpoint, "torch_backend_ranks.py", 2, ["smoke"],
-                        timeout_s=80, env=rendezvous_env(method))
-    check(results, ["smoke"])
+    results = run_ranks(daemon.endpoint, "torch_backend_ranks.py", 2, ["smoke,sharing"],
+                        timeout_s=80, env={**rendezvous_env(method), "GRADSYNC_TORCH_SHARE": "0"})
+    check(results, ["smoke", "sharing"])
 
 
 @pytest.mark.timeout(120)
-def test_torchrun_launches_ranks_on_a_running_daemon(daemon: DaemonProcess) -> None:
+def test_torchrun_launches_ranks_on_a_running_daemon(
+    daemon: DaemonProcess, short_tmp: str
+) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
+    logs = Path(short_tmp) / "torchrun"
     process = subprocess.run(
         [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_ports(1)[0]),
+         "--log-dir", str(logs), "--redirects", "1",  # each rank's stdout to its own file
          str(PROGRAMS / "torch_backend_ranks.py"), "smoke,primitives"],
         env={**os.environ, "GRADSYNC_DAEMON": daemon.endpoint, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=110,
     )
     assert process.returncode == 0, process.stdout + process.stderr
-    records = [json.loads(line) for line in process.stdout.splitlines() if line.startswith("{")]
+    outputs = sorted(logs.rglob("stdout.log"))
+    assert len(outputs) == 2, outputs
+    records = [json.loads(line) for path in outputs
+               for line in path.read_text().splitlines() if line.startswith("{")]
     assert sorted((r["scenario"], r["rank"]) for r in records) == [
         ("primitives", 0), ("primitives", 1), ("smoke", 0), ("smoke", 1)
     ], process.stdout

@@ -381,6 +381,44 @@ def fsdp(mixed: bool = False, hsdp: bool = False) -> dict[str, Any]:
     return {"err": err, "digest": digest(torch.nn.ParameterList([torch.nn.Parameter(flat)]))}
 
 
+def sharing() -> int:
+    """Tensors that come back are moved to shared memory the daemon maps; aliases hold."""
+    import numpy as np
+
+    from gradsync.client.ping import query
+
+    check = Checker("sharing")
+    n = 1 << 16  # 256 KiB of float32
+
+    def thrice(t: torch.Tensor) -> None:
+        for step in range(3):
+            t.fill_(RANK + step)
+            dist.all_reduce(t)
+            check.equal(f"step {step}", t, torch.full((n,), float(sum(range(WORLD)) +
+                                                          WORLD * step)))
+
+    reused = torch.empty(n)
+    view = reused[10:20]
+    thrice(reused)
+    enabled = os.environ.get("GRADSYNC_TORCH_SHARE", "1") != "0"
+    assert reused.untyped_storage().is_shared() == enabled
+    if enabled:
+        assert int(query(os.environ["GRADSYNC_DAEMON"], 5.0)["shm_attached"]) >= 4 * n
+    view.fill_(-1.0)  # a view made before the move still is the tensor's memory
+    check.equal("view follows", reused[10:20], torch.full((10,), -1.0))
+    array = np.zeros(n, dtype=np.float32)
+    wrapped = torch.from_numpy(array)
+    thrice(wrapped)
+    array[0] = 42.0  # from_numpy memory never moves: the array still aliases the tensor
+    assert float(wrapped[0]) == 42.0 and not wrapped.untyped_storage().is_shared()
+    exported = torch.zeros(n)
+    alias = exported.numpy()
+    thrice(exported)
+    alias[1] = 7.0
+    assert float(exported[1]) == 7.0 and not exported.untyped_storage().is_shared()
+    return check.count
+
+
 def smoke() -> int:
     """One allreduce and a barrier: enough to show a launcher or init_method works."""
     check = Checker("smoke")
@@ -393,6 +431,7 @@ def smoke() -> int:
 
 SCENARIOS: dict[str, Callable[[], Any]] = {
     "smoke": smoke,
+    "sharing": sharing,
     "primitives": primitives,
     "groups": groups,
     "functional": functional,
