@@ -119,7 +119,7 @@ def skip_reason(key: str) -> str | None:
     """Why a contender cannot run here, or None."""
     if key.startswith("gradsync") and machine.missing("gradsync.client"):
         return "gradsync is not installed in this interpreter"
-    if key == "gloo" and machine.missing("torch"):
+    if key in ("gloo", "gradsync-torch") and machine.missing("torch"):
         return "torch is not installed (pip install torch)"
     if key == "mpi":
         if machine.missing("mpi4py"):

@@ -97,31 +97,50 @@ class GradsyncContender:
         self.client.close()
 
 
-class GlooContender:
-    """torch.distributed with the gloo backend, initialised through a file store."""
+class TorchContender:
+    """torch.distributed on `backend` (gloo, or gradsync's own), initialised through a
+    file store; ordinary CPU tensors, as torch users pass them."""
 
-    def __init__(self, init_file: str, timeout_s: float) -> None:
+    def __init__(self, backend: str, init_file: str, timeout_s: float) -> None:
         import torch
         import torch.distributed as dist
 
+        if backend == "gradsync":
+            import gradsync.client.torch  # noqa: F401 (registers the backend)
+
         self._torch: Any = torch
         self._dist: Any = dist
+        self._backend = backend
+        self._tensors: dict[int, Any] = {}
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
-        self.daemon_pid: int | None = None
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        group = dist.group.WORLD
+        client = getattr(group, "client", None)  # gradsync's process group has one
+        self.daemon_pid: int | None = client.daemon_pid if client is not None else None
 
     def allocate(self, count: int) -> np.ndarray:
-        return np.empty(count, dtype=np.float32)
+        if self._backend == "gloo":
+            return np.empty(count, dtype=np.float32)
+        # A torch tensor in shared memory (share_memory_(), where the gradsync backend
+        # also moves tensors that come back, such as DDP's buckets): the backend maps it.
+        tensor = self._torch.empty(count, dtype=self._torch.float32)
+        tensor.share_memory_()
+        buffer: np.ndarray = tensor.numpy()
+        self._tensors[buffer.ctypes.data] = tensor
+        return buffer
 
     def reducer(self, buffer: np.ndarray) -> Callable[[], None]:
-        tensor = self._torch.from_numpy(buffer)  # shares memory with `buffer`
+        # The tensor `allocate` made, else a view of `buffer` (shares its memory).
+        tensor = self._tensors.get(buffer.ctypes.data)
+        if tensor is None:
+            tensor = self._torch.from_numpy(buffer)
         all_reduce = self._dist.all_reduce
         sum_op = self._dist.ReduceOp.SUM
 
@@ -139,7 +158,7 @@ class GlooContender:
         return float(tensor[0])
 
     def daemon_cpu_s(self) -> float | None:
-        return None
+        return None if self.daemon_pid is None else process_cpu_s(self.daemon_pid)
 
     def close(self) -> None:
         self._dist.destroy_process_group()
@@ -190,7 +209,9 @@ def make_contender(key: str, init_file: str, timeout_s: float) -> Contender:
     if key == "gradsync-numpy":
         return GradsyncContender(zero_copy=False)
     if key == "gloo":
-        return GlooContender(init_file, timeout_s)
+        return TorchContender("gloo", init_file, timeout_s)
+    if key == "gradsync-torch":
+        return TorchContender("gradsync", init_file, timeout_s)
     if key == "mpi":
         return MpiContender()
     raise ValueError(f"unknown contender {key!r}")

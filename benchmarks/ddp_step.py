@@ -1,13 +1,14 @@
-"""DDP step benchmark: gradsync DDP vs torch DDP on gloo vs no sync, 2 ranks, one run.
+"""Training step benchmark: gradsync DDP, torch DDP and FSDP2 on gradsync and on gloo, no sync.
 
     python benchmarks/ddp_step.py [--steps 20] [--warmup 5] [--batch 16]
                                   [--out benchmarks/RESULTS.md]
 
 The same MLP (~25 M float32 parameters, 2048→4096→2048→2048→2048, ReLU),
-the same random data per rank, SGD.  Three runs of N ranks each: gradsync's
+the same random data per rank, SGD.  One run of N ranks per mode: gradsync's
 `DistributedDataParallel` (private gradsyncd, ranks via `gradsync launch`),
-torch's `DistributedDataParallel` on a gloo process group, and N ranks that
-train alone at the same time (no sync: the compute floor).  Every rank has
+torch's `DistributedDataParallel` and FSDP2 (`fully_shard` per Linear + root)
+on process groups of backend "gradsync" (the same daemon) and "gloo", and N
+ranks that train alone at the same time (no sync: the compute floor).  Every rank has
 OMP_NUM_THREADS=1 and torch.set_num_threads(1).  With --out writes the
 `ddp_step` section of RESULTS.md (other sections kept).  The same file is the
 rank program (`--worker`).  See README.md.
@@ -42,7 +43,21 @@ from processes import command_line, log_tail, rank_env, run_all, signals_unwind 
 from report import format_time  # noqa: E402
 
 WIDTHS = (2048, 4096, 2048, 2048, 2048)
-MODES = {"gradsync": "gradsync DDP", "gloo": "torch DDP + gloo", "nosync": "no sync (alone)"}
+MODES = {
+    "gradsync": "gradsync DDP",
+    "torch-gradsync": "torch DDP + gradsync backend",
+    "gloo": "torch DDP + gloo",
+    "fsdp-gradsync": "torch FSDP2 + gradsync backend",
+    "fsdp-gloo": "torch FSDP2 + gloo",
+    "nosync": "no sync (alone)",
+}
+#: Modes on torch.distributed: mode → (backend, wrapper).
+TORCH_MODES = {
+    "torch-gradsync": ("gradsync", "ddp"),
+    "gloo": ("gloo", "ddp"),
+    "fsdp-gradsync": ("gradsync", "fsdp"),
+    "fsdp-gloo": ("gloo", "fsdp"),
+}
 SECTION = "ddp_step"
 
 
@@ -89,14 +104,25 @@ def worker(args: argparse.Namespace) -> int:
 
             def barrier() -> None:
                 client.barrier()
-        elif args.mode == "gloo":
+        elif args.mode in TORCH_MODES:
             import torch.distributed as dist
 
+            backend, wrapper = TORCH_MODES[args.mode]
+            if backend == "gradsync":
+                import gradsync.client.torch  # noqa: F401 (registers the backend)
             dist.init_process_group(
-                "gloo", init_method=f"file://{args.init_file}", rank=rank, world_size=nproc,
+                backend, init_method=f"file://{args.init_file}", rank=rank, world_size=nproc,
                 timeout=datetime.timedelta(seconds=args.timeout_s))
-            model = torch.nn.parallel.DistributedDataParallel(module,
-                                                              bucket_cap_mb=args.bucket_mb)
+            if wrapper == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(
+                    module, bucket_cap_mb=args.bucket_mb)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in module:
+                    if isinstance(layer, torch.nn.Linear):
+                        fully_shard(layer)
+                model = fully_shard(module)
             tgrads = torch.zeros(nparams)
 
             def sync_alone() -> None:
@@ -132,10 +158,10 @@ def worker(args: argparse.Namespace) -> int:
                 sync_alone()
                 if i >= 2:
                     comm_alone.append(time.perf_counter() - start)
-        checksum = float(sum(p.detach().double().sum().item() for p in module.parameters()))
+        checksum = _checksum(module, args.mode)
         doc.update(steps_s=steps, hidden=hidden, exposed_s=exposed, comm_alone_s=comm_alone,
                    nparams=nparams, checksum=checksum)
-        if args.mode == "gloo":
+        if args.mode in TORCH_MODES:
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -148,6 +174,22 @@ def worker(args: argparse.Namespace) -> int:
     with open(path, "w") as out:
         json.dump(doc, out)
     return 1 if doc["error"] else 0
+
+
+def _checksum(module: Any, mode: str) -> float:
+    """Sum of all parameters (FSDP2's are shards: the sum of every rank's shard sums)."""
+    total = 0.0
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += float(local.detach().double().sum().item())
+    if TORCH_MODES.get(mode, ("", ""))[1] == "fsdp":
+        import torch
+        import torch.distributed as dist
+
+        summed = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(summed)
+        total = float(summed[0])
+    return total
 
 
 # -- driver side ----------------------------------------------------------------
@@ -168,7 +210,8 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: str, endpoint: str) -
     else:
         commands = [([sys.executable, *worker_args],
                      rank_env(RANK=str(r), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(r),
-                              LOCAL_WORLD_SIZE=str(args.nproc), GLOO_SOCKET_IFNAME="lo"))
+                              LOCAL_WORLD_SIZE=str(args.nproc), GLOO_SOCKET_IFNAME="lo",
+                              GRADSYNC_DAEMON=endpoint))
                     for r in range(args.nproc)]
     meter = machine.LoadMeter()
     failure = run_all(commands, log_path, args.timeout_s)
@@ -205,15 +248,23 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: str, endpoint: str) -
 
 
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> tuple[str, list[str]]:
-    lines = ["| run | step time (median) | p10 to p90 | vs torch DDP + gloo | "
+    lines = ["| run | step time (median) | p10 to p90 | vs the same wrapper on gloo | "
              "gradient allreduce alone | comm hidden behind backward | exposed sync wait |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     gloo = results.get("gloo", {}).get("step_s")
+
+    def baseline(mode: str) -> float | None:
+        """Step time of the gloo run to compare with: FSDP2 with FSDP2, else torch DDP."""
+        key = "fsdp-gloo" if mode.startswith("fsdp") else "gloo"
+        value = results.get(key, {}).get("step_s")
+        return float(value) if value else None
+
     for mode, res in results.items():
         if "error" in res:
             lines.append(f"| {MODES[mode]} | failed | — | — | — | — | — |")
             continue
-        speed = f"{gloo / res['step_s']:.2f}x" if gloo else "—"
+        base = baseline(mode)
+        speed = f"{base / res['step_s']:.2f}x" if base else "—"
         alone = format_time(res["comm_alone_s"]) if "comm_alone_s" in res else "—"
         hidden = f"{100 * res['hidden']:.0f} %" if "hidden" in res else "—"
         exposed = format_time(res["exposed_s"]) if "exposed_s" in res else "—"
@@ -226,11 +277,17 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> tupl
         faster = ours["step_s"] < gloo
         notes.append(f"- faster than torch DDP + gloo: {'met' if faster else 'MISSED'} "
                      f"({gloo / ours['step_s']:.2f}x)")
+    for mode in ("torch-gradsync", "fsdp-gradsync"):
+        base, res = baseline(mode), results.get(mode, {})
+        if "step_s" in res and base:
+            ratio = base / res["step_s"]
+            notes.append(f"- {MODES[mode]} ≥ 1.3x the step rate on gloo: "
+                         f"{'met' if ratio >= 1.3 else 'MISSED'} ({ratio:.2f}x)")
     if "hidden" in ours:
         notes.append(f"- ≥ 70 % of communication hidden: "
                      f"{'met' if ours['hidden'] >= 0.7 else 'MISSED'} "
                      f"({100 * ours['hidden']:.0f} %)")
-    for mode in ("gradsync", "gloo"):
+    for mode in (m for m in MODES if m != "nosync"):  # alone, ranks differ on purpose
         sums = results.get(mode, {}).get("checksums")
         if sums and max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
             notes.append(f"- WRONG: {MODES[mode]} ranks ended with different parameters: {sums}")
@@ -259,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         code = worker(args)
-        if args.mode == "gloo":
+        if args.mode in TORCH_MODES:
             # torch 2.13's DDP keeps its gloo group (and threads) alive past
             # destroy_process_group(); a normal exit then aborts now and then
             # ("terminate called without an active exception").  The result

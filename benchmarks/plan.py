@@ -21,6 +21,7 @@ DEFAULT_NPROCS = (2, 4)
 CONTENDERS = (
     ("gradsync-empty", "gradsync empty()"),
     ("gradsync-numpy", "gradsync numpy"),
+    ("gradsync-torch", "torch on gradsync"),
     ("gloo", "torch gloo"),
     ("mpi", "Open MPI"),
 )
