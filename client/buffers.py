@@ -20,6 +20,8 @@ import numpy as np
 from gradsync.protocol.shm import map_segment
 
 _MIN_SCRATCH = 64 * 1024
+#: A free scratch slot serves requests down to 1/_REUSE_SPAN of its capacity.
+_REUSE_SPAN = 4
 
 
 def _base_address(mapping: mmap.mmap) -> int:
@@ -111,11 +113,14 @@ class ScratchPool:
 
     Idle slots beyond `retain_bytes` are handed back to the daemon, so one
     all-reduce of a huge ordinary array does not pin its scratch for the
-    client's lifetime.
+    client's lifetime.  The slot just given back is never the one released:
+    the next call of the same size needs it again, and freeing it would cost a
+    fresh segment (allocate, reserve, map, fault in) on every op.
     """
 
     def __init__(self, registry: SegmentRegistry, retain_bytes: int = 256 * 1024**2) -> None:
         self._lock = threading.Lock()
+        #: Idle slots, least recently given back first.
         self._free: list[ScratchSlot] = []
         self._registry = registry
         self.retain_bytes = retain_bytes
@@ -125,9 +130,15 @@ class ScratchPool:
         return max(_MIN_SCRATCH, 1 << max(0, nbytes - 1).bit_length())
 
     def take(self, nbytes: int) -> ScratchSlot | None:
-        """The smallest free slot that fits, or None (the caller allocates one)."""
+        """The smallest free slot that fits, or None (the caller allocates one).
+
+        A slot many times too big is left alone: reusing it would keep it the
+        most recently used one, so a huge one-off slot would never be released.
+        """
+        needed = self.capacity_for(nbytes)
         with self._lock:
-            fitting = [slot for slot in self._free if slot.capacity >= nbytes]
+            fitting = [slot for slot in self._free
+                       if needed <= slot.capacity <= _REUSE_SPAN * needed]
             if not fitting:
                 return None
             best = min(fitting, key=lambda slot: slot.capacity)
@@ -138,8 +149,8 @@ class ScratchPool:
         with self._lock:
             self._free.append(slot)
             idle = sum(s.capacity for s in self._free)
-            # Release the largest idle slots first.
-            for victim in sorted(self._free, key=lambda s: s.capacity, reverse=True):
+            # Release the least recently used idle slots first, never `slot` itself.
+            for victim in list(self._free[:-1]):
                 if idle <= self.retain_bytes:
                     break
                 self._free.remove(victim)

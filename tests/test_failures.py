@@ -414,3 +414,23 @@ def test_scratch_for_a_huge_ordinary_array_is_not_kept(daemon: DaemonProcess) ->
         client.all_reduce(small)
         in_use = query(daemon.endpoint, 5.0)["shm_in_use"]
         assert in_use <= 256 * 1024**2, in_use
+
+
+@pytest.mark.timeout(90)
+def test_scratch_slot_the_current_size_needs_is_kept(daemon: DaemonProcess) -> None:
+    """A 256 MiB ordinary array, after a small one, reuses its scratch segment on every op
+    instead of freeing it and allocating a fresh one each time."""
+    def scratch_segments() -> set[str]:
+        return {name for name in segments_of(daemon.pid)
+                if os.path.getsize(os.path.join("/dev/shm", name)) >= 256 * 1024**2}
+
+    with Client(daemon=daemon.endpoint, job="scratch-reuse", rank=0, world_size=1) as client:
+        client.all_reduce(np.ones(16, np.float32))  # leaves a small idle slot
+        big = np.ones(64 * 1024 * 1024, np.float32)  # 256 MiB
+        seen = []
+        for _ in range(3):
+            client.all_reduce(big)
+            seen.append(scratch_segments())
+        assert big[0] == 1 and big[-1] == 1
+        assert len(seen[0]) == 1, seen
+        assert seen[1] == seen[0] and seen[2] == seen[0], seen
