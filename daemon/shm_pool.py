@@ -1,6 +1,7 @@
 """The daemon's shared-memory segments: create, account, unlink, sweep.
 
-Only the daemon creates segments (`O_CREAT | O_EXCL`, mode 0600).  Space is
+Only the daemon creates segments (`O_CREAT | O_EXCL`, mode 0600, a random tag in
+the name so that no other local user can take the names first).  Space is
 reserved with `posix_fallocate`, so a full /dev/shm is an error at allocation
 time instead of a SIGBUS when a page is first touched.
 """
@@ -13,6 +14,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import stat
 
 import numpy as np
@@ -23,6 +25,9 @@ from gradsync.protocol.shm import SEGMENT_PREFIX, SHM_DIR, owner_pid, segment_na
 log = logging.getLogger("gradsync.daemon.shm")
 
 _PAGE = mmap.PAGESIZE
+#: Random bytes in a segment name's tag (base64url in the name), and how often to redraw.
+_TAG_BYTES = 12
+_CREATE_ATTEMPTS = 8
 
 
 @dataclasses.dataclass
@@ -87,9 +92,8 @@ class ShmPool:
             )
         if segment_id is None:
             segment_id = next(self._ids)
-        name = segment_name(self._pid, str(segment_id))
+        name, fd = self._create()
         path = os.path.join(self.shm_dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if self.mode != 0o600:
                 os.fchmod(fd, self.mode)  # exact mode, whatever the umask
@@ -110,6 +114,28 @@ class ShmPool:
         self._segments[segment_id] = segment
         self.in_use += size
         return segment
+
+    def _create(self) -> tuple[str, int]:
+        """Create a new segment file under an unpredictable name: (name, descriptor).
+
+        /dev/shm is world-writable, so any local user could pre-create names
+        that are easy to guess; a random tag (retried on the unlikely
+        collision) keeps them from blocking allocations.  The pid stays in the
+        name for the sweep of dead daemons' segments.
+        """
+        for _ in range(_CREATE_ATTEMPTS):
+            name = segment_name(self._pid, secrets.token_urlsafe(_TAG_BYTES))
+            try:
+                fd = os.open(os.path.join(self.shm_dir, name),
+                             os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600)
+            except FileExistsError:
+                log.warning("segment name %s is taken in %s; drawing another", name,
+                            self.shm_dir)
+                continue
+            return name, fd
+        raise FileExistsError(f"{_CREATE_ATTEMPTS} random segment names in a row were taken "
+                              f"in {self.shm_dir}")
 
     def attach(self, path: str, nbytes: int, owner: str, segment_id: int) -> Segment:
         """Map `nbytes` of a file the client shares (its descriptor, seen through /proc).

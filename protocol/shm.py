@@ -17,7 +17,10 @@ _SEGMENT_NAME = re.compile(r"^gradsync-(\d+)-[A-Za-z0-9_-]+$")
 
 
 def segment_name(daemon_pid: int, tag: str) -> str:
-    """`gradsync-<daemon pid>-<tag>`: the pid lets a later daemon sweep leftovers."""
+    """`gradsync-<daemon pid>-<tag>`: the pid lets a later daemon sweep leftovers.
+
+    The daemon draws `tag` at random, so that other local users cannot guess names.
+    """
     return f"{SEGMENT_PREFIX}{daemon_pid}-{tag}"
 
 

@@ -153,6 +153,34 @@ def test_created_folder_socket_and_segments_are_private_even_with_umask_0(
     assert not (folder / "gradsyncd.sock").exists()
 
 
+@pytest.mark.timeout(60)
+def test_another_user_squatting_segment_names_blocks_no_allocation(
+    daemon: DaemonProcess,
+) -> None:
+    """/dev/shm is world-writable: names another local user can guess and pre-create
+    (the daemon's pid and small numbers) must not make `alloc` fail."""
+    squatted = [os.path.join(SHM_DIR, f"gradsync-{daemon.pid}-{n}") for n in range(1, 65)]
+    subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "touch", *squatted],
+        check=True, timeout=30,
+    )
+    try:
+        assert all(os.stat(path).st_uid != 0 for path in squatted)
+        with Client(daemon.endpoint, job="squatted") as client:
+            arrays = [client.empty(1000 * (n + 1), np.float32) for n in range(4)]
+            arrays[-1][:] = 1
+            client.all_reduce(arrays[-1])
+            assert arrays[-1][0] == 1
+            ours = [name for name in segments_of(daemon.pid)
+                    if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid()]
+            assert len(ours) == 4, ours
+            del arrays
+    finally:
+        for path in squatted:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 @pytest.mark.timeout(30)
 def test_socket_folder_writable_by_others_is_refused(short_tmp: str) -> None:
     folder = Path(short_tmp) / "open"
