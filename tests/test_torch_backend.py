@@ -43,6 +43,7 @@ TOLERANCE = {
     "fsdp": 1e-5,
     "fsdp_bf16": 5e-3,
     "hsdp": 1e-5,
+    "fsdp_daemon_memory": 1e-5,
 }
 #: Lossy on purpose: only agreement between ranks is checked.
 AGREE_ONLY = ["ddp_powersgd"]

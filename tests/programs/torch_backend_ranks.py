@@ -343,7 +343,8 @@ def ddp(hook: str = "", micros: int = 1, spare: bool = False, **ddp_args: Any
     return {"err": max_error(model, ref), "digest": digest(model)}
 
 
-def fsdp(mixed: bool = False, hsdp: bool = False) -> dict[str, Any]:
+def fsdp(mixed: bool = False, hsdp: bool = False, daemon_memory: bool = False
+         ) -> dict[str, Any]:
     """FSDP2: fully_shard per layer and the root; compare the full state dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -361,6 +362,12 @@ def fsdp(mixed: bool = False, hsdp: bool = False) -> dict[str, Any]:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    pool = None
+    if daemon_memory:
+        from gradsync.client.torch_fsdp import DaemonMemoryPool, use_daemon_memory
+
+        pool = DaemonMemoryPool()
+        assert use_daemon_memory(model, pool) == 5  # four Linear layers and the root
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()
@@ -378,6 +385,8 @@ def fsdp(mixed: bool = False, hsdp: bool = False) -> dict[str, Any]:
     err = max(float((full[name].double() - p.detach().double()).abs().max())
               for name, p in ref.named_parameters())
     flat = torch.cat([full[name].reshape(-1) for name, _ in ref.named_parameters()])
+    if pool is not None:  # every step's buffers came from daemon memory, reused
+        assert pool.handed_out >= 2 * 5 * STEPS and pool.reused > 0, vars(pool)
     return {"err": err, "digest": digest(torch.nn.ParameterList([torch.nn.Parameter(flat)]))}
 
 
@@ -443,6 +452,7 @@ SCENARIOS: dict[str, Callable[[], Any]] = {
     "fsdp": fsdp,
     "fsdp_bf16": lambda: fsdp(mixed=True),
     "hsdp": lambda: fsdp(hsdp=True),
+    "fsdp_daemon_memory": lambda: fsdp(daemon_memory=True),
 }
 
 
