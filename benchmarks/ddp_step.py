@@ -47,17 +47,29 @@ MODES = {
     "gradsync": "gradsync DDP",
     "torch-gradsync": "torch DDP + gradsync backend",
     "gloo": "torch DDP + gloo",
+    "torch-gradsync-view": "torch DDP (bucket view) + gradsync backend",
+    "gloo-view": "torch DDP (bucket view) + gloo",
     "fsdp-gradsync": "torch FSDP2 + gradsync backend",
+    "fsdp-gradsync-pool": "torch FSDP2 + gradsync backend, daemon-memory buffers",
     "fsdp-gloo": "torch FSDP2 + gloo",
     "nosync": "no sync (alone)",
 }
-#: Modes on torch.distributed: mode → (backend, wrapper).
+#: Modes on torch.distributed: mode → (backend, wrapper).  "ddp" is torch's DDP as
+#: it comes; "ddp-view" with gradient_as_bucket_view=True (gradients are views of
+#: the buckets, as in gradsync's own DDP: torch's advice for speed).
 TORCH_MODES = {
     "torch-gradsync": ("gradsync", "ddp"),
     "gloo": ("gloo", "ddp"),
+    "torch-gradsync-view": ("gradsync", "ddp-view"),
+    "gloo-view": ("gloo", "ddp-view"),
     "fsdp-gradsync": ("gradsync", "fsdp"),
+    "fsdp-gradsync-pool": ("gradsync", "fsdp-pool"),
     "fsdp-gloo": ("gloo", "fsdp"),
 }
+#: Which gloo run each mode is compared with.
+BASELINES = {"torch-gradsync-view": "gloo-view", "fsdp-gradsync": "fsdp-gloo",
+             "fsdp-gradsync-pool": "fsdp-gloo",
+             "fsdp-gloo": "fsdp-gloo", "gloo-view": "gloo-view"}
 SECTION = "ddp_step"
 
 
@@ -113,9 +125,11 @@ def worker(args: argparse.Namespace) -> int:
             dist.init_process_group(
                 backend, init_method=f"file://{args.init_file}", rank=rank, world_size=nproc,
                 timeout=datetime.timedelta(seconds=args.timeout_s))
-            if wrapper == "ddp":
+            if wrapper.startswith("ddp"):
+                view = wrapper == "ddp-view"
                 model = torch.nn.parallel.DistributedDataParallel(
-                    module, bucket_cap_mb=args.bucket_mb)
+                    module, bucket_cap_mb=args.bucket_mb,
+                    gradient_as_bucket_view=view)
             else:
                 from torch.distributed.fsdp import fully_shard
 
@@ -123,6 +137,10 @@ def worker(args: argparse.Namespace) -> int:
                     if isinstance(layer, torch.nn.Linear):
                         fully_shard(layer)
                 model = fully_shard(module)
+                if wrapper == "fsdp-pool":
+                    from gradsync.client.torch_fsdp import use_daemon_memory
+
+                    use_daemon_memory(model)
             tgrads = torch.zeros(nparams)
 
             def sync_alone() -> None:
@@ -182,7 +200,7 @@ def _checksum(module: Any, mode: str) -> float:
     for param in module.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
         total += float(local.detach().double().sum().item())
-    if TORCH_MODES.get(mode, ("", ""))[1] == "fsdp":
+    if TORCH_MODES.get(mode, ("", ""))[1].startswith("fsdp"):
         import torch
         import torch.distributed as dist
 
@@ -254,9 +272,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> tupl
     gloo = results.get("gloo", {}).get("step_s")
 
     def baseline(mode: str) -> float | None:
-        """Step time of the gloo run to compare with: FSDP2 with FSDP2, else torch DDP."""
-        key = "fsdp-gloo" if mode.startswith("fsdp") else "gloo"
-        value = results.get(key, {}).get("step_s")
+        """Step time of the gloo run with the same wrapper and settings."""
+        value = results.get(BASELINES.get(mode, "gloo"), {}).get("step_s")
         return float(value) if value else None
 
     for mode, res in results.items():
@@ -277,7 +294,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> tupl
         faster = ours["step_s"] < gloo
         notes.append(f"- faster than torch DDP + gloo: {'met' if faster else 'MISSED'} "
                      f"({gloo / ours['step_s']:.2f}x)")
-    for mode in ("torch-gradsync", "fsdp-gradsync"):
+    for mode in ("torch-gradsync", "torch-gradsync-view", "fsdp-gradsync",
+                 "fsdp-gradsync-pool"):
         base, res = baseline(mode), results.get(mode, {})
         if "step_s" in res and base:
             ratio = base / res["step_s"]
@@ -366,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load = ", ".join(f"{MODES[m]} {r['background']:.2f}"
                          for m, r in results.items() if "background" in r)
         text = "\n".join([
-            "# DDP step benchmark: gradsync DDP vs torch DDP + gloo vs no sync\n",
+            "# Training step benchmark: gradsync DDP, torch DDP and FSDP2 on gradsync and on "
+            "gloo, no sync\n",
             f"Recorded {started_at.strftime('%Y-%m-%d %H:%M %Z')}, "
             f"{time.perf_counter() - started:.0f} s in all, on {info['CPU']} (torch "
             f"{info['torch']}, gradsync {info['gradsync']}). Reproduce from the repository "
@@ -379,10 +398,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"averaging) + optimizer step; {args.warmup} warm-up steps, then {args.steps} "
             "timed; time per step = median over steps of the slowest rank. Every rank runs "
             "with `OMP_NUM_THREADS=1` and `torch.set_num_threads(1)` (fair: one core each). "
-            f"Both DDPs use bucket_cap_mb={args.bucket_mb:g}. gradsync: "
+            f"The DDPs use bucket_cap_mb={args.bucket_mb:g}. gradsync DDP: "
             "`gradsync.client.torch.DistributedDataParallel`, private daemon "
-            f"`{daemon_command}` (it shares the cores with the ranks); torch: "
-            "`torch.nn.parallel.DistributedDataParallel` on gloo (file:// store); no sync: "
+            f"`{daemon_command}` (it shares the cores with the ranks); torch DDP: "
+            "`torch.nn.parallel.DistributedDataParallel` as it comes (gradients copied into "
+            "its buckets and back), and with `gradient_as_bucket_view=True` (bucket view), "
+            "on process groups of backend \"gradsync\" (the same daemon) and \"gloo\" "
+            "(file:// store); FSDP2: `fully_shard` on every Linear, then the root, on the "
+            "same two backends, and on gradsync also with "
+            "`gradsync.client.torch_fsdp.use_daemon_memory` (its all-gather and "
+            "reduce-scatter buffers in daemon memory); each row is compared with the same "
+            "wrapper and settings on gloo. No sync: "
             "the ranks run at the same time, each alone (the compute floor). *Gradient "
             "allreduce alone*: one allreduce of the whole gradient's size after the steps "
             "(slowest rank, median of 5): the communication to hide. *Hidden* = "
