@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default=None,
                         help="job name (default: unique per launch on one node; "
                         "'launch' across nodes, where every node must use the same name)")
+    parser.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
+                        help="MASTER_ADDR for torch.distributed's env:// rendezvous "
+                        "(default: $MASTER_ADDR, else 127.0.0.1)")
+    parser.add_argument("--master-port", "--master_port", type=int, default=None,
+                        metavar="PORT", help="MASTER_PORT (default: $MASTER_PORT, else a "
+                        "free port on one node, 29500 across nodes, as torchrun)")
     peers = parser.add_argument_group(
         "private daemon", "settings for the daemon launch starts when none answers"
     )
@@ -213,17 +220,45 @@ class SignalForwarder:
                 rank.send_signal(signum)
 
 
+def rendezvous_env(
+    nnodes: int, master_addr: str | None = None, master_port: int | None = None
+) -> dict[str, str]:
+    """MASTER_ADDR / MASTER_PORT for torch's env:// (init_process_group("gradsync")).
+
+    A flag wins, then the environment, then torchrun's defaults; on one node
+    a free port, so concurrent launches do not meet on 29500.
+    """
+    addr = master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = master_port or os.environ.get("MASTER_PORT")
+    if port is None:
+        port = 29500 if nnodes > 1 else _free_port(addr)
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as probe:
+        try:
+            probe.bind((addr, 0))
+        except OSError:
+            probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def run_ranks(
     command: list[str], nproc: int, endpoint: str, job: str, nnodes: int = 1,
     node_rank: int = 0, signals: SignalForwarder | None = None,
+    rendezvous: dict[str, str] | None = None,
 ) -> int:
     """Start the ranks, watch them, and return the launch's exit status."""
     signals = signals or SignalForwarder()
     ranks = signals.ranks
     received = signals.received
+    rendezvous = rendezvous if rendezvous is not None else rendezvous_env(nnodes)
     try:
         for local_rank in range(nproc):
             env = dict(os.environ)
+            env.update(rendezvous)
             env.update(
                 RANK=str(node_rank * nproc + local_rank), WORLD_SIZE=str(nnodes * nproc),
                 LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(nproc),
@@ -298,7 +333,7 @@ def run_launch(args: argparse.Namespace) -> int:
                         "every node (or pass them here for a private daemon)")
                 return run_ranks(
                     command, args.nproc_per_node, endpoint, job, args.nnodes, args.node_rank,
-                    signals,
+                    signals, rendezvous_env(args.nnodes, args.master_addr, args.master_port),
                 )
         except LaunchInterrupted as interrupted:
             log(f"interrupted by signal {interrupted.signum} while starting")

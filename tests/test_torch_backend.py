@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch", reason="torch is the optional extra gradsyn
 
 StartDaemon = Callable[..., DaemonProcess]
 
-PRIMITIVES = "primitives,groups,functional,sharing"
+PRIMITIVES = "primitives,groups,functional,sharing,errors"
 #: Largest |parameter - single-process reference| per training scenario.
 TOLERANCE = {
     "ddp": 1e-10,
@@ -152,6 +152,20 @@ def test_torchrun_launches_ranks_on_a_running_daemon(
     assert sorted((r["scenario"], r["rank"]) for r in records) == [
         ("primitives", 0), ("primitives", 1), ("smoke", 0), ("smoke", 1)
     ], process.stdout
+
+
+@pytest.mark.timeout(120)
+def test_gradsync_launch_runs_an_unchanged_torch_script(daemon: DaemonProcess) -> None:
+    """The launcher sets MASTER_ADDR/MASTER_PORT, so env:// needs nothing else."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    process = subprocess.run(
+        [sys.executable, "-m", "gradsync.client.cli", "launch", "--nproc-per-node", "2",
+         "--daemon", daemon.endpoint, str(PROGRAMS / "torch_backend_ranks.py"), "smoke"],
+        env=env, capture_output=True, text=True, timeout=110,
+    )
+    assert process.returncode == 0, process.stdout + process.stderr
+    records = [json.loads(line) for line in process.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in records) == [0, 1], process.stdout
 
 
 @pytest.mark.timeout(150)
