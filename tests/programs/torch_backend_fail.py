@@ -12,7 +12,9 @@ import datetime
 import json
 import os
 import signal
+import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,12 @@ import gradsync.client.torch  # noqa: F401 (registers the backend)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def emit(record: dict[str, Any]) -> None:
+    """One JSON line in one write: ranks sharing a launcher's stdout do not interleave."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -35,11 +43,11 @@ def main() -> None:
         try:
             dist.all_reduce(t)
         except Exception as exc:
-            print(json.dumps({"error": type(exc).__name__, "message": str(exc), "step": step,
-                              "seconds": time.monotonic() - started}), flush=True)
+            emit({"error": type(exc).__name__, "message": str(exc), "step": step,
+                  "seconds": time.monotonic() - started})
             dist.destroy_process_group()
             return
-    print(json.dumps({"error": None}), flush=True)
+    emit({"error": None})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -428,6 +429,26 @@ def sharing() -> int:
     return check.count
 
 
+def errors() -> int:
+    """Failures are DistBackendErrors naming who and what; the group's timeout is the deadline."""
+    import time
+
+    check = Checker("errors")
+    others = [r for r in range(WORLD) if r != RANK]
+    check.raises("mismatch", dist.DistBackendError,
+                 lambda: dist.all_reduce(torch.ones(10 + RANK)), f"rank {others[0]} sent")
+    quick = dist.new_group(list(range(WORLD)), timeout=datetime.timedelta(seconds=3))
+    if RANK == 0:  # alone in this group's collective: its deadline is the group's 3 s
+        started = time.monotonic()
+        check.raises("timeout", dist.DistBackendError,
+                     lambda: dist.all_reduce(torch.ones(3), group=quick), "timed out after 3s")
+        assert time.monotonic() - started < 30, time.monotonic() - started
+    t = torch.ones(4)
+    dist.all_reduce(t)  # the default group works on after both
+    check.equal("after", t, torch.full((4,), float(WORLD)))
+    return check.count
+
+
 def smoke() -> int:
     """One allreduce and a barrier: enough to show a launcher or init_method works."""
     check = Checker("smoke")
@@ -441,6 +462,7 @@ def smoke() -> int:
 SCENARIOS: dict[str, Callable[[], Any]] = {
     "smoke": smoke,
     "sharing": sharing,
+    "errors": errors,
     "primitives": primitives,
     "groups": groups,
     "functional": functional,
@@ -456,6 +478,12 @@ SCENARIOS: dict[str, Callable[[], Any]] = {
 }
 
 
+def emit(record: dict[str, Any]) -> None:
+    """One JSON line in one write: ranks sharing a launcher's stdout do not interleave."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     init = os.environ.get("GRADSYNC_TEST_INIT", "env://")
     timeout = datetime.timedelta(seconds=float(os.environ.get("GRADSYNC_TEST_TIMEOUT_S", "60")))
@@ -467,9 +495,11 @@ def main() -> None:
     for name in sys.argv[1].split(","):
         outcome = SCENARIOS[name]()
         record = outcome if isinstance(outcome, dict) else {"checks": outcome}
-        print(json.dumps({"scenario": name, "rank": RANK, **record}), flush=True)
+        emit({"scenario": name, "rank": RANK, **record})
     dist.destroy_process_group()
     assert world.closed, "destroy_process_group did not shut the gradsync group down"
+    left = [t.name for t in threading.enumerate() if t.name.startswith("gradsync-")]
+    assert not left, f"threads still running after destroy_process_group: {left}"
 
 
 if __name__ == "__main__":
