@@ -258,16 +258,20 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     # -- lifecycle -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Leave the job, stop the future threads (joined), disconnect."""
+        """Leave the job, disconnect, then stop the future threads (joined).
+
+        Disconnecting first fails whatever is still in flight at once, so the
+        join never waits for a collective's deadline.
+        """
         if self._closed:
             return
         self._closed = True
-        self._completer.close()
         with self._p2p_lock:
             pairs, self._p2p = list(self._p2p.values()), {}
         for pair in pairs:
             pair.close()
         self._client.close()
+        self._completer.close()
 
     def abort(self) -> None:
         self.shutdown()

@@ -85,19 +85,26 @@ class Operation:
             raise self.error
 
     def _finish_works(self, deadline: float | None) -> None:
+        """Wait for every work (all of them, even after one failed: each gives its
+        scratch back when it ends), then `finish` if all succeeded."""
+        first: GradsyncError | None = None
+        for work in self.works:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                work.wait(left)
+            except CollectiveTimeoutError as exc:
+                if work.exception() is None:  # the caller's own timeout: still in flight
+                    raise dist.DistBackendError(f"gradsync: {exc}") from exc
+                first = first or exc
+            except GradsyncError as exc:
+                first = first or exc
         try:
-            for work in self.works:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    work.wait(left)
-                except CollectiveTimeoutError as exc:
-                    if work.exception() is None:  # the caller's own timeout: still in flight
-                        raise dist.DistBackendError(f"gradsync: {exc}") from exc
-                    raise
-            if self.finish is not None:
+            if first is None and self.finish is not None:
                 self.finish()
         except GradsyncError as exc:
-            self.error = torch_error(exc, self.group_name())
+            first = exc
+        if first is not None:
+            self.error = torch_error(first, self.group_name())
         self.done = True
         if self.done_callback is not None:
             self.done_callback()
@@ -114,6 +121,8 @@ class Completer:
     def __init__(self, name: str) -> None:
         self._pending: queue.SimpleQueue[tuple[Operation, torch.futures.Future[Any]] | None]
         self._pending = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._callback_prefix = f"gradsync-callbacks-{name}"
         self._callbacks = concurrent.futures.ThreadPoolExecutor(
             max_workers=16, thread_name_prefix=self._callback_prefix
@@ -125,7 +134,14 @@ class Completer:
 
     def future_of(self, operation: Operation) -> torch.futures.Future[Any]:
         future: torch.futures.Future[Any] = torch.futures.Future()
-        self._pending.put((operation, future))
+        with self._lock:
+            if not self._closed:
+                self._pending.put((operation, future))
+                return future
+        # The group is shut down: its connection is closed, so this ends at once.
+        with contextlib.suppress(Exception):
+            operation.complete()
+        _settle(operation, future)
         return future
 
     def _run(self) -> None:
@@ -137,7 +153,9 @@ class Completer:
 
     def close(self) -> None:
         """Stop and join both; from a callback thread, the pool cannot wait for itself."""
-        self._pending.put(None)
+        with self._lock:
+            self._closed = True
+            self._pending.put(None)
         current = threading.current_thread()
         if current is not self._thread:
             self._thread.join()
