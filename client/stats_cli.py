@@ -31,6 +31,10 @@ from gradsync.protocol.errors import (
 )
 from gradsync.protocol.trace_format import chrome_trace
 
+#: The largest reply or snapshot frame taken from a stats endpoint (a long trace's
+#: events fit); a bigger one drops the connection instead of filling memory.
+_MAX_REPLY_BYTES = 256 * 1024 * 1024
+
 
 def add_stats_arguments(parser: argparse.ArgumentParser, live: bool = False) -> None:
     parser.add_argument("--daemon", default=None, metavar="ENDPOINT",
@@ -109,6 +113,7 @@ def _ask(endpoint: str, timeout_s: float, kind: str,
     try:
         sock = context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         _secure(sock, curve)
         sock.connect(endpoint)
@@ -303,6 +308,8 @@ def run_top(args: argparse.Namespace) -> int:
     context = zmq.Context()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
+    sock.setsockopt(zmq.RCVHWM, 16)  # snapshots beyond it are dropped: top shows the latest
     _secure(sock, curve)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVTIMEO, int(max(args.timeout_s, 2.0) * 1000))

@@ -34,7 +34,7 @@ from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.peers.keys import load_authorized, load_secret
 from gradsync.daemon.peers.zap import ZapHandler
 from gradsync.protocol import messages
-from gradsync.protocol.codec import decode_body
+from gradsync.protocol.codec import MAX_FRAME_BYTES, decode_body
 from gradsync.protocol.endpoint import MAX_SOCKET_PATH, stats_stream_endpoint
 from gradsync.protocol.errors import ProtocolError
 
@@ -45,6 +45,14 @@ log = logging.getLogger("gradsync.daemon.stats")
 
 PUBLISH_INTERVAL_S = 1.0
 MAX_TRACE_S = 600.0
+#: Messages queued per connection: requests waiting for an answer, and replies or
+#: snapshots a slow reader has not taken yet (the PUB drops new ones beyond it).
+_RECEIVE_QUEUE = 64
+#: `gradsync top` subscribes to everything (an empty prefix).  libzmq keeps
+#: subscriptions in a trie it walks recursively, one level per byte: a long one
+#: would be a deep recursion in the daemon.
+_MAX_SUBSCRIPTION_BYTES = 1024
+_SEND_QUEUE = 16
 
 
 def stats_endpoints(stats: str | None, socket_endpoint: str) -> tuple[str, str] | None:
@@ -113,6 +121,12 @@ class StatsServer:
         self._pub = self._context.socket(zmq.PUB)
         for sock in (self._rep, self._pub):
             sock.setsockopt(zmq.LINGER, 0)
+            # Requests and subscriptions are a few bytes: a bigger frame drops the
+            # connection, and bounded queues keep a flood from piling up in memory.
+            sock.setsockopt(zmq.MAXMSGSIZE,
+                            MAX_FRAME_BYTES if sock is self._rep else _MAX_SUBSCRIPTION_BYTES)
+            sock.setsockopt(zmq.RCVHWM, _RECEIVE_QUEUE)
+            sock.setsockopt(zmq.SNDHWM, _SEND_QUEUE)
             if self.curve is not None:
                 sock.curve_server = True
                 sock.curve_publickey = self.curve.public_key
@@ -141,7 +155,7 @@ class StatsServer:
     async def _serve(self) -> None:
         """Answer REQ clients through a ROUTER, so a trace does not hold up the others."""
         while True:
-            frames = await self._rep.recv_multipart()
+            frames = await self._receive_envelope()
             if len(frames) != 3 or frames[1] != b"":
                 self.service.counters["malformed"] += 1
                 continue  # not a REQ envelope: nothing sensible to answer
@@ -162,6 +176,20 @@ class StatsServer:
                 self.service.counters["malformed"] += 1
                 reply = messages.error_reply(-1, exc.code, exc.message)
             await self._answer(route, reply)
+
+    async def _receive_envelope(self) -> list[bytes]:
+        """One message's frames, keeping no more than a REQ envelope's three.
+
+        MAXMSGSIZE bounds each frame, not their number: the frames past the
+        third are read and dropped one by one, so a message of thousands of
+        frames costs no memory here (it is counted as malformed).
+        """
+        frames = [await self._rep.recv()]
+        while self._rep.getsockopt(zmq.RCVMORE):
+            frame = await self._rep.recv()
+            if len(frames) <= 3:
+                frames.append(frame)
+        return frames
 
     async def _answer(self, route: bytes, reply: dict[str, Any]) -> None:
         await self._rep.send_multipart([route, b"", msgpack.packb(reply, use_bin_type=True)])

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import msgpack
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
+from zmq.utils.monitor import recv_monitor_message
 
 from conftest import DaemonProcess, collect, poll_until, spawn_ranks
 from gradsync.client.stats_cli import fetch_snapshot, render_table
@@ -282,3 +284,63 @@ def test_peer_heartbeat_age_tracks_a_stopped_peer(start_daemon: object) -> None:
     finally:
         daemons[1].process.send_signal(signal.SIGCONT)
     poll_until(lambda: peer()["heartbeat_age_s"] < 2.5, 30, "the peer to be heard again")
+
+
+def _dropped_after_sending(context: zmq.Context[Any], kind: int, endpoint: str,
+                           send: Callable[[zmq.Socket[Any]], None]) -> bool:
+    """Whether the daemon drops the connection of a socket that sent what `send` sends."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    events = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    events.setsockopt(zmq.RCVTIMEO, 15_000)
+    sock.connect(endpoint)
+    try:
+        assert recv_monitor_message(events)["event"] == zmq.EVENT_CONNECTED
+        send(sock)
+        try:
+            return recv_monitor_message(events)["event"] == zmq.EVENT_DISCONNECTED
+        except zmq.Again:
+            return False
+    finally:
+        sock.disable_monitor()
+        events.close(linger=0)
+        sock.close(linger=0)
+
+
+@pytest.mark.timeout(120)
+def test_stats_endpoints_drop_oversize_frames_and_many_frames(daemon: DaemonProcess) -> None:
+    """Requests and subscriptions are a few bytes: a connection sending a MiB-sized request
+    or a long subscription is dropped (ZMQ_MAXMSGSIZE) instead of being buffered, so fuzz
+    of MiB frames leaves the daemon's memory where it was; a message of thousands of
+    frames is counted as malformed; the daemon keeps serving."""
+    requests = daemon.endpoint + ".stats"
+    context = zmq.Context()
+    try:
+        rss_before = _rss_kib(daemon.pid)
+        for size_mib in (1, 2, 4, 8, 8, 8, 8, 8):
+            big = b"\x00" * (size_mib * 1024 * 1024)
+            assert _dropped_after_sending(context, zmq.DEALER, requests,
+                                          lambda sock, big=big: sock.send_multipart([b"", big]))
+        assert _rss_kib(daemon.pid) - rss_before < 8 * 1024
+        assert _dropped_after_sending(
+            context, zmq.SUB, requests + ".pub",
+            lambda sock: sock.setsockopt(zmq.SUBSCRIBE, b"x" * 8192))
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(requests)
+        for _ in range(5):
+            dealer.send_multipart([b"", *([b"x"] * 5000)])
+        poll_until(lambda: fetch_snapshot(requests, 5.0)["counters"]["malformed"] >= 5, 60.0,
+                   "every many-frame message is counted as malformed")
+        dealer.close(linger=0)
+    finally:
+        context.destroy(linger=0)
+    assert fetch_snapshot(requests, 5.0)["shm"]["in_use"] == 0
+    daemon.assert_alive()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")

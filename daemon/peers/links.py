@@ -86,6 +86,8 @@ Payload = Any
 _ZAP_DOMAIN = "gradsync-peers"
 _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
+#: Messages ZeroMQ queues per peer connection and direction.
+_PEER_QUEUE = 256
 _MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
 _MAX_WARNINGS = 1024
 _MAX_LIVENESS_IVL_S = 1.0
@@ -372,6 +374,10 @@ class PeerLinks:
         sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload_bytes)
+        # Explicit bounds on what ZeroMQ queues per connection (a full receive queue
+        # stops reading the TCP socket; a full send queue leaves the rest in our backlog).
+        sock.setsockopt(zmq.RCVHWM, _PEER_QUEUE)
+        sock.setsockopt(zmq.SNDHWM, _PEER_QUEUE)
         if self._listen.is_ipv6 or any(link.endpoint.is_ipv6 for link in self._links.values()):
             sock.setsockopt(zmq.IPV6, 1)
 
