@@ -98,6 +98,11 @@ def primitives(group: Any = None, ranks: list[int] | None = None) -> int:
     check = Checker("primitives")
     ranks = ranks or list(range(WORLD))
     me, size = ranks.index(RANK), len(ranks)
+    pg = group if group is not None else dist.group.WORLD
+    assert isinstance(pg, gt.ProcessGroupGradsync), pg
+    assert (pg.rank(), pg.size(), pg.getBackendName()) == (me, size, "gradsync"), pg
+    assert pg.group_name == pg.getGroupName() == dist.distributed_c10d._get_process_group_name(
+        pg), pg
     n = 37
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         ops = ["sum", "max", "min", "prod"] + (["avg"] if dtype.is_floating_point
