@@ -197,7 +197,11 @@ class Job:
         already failed, duplicate submission).
         """
         if self.broken is not None:
-            raise self.broken
+            # A fresh error each time: raising the stored one would hang this call's
+            # frames (and the submission's view of shared memory) on its traceback,
+            # a cycle through the job that keeps the segment mapped until the
+            # cyclic garbage collector happens to run.
+            raise type(self.broken)(self.broken.message, self.broken.details)
         failed = self.failed.get(key)
         if failed is not None:
             raise type(failed)(f"{failed.message} (rank {submission.rank} arrived late)",

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import itertools
 import logging
 import mmap
 import os
 import secrets
 import stat
+import threading
+import weakref
 
 import numpy as np
 
@@ -55,7 +58,11 @@ class ShmPool:
         self.max_bytes = max_bytes
         self.mode = mode
         self.shm_dir = shm_dir
-        self.in_use = 0
+        self._own_bytes = 0
+        #: Bytes of released segments still mapped because views of them live on
+        #: (a collective still running over them); they count as in use until unmapped.
+        self._lingering = 0
+        self._lingering_lock = threading.Lock()
         #: Bytes of client memory mapped by `attach`.
         self.attached = 0
         self._ids = itertools.count(1)
@@ -64,6 +71,11 @@ class ShmPool:
 
     def __len__(self) -> int:
         return len(self._segments)
+
+    @property
+    def in_use(self) -> int:
+        """Bytes of segments mapped here: live ones and released ones still in use."""
+        return self._own_bytes + self._lingering
 
     def get(self, segment_id: int) -> Segment | None:
         return self._segments.get(segment_id)
@@ -77,6 +89,8 @@ class ShmPool:
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
         size = -(-nbytes // _PAGE) * _PAGE
+        if self.in_use + size > self.max_bytes and self._lingering:
+            gc.collect()  # released segments held only by garbage cycles: unmap them
         if self.in_use + size > self.max_bytes:
             raise ShmExhaustedError(
                 f"allocating {size} bytes for {owner} would exceed max_shm_bytes="
@@ -112,7 +126,7 @@ class ShmPool:
             os.close(fd)
         segment = Segment(segment_id, name, size, mapping, owner)
         self._segments[segment_id] = segment
-        self.in_use += size
+        self._own_bytes += size
         return segment
 
     def _create(self) -> tuple[str, int]:
@@ -164,18 +178,40 @@ class ShmPool:
         return segment
 
     def release(self, segment_id: int) -> None:
-        """Unlink a segment; memory returns once every mapping is gone."""
+        """Unlink a segment and unmap it; memory returns once every mapping is gone.
+
+        A segment that views still use (a collective running over it) cannot be
+        unmapped yet: it is unmapped, and stops counting as in use, as soon as
+        the last view is gone.
+        """
         segment = self._segments.pop(segment_id, None)
         if segment is None:
             return
         if segment.attached:  # the client's memory: dropping the mapping is all
             self.attached -= segment.nbytes
+            self._unmap(segment, lingering=False)
             return
-        self.in_use -= segment.nbytes
+        self._own_bytes -= segment.nbytes
         try:
             os.unlink(os.path.join(self.shm_dir, segment.name))
         except FileNotFoundError:
             log.warning("segment %s was already removed from %s", segment.name, self.shm_dir)
+        self._unmap(segment, lingering=True)
+
+    def _unmap(self, segment: Segment, lingering: bool) -> None:
+        """Close the mapping (and its descriptor) now, or once its last view is gone."""
+        try:
+            segment.mapping.close()
+        except BufferError:  # views exist: the mapping dies with the last of them
+            if lingering:
+                with self._lingering_lock:
+                    self._lingering += segment.nbytes
+                weakref.finalize(segment.mapping, self._unmapped, segment.nbytes)
+
+    def _unmapped(self, nbytes: int) -> None:
+        # May run in a reduce thread, wherever the last view was dropped.
+        with self._lingering_lock:
+            self._lingering -= nbytes
 
     def release_all(self) -> None:
         for segment_id in list(self._segments):

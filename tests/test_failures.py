@@ -434,3 +434,43 @@ def test_scratch_slot_the_current_size_needs_is_kept(daemon: DaemonProcess) -> N
         assert big[0] == 1 and big[-1] == 1
         assert len(seen[0]) == 1, seen
         assert seen[1] == seen[0] and seen[2] == seen[0], seen
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(180)
+def test_a_rank_killed_mid_allreduce_leaves_nothing_mapped_in_the_daemon(
+    daemon: DaemonProcess,
+) -> None:
+    """Rounds of "3 ranks, one SIGKILLed mid 64 MiB allreduce": once each round is over the
+    daemon maps none of that round's segments, holds no more descriptors than before, and
+    its statistics count what it still maps."""
+    fds_before = _open_fds(daemon.pid)
+    for round_number in range(5):
+        processes = spawn_ranks(daemon.endpoint, "fail_killed_mid.py", 3, ["60"],
+                                job=f"killed-mid-{round_number}")
+        with reaped(processes):
+            readers = [LineReader(p) for p in processes]
+            for reader in readers:
+                assert "ready" in reader.next_record(30)
+            # Kill at a different point of the collective each round.
+            time.sleep(0.02 * round_number)
+            processes[2].kill()
+            processes[2].wait()
+            for reader in readers[:2]:
+                record = reader.next_record(60)
+                assert record["error"] in ("RankLostError", "JobError"), record
+            for process in processes[:2]:
+                assert process.wait(30) == 0
+        poll_until(lambda: not mapped_segments(daemon.pid), 20.0,
+                   f"round {round_number}: the daemon unmaps every segment "
+                   f"(still {sorted(mapped_segments(daemon.pid))}, "
+                   f"stats in_use {query(daemon.endpoint, 5.0)['shm_in_use']})")
+        assert query(daemon.endpoint, 5.0)["shm_in_use"] == 0
+        poll_until(lambda: _open_fds(daemon.pid) <= fds_before, 20.0,
+                   f"round {round_number}: no descriptor kept ({_open_fds(daemon.pid)} open, "
+                   f"{fds_before} before)")
+    daemon.assert_alive()
