@@ -75,10 +75,11 @@ class StorageSharer:
     (what `Tensor.share_memory_()` does: views follow, the data is copied once)
     and lets the daemon map it, so it is reduced where it lies from then on,
     like a tensor from `empty()`.  DDP's buckets take this path.  Only storages
-    of at least `MIN_BYTES`, mostly covered by the tensor, and resizable when
-    first seen: not `torch.from_numpy` memory nor storages exported with
-    `.numpy()`, which numpy arrays may alias.  A storage already in shared
-    memory (`share_memory_()`) does not move: it is mapped on first use.
+    of at least `MIN_BYTES`, mostly covered by the tensor, and resizable: not
+    `torch.from_numpy` memory nor storages exported with `.numpy()`, which
+    numpy arrays may alias (the backend's own arrays do not use `.numpy()`).
+    A storage already in shared memory (`share_memory_()`) does not move: it
+    is mapped on first use.
     `GRADSYNC_TORCH_SHARE=0` keeps every tensor staged.
     """
 
@@ -112,7 +113,8 @@ class StorageSharer:
                     state = "seen" if storage.resizable() else "refused"
                 entry = self._state[storage] = [state, 0]
             elif entry[0] == "seen" and entry[1] == 0:
-                entry[0] = self._share(tensor, storage, client)
+                entry[0] = (self._share(tensor, storage, client) if storage.resizable()
+                            else "refused")
             entry[1] += 1
         return storage
 

@@ -81,14 +81,30 @@ def flat_wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def as_buffer(wire: torch.Tensor) -> Any:
-    """What the client takes: a numpy array over a CPU tensor, or the CUDA tensor."""
+    """What the client takes: a numpy array over a CPU tensor, or the CUDA tensor.
+
+    The array is made from the tensor's address, not with `Tensor.numpy()`,
+    which would mark its storage not resizable for good; it keeps the tensor
+    alive.
+    """
     if wire.is_cuda:
         return wire
     if wire.device.type != "cpu":
         raise InvalidArgumentError(f"gradsync moves CPU and CUDA tensors, not {wire.device}")
     if wire.dtype == torch.bfloat16:
-        return wire.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return wire.numpy()
+        return np.asarray(_TensorMemory(wire, np.dtype(np.uint16))).view(ml_dtypes.bfloat16)
+    return np.asarray(_TensorMemory(wire, NUMPY_DTYPES[wire.dtype]))
+
+
+class _TensorMemory:
+    """A contiguous CPU tensor's memory as numpy's array interface (holds the tensor)."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: np.dtype) -> None:
+        self._tensor = tensor
+        self.__array_interface__ = {
+            "data": (tensor.data_ptr(), False), "shape": (tensor.numel(),),
+            "typestr": dtype.str, "version": 3,
+        }
 
 
 class Staged:

@@ -431,6 +431,10 @@ def sharing() -> int:
     thrice(exported)
     alias[1] = 7.0
     assert float(exported[1]) == 7.0 and not exported.untyped_storage().is_shared()
+    small = torch.zeros(16)  # passing through the backend leaves a tensor resizable
+    dist.all_reduce(small)
+    small.resize_(1 << 12)
+    check.equal("resized", small[:16], torch.zeros(16))
     return check.count
 
 
