@@ -1,4 +1,9 @@
-"""`gradsync`: the command line (launch, demo, ping, keygen)."""
+"""`gradsync`: the command line (launch, demo, ping, keygen).
+
+Building the parser imports every subcommand's module, so those modules import
+only what their options need: numpy, ZeroMQ and the like load inside the
+function that runs a command (tests/test_cli_imports.py keeps it so).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from gradsync.client.demo import add_demo_arguments, run_demo
+from gradsync.client.demo_cli import add_demo_arguments, run_demo
 from gradsync.client.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.launch import add_launch_arguments, run_launch
 from gradsync.client.ping import ping

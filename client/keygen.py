@@ -17,8 +17,6 @@ import os
 import re
 import sys
 
-import zmq
-
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9._-]+):(\d{1,5})$")
 _WILDCARDS = ("*", "0.0.0.0", "[::]")
@@ -72,6 +70,8 @@ def generate_keypair(
         )
     if endpoint is not None:
         check_endpoint(endpoint)
+    import zmq  # here, not at the top: `gradsync` imports this module for its options
+
     os.makedirs(directory, mode=0o700, exist_ok=True)
     public_key, secret_key = (key.decode("ascii") for key in zmq.curve_keypair())
     public_path = os.path.join(directory, name + ".key")

@@ -15,11 +15,9 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import zmq
-import zmq.auth
 
 from gradsync.protocol import messages
 from gradsync.protocol.endpoint import default_endpoint, stats_stream_endpoint
@@ -30,6 +28,11 @@ from gradsync.protocol.errors import (
     ProtocolError,
 )
 from gradsync.protocol.trace_format import chrome_trace
+
+# zmq is imported where a command reads the endpoint, not here: `gradsync` imports
+# this module for its options, and `gradsync ping` or `--help` need no ZeroMQ.
+if TYPE_CHECKING:
+    import zmq
 
 #: The largest reply or snapshot frame taken from a stats endpoint (a long trace's
 #: events fit); a bigger one drops the connection instead of filling memory.
@@ -76,6 +79,8 @@ def curve_options(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None
         return None
     if not (secret_file and server_file):
         raise InvalidArgumentError("pass both --curve-secret and --curve-server-key")
+    import zmq.auth
+
     try:
         public, secret = zmq.auth.load_certificate(secret_file)
         server, _ = zmq.auth.load_certificate(server_file)
@@ -109,6 +114,8 @@ def _decode(body: bytes) -> Any:
 
 def _ask(endpoint: str, timeout_s: float, kind: str,
          curve: tuple[bytes, bytes, bytes] | None = None, **fields: Any) -> dict[str, Any]:
+    import zmq
+
     context = zmq.Context()
     try:
         sock = context.socket(zmq.REQ)
@@ -305,6 +312,8 @@ def run_top(args: argparse.Namespace) -> int:
     except GradsyncError as exc:
         print(f"gradsync top: {exc}", file=sys.stderr)
         return 1
+    import zmq
+
     context = zmq.Context()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -366,6 +375,8 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def _next(sock: zmq.Socket[bytes], endpoint: str) -> dict[str, Any]:
+    import zmq
+
     try:
         body = sock.recv()
     except zmq.Again:

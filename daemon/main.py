@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -11,8 +10,6 @@ from collections.abc import Sequence
 
 from gradsync.daemon.config import ConfigError, DaemonConfig, load_config
 from gradsync.daemon.journal_logging import setup_logging
-from gradsync.daemon.server import StartupError, serve
-from gradsync.daemon.slurm import with_slurm_peers
 from gradsync.protocol.version import __version__
 
 log = logging.getLogger("gradsync.daemon")
@@ -92,9 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(config: DaemonConfig) -> None:
+    from gradsync.daemon.server import serve
+
     try:
         import uvloop
     except ImportError:
+        import asyncio
+
         log.warning("uvloop is not importable; running on the default asyncio loop")
         asyncio.run(serve(config))
     else:
@@ -103,6 +104,11 @@ def _run(config: DaemonConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The server and the peer links (numpy, ml_dtypes, ZeroMQ, asyncio: most of a
+    # second) load once the command line parses: `gradsyncd --help` answers at once.
+    from gradsync.daemon.server import StartupError
+    from gradsync.daemon.slurm import with_slurm_peers
+
     flags = {k: v for k, v in vars(args).items() if k != "config"}
     config_path = args.config
     if config_path is None and os.path.exists(DEFAULT_CONFIG_PATH):

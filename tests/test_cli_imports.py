@@ -1,0 +1,111 @@
+"""The command lines import what a command needs, when it needs it.
+
+numpy and ml_dtypes (for `Client`), ZeroMQ (for the statistics endpoint and
+keys), torch and cupy cost more than a command such as `gradsync ping` spends
+in all.  Each case runs one entry point in a fresh interpreter, as its console
+script would, and then lists which of those modules the process holds: a
+property of the code, not a clock reading.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DaemonProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+#: The modules no command of this file needs; `NEEDS` lifts them case by case.
+HEAVY = ("numpy", "ml_dtypes", "torch", "cupy", "zmq")
+
+#: Runs MODULE's `main(argv)` and prints, as its last line, the exit status and
+#: which of HEAVY the process imported.
+PROBE = """
+import json, sys
+from {module} import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+sys.stdout.flush()
+print("\\n" + json.dumps({{"code": code, "loaded": [m for m in {heavy!r} if m in sys.modules]}}))
+"""
+
+CLI = "gradsync.client.cli"
+DAEMON = "gradsync.daemon.main"
+PROGRAMS = {CLI: "gradsync", DAEMON: "gradsyncd"}
+
+
+def probe(module: str, *argv: str) -> tuple[object, list[str]]:
+    """(exit status, heavy modules loaded) of `main(argv)` of MODULE in a new process."""
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE.format(module=module, heavy=HEAVY), *argv],
+        capture_output=True, text=True, timeout=50, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    return report["code"], report["loaded"]
+
+
+HELP_AND_VERSION = [
+    *[(CLI, [flag]) for flag in ("--help", "--version")],
+    *[(CLI, [command, "--help"])
+      for command in ("launch", "demo", "keygen", "stats", "top", "trace", "ping")],
+    *[(DAEMON, [flag]) for flag in ("--help", "--version")],
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [pytest.param(module, argv, id=" ".join([PROGRAMS[module], *argv]))
+     for module, argv in HELP_AND_VERSION],
+)
+def test_help_and_version_import_nothing_heavy(module: str, argv: list[str]) -> None:
+    assert probe(module, *argv) == (0, [])
+
+
+def test_ping_imports_nothing_heavy(daemon: DaemonProcess) -> None:
+    assert probe(CLI, "ping", "--daemon", daemon.endpoint) == (0, [])
+
+
+def test_ping_with_no_daemon_imports_nothing_heavy(short_tmp: str) -> None:
+    assert probe(CLI, "ping", "--daemon", f"ipc://{short_tmp}/none.sock") == (1, [])
+
+
+def test_launch_imports_nothing_heavy_in_the_launcher(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text("import numpy\n")  # the ranks may; the launcher need not
+    argv = ["launch", "--nproc-per-node", "2", "--daemon", daemon.endpoint, str(script)]
+    assert probe(CLI, *argv) == (0, [])
+
+
+def test_stats_and_keygen_import_only_zeromq(daemon: DaemonProcess, tmp_path: Path) -> None:
+    assert probe(CLI, "stats", "--daemon", daemon.endpoint, "--json") == (0, ["zmq"])
+    keys = str(tmp_path / "keys")
+    assert probe(CLI, "keygen", keys, "--name", "reader", "--reader") == (0, ["zmq"])
+    assert (tmp_path / "keys" / "reader.key_secret").exists()
+
+
+def test_the_client_package_loads_client_work_and_reduce_op_on_first_use() -> None:
+    code = (
+        "import sys\n"
+        "import gradsync.client as package\n"
+        "assert 'numpy' not in sys.modules and 'ml_dtypes' not in sys.modules\n"
+        "from gradsync.client import *\n"
+        "from gradsync.client.client import Client as C\n"
+        "from gradsync.client.work import Work as W\n"
+        "from gradsync.protocol.dtypes import ReduceOp as R\n"
+        "assert (Client, Work, ReduceOp) == (C, W, R)\n"
+        "assert all(hasattr(package, name) for name in package.__all__)\n"
+        "assert not hasattr(package, 'Nonexistent')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=50, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
