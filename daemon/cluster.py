@@ -150,6 +150,8 @@ class ClusterJobs:
         self.meter = CostMeter()
         #: Reduce chunks that placed slices of every run take turns with.
         self.chunks = ChunkPool()
+        #: Peers whose link went down (after being up) and has not come back.
+        self.lost: set[str] = set()
 
     # -- membership ---------------------------------------------------------
 
@@ -164,9 +166,11 @@ class ClusterJobs:
         for peer in self.transport.peers():
             self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
         self._try_form(job)
+        self._fail_if_unformable(job)
 
     def peer_up(self, peer: str, jobs: dict[str, Job]) -> None:
         """A link (re)connected: tell it about every job we hold."""
+        self.lost.discard(peer)
         for job in list(jobs.values()):
             if job.announcement is not None and job.broken is None:
                 self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
@@ -530,12 +534,46 @@ class ClusterJobs:
                 })
 
     def peer_lost(self, peer: str, jobs: dict[str, Job], why: str) -> None:
-        """Fail every collective of every job that spans the lost peer."""
+        """Fail every collective of every job that spans the lost peer, and of every
+        job still forming that counted on it for missing ranks."""
+        self.lost.add(peer)
+        held_ranks = set()
         for name, table in list(self.remote.items()):
-            table.pop(peer, None)
+            if table.pop(peer, None) is not None:
+                held_ranks.add(name)
             if not table:
                 del self.remote[name]
         self._break_jobs_with(peer, jobs, f"was lost ({why})")
+        for job in list(jobs.values()):
+            self._fail_if_unformable(job, peer if job.name in held_ranks else None, why)
+
+    def _fail_if_unformable(self, job: Job, announced: str | None = None,
+                            why: str = "") -> None:
+        """Break a job that waits to form when the ranks it misses can no longer come.
+
+        They cannot once the peer that announced them (`announced`) is lost, or
+        when every peer that has not announced the job is lost: no daemon is left
+        to hold them.  Waiting ranks get PeerLostError now, not the job's deadline.
+        """
+        if job.formation is not None or job.announcement is None or job.broken is not None:
+            return
+        table = self.remote.get(job.name, {})
+        missing = _ranks_not_announced(table, job)
+        if not missing:
+            return
+        others = [p for p in self.transport.peers() if p != self.transport.endpoint]
+        if announced is not None:
+            gone = [announced]
+        elif not others or any(p not in self.lost and p not in table for p in others):
+            return
+        else:
+            gone = sorted(p for p in others if p in self.lost)
+        self._break(job, PeerLostError(
+            f"peer daemon {', '.join(gone)} of {job.describe()} was lost"
+            f"{f' ({why})' if why else ''} before the job formed; ranks {missing} "
+            "can join on no other daemon",
+            {"job": job.name, "peer": gone[0], "missing": missing},
+        ))
 
     def stream_broken(self, peer: str, jobs: dict[str, Job], why: str) -> None:
         """A data stream with `peer` broke and may have lost slices, of running

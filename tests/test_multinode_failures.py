@@ -19,7 +19,7 @@ import pytest
 import zmq
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
-from conftest import DaemonProcess, collect, poll_until
+from conftest import DaemonProcess, collect, poll_until, spawn_rank
 from gradsync.client.ping import query
 from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.membership import Announcement, form
@@ -445,3 +445,39 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
     (outcome,) = collect([rank], timeout_s=30)
     assert outcome.records()[-1] == {"rounds": 1, "wrong": 0}, outcome.stdout + outcome.stderr
     daemon.assert_alive()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_a_job_that_never_formed_fails_once_the_peer_for_its_missing_ranks_is_lost(
+    start_daemon: StartDaemon,
+) -> None:
+    """Rank 0 of a world of 2 waits on daemon A for rank 1, which can only join on peer B;
+    B dies (SIGKILL): rank 0 gets PeerLostError naming B within the peer timeout, not
+    "the job never formed" at its collective deadline (300 s)."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemons = [
+        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
+                                str(PEER_TIMEOUT_S)))
+        for i in range(2)
+    ]
+    poll_until(lambda: fetch_snapshot(daemons[0].endpoint + ".stats", 5.0)["peers"]
+               .get(endpoints[1], {}).get("state") == "up", 30, "the link A -> B is up")
+    rank = spawn_rank("multinode_hold.py", ["1024"], daemons[0].endpoint, 0, 2, 0, 1, "lonely")
+    try:
+        poll_until(lambda: "0" in fetch_snapshot(daemons[0].endpoint + ".stats", 5.0)["jobs"]
+                   .get("lonely", {}).get("members", {}), 30, "rank 0 joins on A")
+        struck = time.monotonic()
+        daemons[1].process.kill()
+        daemons[1].process.wait()
+        (result,) = collect([rank], timeout_s=PEER_TIMEOUT_S + 30)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    outcome = result.records()[-1]
+    assert outcome["error"] == "PeerLostError", result.stdout + result.stderr
+    assert endpoints[1] in outcome["message"] and "job 'lonely'" in outcome["message"], outcome
+    assert "[1]" in outcome["message"], outcome  # the missing rank
+    assert outcome["at"] - struck < PEER_TIMEOUT_S + 15, outcome
+    daemons[0].assert_alive()
