@@ -34,6 +34,19 @@ def counters(daemon: DaemonProcess) -> dict[str, int]:
     return dict(query(daemon.endpoint, 5.0)["counters"])
 
 
+def insecure_daemons(
+    start_daemon: StartDaemon, count: int
+) -> tuple[list[str], list[DaemonProcess]]:
+    """`count` daemons peered over 127.0.0.1 with --insecure and a short peer timeout."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    daemons = [
+        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
+                                str(PEER_TIMEOUT_S)))
+        for i in range(count)
+    ]
+    return endpoints, daemons
+
+
 def ghost_dealer(context: zmq.Context[Any], ghost: str, endpoint: str) -> zmq.Socket[Any]:
     """A socket that speaks to `endpoint` as the listed, never started peer `ghost`."""
     fake = context.socket(zmq.DEALER)
@@ -48,12 +61,7 @@ def ghost_dealer(context: zmq.Context[Any], ghost: str, endpoint: str) -> zmq.So
 def test_lost_peer_fails_collectives_with_peer_lost(
     start_daemon: StartDaemon, short_tmp: str, how: str
 ) -> None:
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(3)]
-    daemons = [
-        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
-                                str(PEER_TIMEOUT_S)))
-        for i in range(3)
-    ]
+    endpoints, daemons = insecure_daemons(start_daemon, 3)
     markers = Path(short_tmp) / "markers"
     markers.mkdir()
     ranks = spawn_spread(daemons, (1, 1, 1), "multinode_hold.py",
@@ -455,12 +463,7 @@ def test_a_job_that_never_formed_fails_once_the_peer_for_its_missing_ranks_is_lo
     """Rank 0 of a world of 2 waits on daemon A for rank 1, which can only join on peer B;
     B dies (SIGKILL): rank 0 gets PeerLostError naming B within the peer timeout, not
     "the job never formed" at its collective deadline (300 s)."""
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
-    daemons = [
-        start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
-                                str(PEER_TIMEOUT_S)))
-        for i in range(2)
-    ]
+    endpoints, daemons = insecure_daemons(start_daemon, 2)
     poll_until(lambda: fetch_snapshot(daemons[0].endpoint + ".stats", 5.0)["peers"]
                .get(endpoints[1], {}).get("state") == "up", 30, "the link A -> B is up")
     rank = spawn_rank("multinode_hold.py", ["1024"], daemons[0].endpoint, 0, 2, 0, 1, "lonely")
@@ -481,3 +484,39 @@ def test_a_job_that_never_formed_fails_once_the_peer_for_its_missing_ranks_is_lo
     assert "[1]" in outcome["message"], outcome  # the missing rank
     assert outcome["at"] - struck < PEER_TIMEOUT_S + 15, outcome
     daemons[0].assert_alive()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(150)
+def test_a_stopped_daemon_fails_its_ranks_as_soon_as_it_runs_again(
+    start_daemon: StartDaemon, short_tmp: str
+) -> None:
+    """Two daemons, one rank each, all-reducing in a loop; daemon B is SIGSTOPped until
+    its peer has failed the collective, then SIGCONTed: B's own rank gets PeerLostError
+    within seconds of B running again, not at its collective deadline (here 90 s)."""
+    _, daemons = insecure_daemons(start_daemon, 2)
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py",
+                         [str(4 * 1024 * 1024), str(markers)], job="frozen",
+                         env={"GRADSYNC_TIMEOUT_S": "90"})
+    try:
+        poll_until(lambda: len(list(markers.iterdir())) == 2, 60, "both ranks reducing")
+        daemons[1].process.send_signal(signal.SIGSTOP)
+        try:
+            (survivor,) = collect(ranks[:1], timeout_s=PEER_TIMEOUT_S + 30)
+        finally:
+            daemons[1].process.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        assert survivor.records()[-1]["error"] == "PeerLostError", survivor.stdout
+        (stopped,) = collect(ranks[1:], timeout_s=60)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    outcome = stopped.records()[-1]
+    assert outcome["error"] == "PeerLostError", stopped.stdout + stopped.stderr
+    assert outcome["at"] - resumed < PEER_TIMEOUT_S + 15, outcome
+    for daemon in daemons:
+        daemon.assert_alive()

@@ -931,12 +931,33 @@ class PeerLinks:
         `last_heard`, so no waiter is kept.
         """
         assert link.dealer is not None
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(self._liveness_ivl_s)
+            now = time.monotonic()
+            # How long this daemon did not run beyond the sleep (SIGSTOP, a frozen VM):
+            # longer than the peer timeout, and the peer has given up on us, failing
+            # the collectives we share, whatever its messages still queued here say.
+            frozen_s = now - last_tick - self._liveness_ivl_s
+            last_tick = now
             if link.state != "up":
+                continue
+            if frozen_s > self._peer_timeout_s:
+                log.warning("this daemon did not run for %.1fs (stopped?): peer %s has "
+                            "given up on it", frozen_s, link.name)
+                self._drop_link(link)
                 continue
             header = encode_header(self.endpoint, {"kind": PING, "seq": next(link.seq)})
             link.dealer.try_send([header])
+
+    def _drop_link(self, link: _Link) -> None:
+        """Declare a link lost ourselves, and connect afresh (it comes up again, and
+        its jobs can re-form, once the peer answers a new handshake)."""
+        self._mark_lost(link)
+        if link.dealer is not None and not self._closed:
+            with contextlib.suppress(zmq.ZMQError):
+                link.dealer.sock.disconnect(link.name)
+            link.dealer.sock.connect(link.name)
 
     def _mark_up(self, link: _Link) -> None:
         if link.state == "up":
