@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from cluster import run_spread
+from cluster import run_spread, spawn_spread
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, collect, poll_until
 
 StartDaemon = Callable[..., DaemonProcess]
 SUBNET = "10.213.47"
@@ -117,5 +120,58 @@ def test_a_rank_leaving_fails_no_one_while_its_last_slices_are_in_flight(
                              [str(4 * 1024), "1", "ring"], job=f"leaving-{attempt}")
         for result in results:
             assert result.records() == [{"rounds": 1, "wrong": 0}], result.stdout
+    for daemon in daemons:
+        daemon.assert_alive()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("security", ["curve", "insecure"])
+def test_a_cut_link_with_data_in_flight_fails_both_sides_within_the_peer_timeout(
+    start_daemon: StartDaemon, two_hosts: tuple[str, str], short_tmp: str, security: str
+) -> None:
+    """A 64 MiB allreduce loop across the veth pair; the link goes down mid-collective
+    (`ip link set VETH down`), with megabytes queued to send: the ranks on both sides get
+    PeerLostError soon after the peer timeout (2 s), not CollectiveTimeoutError at
+    their deadline (90 s here)."""
+    peer_timeout_s = 2.0
+    endpoints = [f"tcp://{SUBNET}.{i}:29400" for i in (1, 2)]
+    peers = ",".join(endpoints)
+    keys = Path(short_tmp) / "keys"
+    keys.mkdir(mode=0o700)
+    for index, endpoint in enumerate(endpoints):
+        subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(keys),
+                        "--name", f"node{index}", "--endpoint", endpoint],
+                       check=True, capture_output=True, timeout=60)
+    daemons = [
+        start_daemon("--listen", endpoints[i], "--peers", peers,
+                     "--peer-timeout-s", str(peer_timeout_s),
+                     *(["--curve-secret", str(keys / f"node{i}.key_secret"),
+                        "--curve-authorized", str(keys)] if security == "curve"
+                       else ["--insecure"]),
+                     prefix=["ip", "netns", "exec", two_hosts[i]])
+        for i in range(2)
+    ]
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py",
+                         [str(16 * 1024 * 1024), str(markers)], job="cut",
+                         env={"GRADSYNC_TIMEOUT_S": "90"})
+    veth = f"gsva{os.getpid() % 100000}"
+    try:
+        poll_until(lambda: len(list(markers.iterdir())) == 2, 90, "both ranks reducing")
+        _ip("-n", two_hosts[0], "link", "set", veth, "down")
+        cut = time.monotonic()
+        results = collect(ranks, timeout_s=60)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+        _ip("-n", two_hosts[0], "link", "set", veth, "up")
+    for result in results:
+        outcome = result.records()[-1]
+        assert outcome["error"] == "PeerLostError", result.stdout + result.stderr
+        assert outcome["at"] - cut < peer_timeout_s + 20, outcome
     for daemon in daemons:
         daemon.assert_alive()

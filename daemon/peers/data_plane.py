@@ -57,6 +57,7 @@ class DataPlane:
         on_broken: Callable[[str, str], None],
         limits: tuple[int, int, int],
         connect_timeout_s: float,
+        dead_after_s: float = 10.0,
         on_head: Callable[
             [str, str, bytes, list[int]], Sequence[PayloadSink | None] | None
         ] | None = None,
@@ -77,6 +78,7 @@ class DataPlane:
         self._on_broken = on_broken
         self._limits = limits
         self._connect_timeout_s = connect_timeout_s
+        self._dead_after_s = dead_after_s
         self.token = secrets.token_bytes(16)
         self.port = 0
         self._listener: socket.socket | None = None
@@ -133,6 +135,7 @@ class DataPlane:
             if self._closed:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            bound_dead_connection(sock, self._dead_after_s)
             sender = StreamSender(sock, self._loop, self._broken, f"the stream to {peer}")
             sock = None  # the sender owns it now
             self._senders[peer] = sender  # before the hello: a failing send unregisters it
@@ -203,6 +206,8 @@ class DataPlane:
             sock.close()
             self._on_event("stream_refused", str(address[0]), "too many streams without hello")
             return
+        with contextlib.suppress(OSError):
+            bound_dead_connection(sock, self._dead_after_s)
         max_header, max_payloads, max_payload = self._limits
         receiver = StreamReceiver(
             sock, self._loop, max_header_bytes=max_header, max_payloads=max_payloads,
@@ -284,3 +289,18 @@ class DataPlane:
                 self._loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
+
+
+def bound_dead_connection(sock: socket.socket, dead_after_s: float) -> None:
+    """Have the kernel give up on a TCP connection the other end stopped answering.
+
+    TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged (a cut
+    link with a full send queue would otherwise retransmit for many minutes);
+    keepalive probes find a dead connection that has nothing to send.
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, round(dead_after_s / 2))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle / 3)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(dead_after_s * 1000)))

@@ -374,6 +374,14 @@ class PeerLinks:
         sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload_bytes)
+        # The kernel gives up on a connection whose data stays unacknowledged (a cut
+        # link) or whose keepalive probes go unanswered, within about the peer timeout.
+        idle_s = max(1, round(self._peer_timeout_s / 2))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(idle_s / 3)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        sock.setsockopt(zmq.TCP_MAXRT, max(1, round(self._peer_timeout_s * 1000)))
         # Explicit bounds on what ZeroMQ queues per connection (a full receive queue
         # stops reading the TCP socket; a full send queue leaves the rest in our backlog).
         sock.setsockopt(zmq.RCVHWM, _PEER_QUEUE)
@@ -436,6 +444,7 @@ class PeerLinks:
             on_head=self._on_stream_head if self._on_place is not None else None,
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
             connect_timeout_s=max(5.0, self._peer_timeout_s),
+            dead_after_s=self._peer_timeout_s,
         )
         try:
             plane.start()
@@ -947,6 +956,14 @@ class PeerLinks:
                             "given up on it", frozen_s, link.name)
                 self._drop_link(link)
                 continue
+            # ZeroMQ's own heartbeats cannot get out behind a full send queue on a cut
+            # link: our pings' answers (and anything else the peer sends) are the test.
+            heard_s = now - link.last_heard if link.last_heard is not None else 0.0
+            if heard_s > self._peer_timeout_s:
+                log.warning("peer %s silent for %.1fs (peer timeout %gs)", link.name,
+                            heard_s, self._peer_timeout_s)
+                self._drop_link(link)
+                continue
             header = encode_header(self.endpoint, {"kind": PING, "seq": next(link.seq)})
             link.dealer.try_send([header])
 
@@ -963,6 +980,7 @@ class PeerLinks:
         if link.state == "up":
             return
         link.state = "up"
+        link.last_heard = time.monotonic()  # the handshake came from the peer
         link.down = asyncio.get_running_loop().create_future()
         log.info("peer %s is up", link.name)
         if link.probe is not None:
