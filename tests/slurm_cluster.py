@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,7 @@ from conftest import poll_until
 SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scancel",
                   "scontrol")
 NAMESPACE_PROGRAMS = ("ip", "nsenter", "unshare", "mount")
+REPO = Path(__file__).resolve().parent.parent
 #: Marks every process of one cluster (daemons, job steps), so teardown finds them all.
 MARK = "GRADSYNC_TEST_SLURM"
 _START_TIMEOUT_S = 60.0
@@ -136,11 +138,27 @@ class Namespaces:
         if hostname is None:
             return prefix
         # A /tmp of its own, as a real node has: train.sbatch's socket path is per job,
-        # not per node.
-        setup = (f"mount --bind {self.hosts_file} /etc/hosts && "
-                 f"mount -t tmpfs -o mode=1777 gradsync-test-tmp /tmp && hostname {hostname}")
+        # not per node.  What the jobs need from the real /tmp (a checkout or venv
+        # there, as in CI) is bound aside first and back into the new /tmp after.
+        held = _under_tmp([REPO, Path(sys.prefix)])
+        hold = self.hosts_file.parent / f"held-{hostname}"
+        aside = [f"mkdir -p {hold}/{i} && mount --bind {path} {hold}/{i}"
+                 for i, path in enumerate(held)]
+        back = [f"mkdir -p {path} && mount --bind {hold}/{i} {path}"
+                for i, path in enumerate(held)]
+        setup = " && ".join([
+            f"mount --bind {self.hosts_file} /etc/hosts", *aside,
+            "mount -t tmpfs -o mode=1777 gradsync-test-tmp /tmp", *back,
+            f"hostname {hostname}",
+        ])
         return [*prefix, "unshare", "--mount", "--uts", "sh", "-c", setup + ' && exec "$@"',
                 "-"]
+
+
+def _under_tmp(paths: Sequence[Path]) -> list[Path]:
+    """The outermost of `paths` that lie under /tmp (nested ones come with them)."""
+    inside = sorted({p.resolve() for p in paths if p.resolve().is_relative_to("/tmp")})
+    return [p for p in inside if not any(p != q and p.is_relative_to(q) for q in inside)]
 
 
 @dataclasses.dataclass
