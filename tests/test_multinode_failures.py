@@ -19,7 +19,7 @@ import pytest
 import zmq
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
-from conftest import DaemonProcess, collect, poll_until, spawn_rank
+from conftest import PROGRAMS, DaemonProcess, collect, poll_until, spawn_rank
 from gradsync.client.ping import query
 from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.membership import Announcement, form
@@ -520,3 +520,25 @@ def test_a_stopped_daemon_fails_its_ranks_as_soon_as_it_runs_again(
     assert outcome["at"] - resumed < PEER_TIMEOUT_S + 15, outcome
     for daemon in daemons:
         daemon.assert_alive()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+def test_impostors_taking_turns_with_a_peers_routing_id_cannot_end_the_daemon(
+    start_daemon: StartDaemon,
+) -> None:
+    """Three processes reconnect under the configured peer's routing id, sending
+    4,100-frame messages: with ROUTER_HANDOVER, libzmq aborted the daemon
+    (`!_more` in fq.cpp) within seconds, three runs in three."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    daemon = start_daemon(*peer_args(0, endpoints, "--insecure"))
+    impostors = [
+        subprocess.Popen([sys.executable, str(PROGRAMS / "peer_impostor.py"), endpoints[0],
+                          endpoints[1], "12"], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    for impostor in impostors:
+        out, _ = impostor.communicate(timeout=90)
+        assert impostor.returncode == 0 and int(out) > 0, out
+    daemon.assert_alive()
+    assert query(daemon.endpoint, 5.0)["pid"] == daemon.pid  # and it still serves

@@ -412,7 +412,11 @@ class PeerLinks:
         sockets: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
         router = sockets.socket(zmq.ROUTER)
         self._configure(router)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a second connection claiming a live peer's routing id
+        # would take the id over mid-message, and libzmq 4.3 aborts the whole process
+        # on that (`!_more` in fq.cpp, `!_io_error` in stream_engine_base.cpp) when the
+        # message has many frames.  Without it the newcomer is refused while the old
+        # connection lives; a restarted peer gets in once heartbeats drop its old one.
         if self._secret is not None:
             router.curve_server = True
             router.curve_publickey, router.curve_secretkey = self._secret
