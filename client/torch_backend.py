@@ -35,6 +35,7 @@ from gradsync.client.buffers import SegmentRegistry
 from gradsync.client.client import Client
 from gradsync.client.environment import resolve_identity
 from gradsync.client.ping import query
+from gradsync.client.torch_buckets import as_tensor
 from gradsync.client.torch_tensors import (
     NUMPY_DTYPES,
     Staged,
@@ -705,12 +706,8 @@ def empty(
             "gradsync.client.torch.empty needs a process group of backend 'gradsync' "
             f"(init_process_group('gradsync')); got {type(pg).__name__}"
         )
-    wire = torch.bool if dtype == torch.bool else dtype
-    if wire not in NUMPY_DTYPES and wire != torch.bool:
+    np_dtype = np.dtype(np.uint8) if dtype == torch.bool else NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
         raise InvalidArgumentError(f"gradsync.client.torch.empty: unsupported dtype {dtype}")
-    np_dtype = np.dtype(np.uint8) if wire == torch.bool else NUMPY_DTYPES[wire]
-    array = pg.client.empty(tuple(int(d) for d in dims), np_dtype)
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    tensor = torch.from_numpy(array)
+    tensor = as_tensor(pg.client.empty(tuple(int(d) for d in dims), np_dtype))
     return tensor.view(torch.bool) if dtype == torch.bool else tensor

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradsync.client.torch_buckets import FLOAT_DTYPES
 from gradsync.protocol.errors import InvalidArgumentError
 
 #: torch's reduce ops → gradsync's (the ones with a meaning in a daemon reduction).
@@ -34,11 +35,9 @@ TORCH_OPS: dict[Any, str] = {
 BOOL_OPS = {"sum": "max", "prod": "min", "max": "max", "min": "min",
              "band": "band", "bor": "bor", "bxor": "bxor"}
 
+#: torch dtype → numpy dtype the daemon reduces: the gradient types, and integers.
 NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
+    **FLOAT_DTYPES,
     torch.int8: np.dtype(np.int8),
     torch.uint8: np.dtype(np.uint8),
     torch.int32: np.dtype(np.int32),

@@ -223,6 +223,11 @@ def primitives(group: Any = None, ranks: list[int] | None = None) -> int:
     return check.count
 
 
+def reduce_ref_of(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    wide = torch.stack([p.double() for p in parts])
+    return wide.sum(0) if op == "sum" else wide.max(0).values
+
+
 def p2p(check: Checker, group: Any, ranks: list[int]) -> None:
     """send/recv, isend/irecv and batch_isend_irecv around a ring, two tags."""
     me, size = ranks.index(RANK), len(ranks)
@@ -431,6 +436,15 @@ def sharing() -> int:
     thrice(exported)
     alias[1] = 7.0
     assert float(exported[1]) == 7.0 and not exported.untyped_storage().is_shared()
+    for dtype, op in ((torch.bfloat16, "max"), (torch.bool, "max"), (torch.int64, "sum")):
+        shared = gt.empty(n, dtype=dtype)  # daemon memory in any dtype
+        assert shared.dtype == dtype and shared.shape == (n,), shared
+        shared.copy_(value(RANK, n, torch.int64).remainder(2).to(dtype))
+        dist.all_reduce(shared, op=TORCH_OPS[op])
+        parts = [value(r, n, torch.int64).remainder(2).to(dtype) for r in range(WORLD)]
+        want = (torch.stack(parts).any(0) if dtype == torch.bool
+                else reduce_ref_of(parts, op).to(dtype))
+        check.equal(f"empty() {dtype}", shared, want)
     small = torch.zeros(16)  # passing through the backend leaves a tensor resizable
     dist.all_reduce(small)
     small.resize_(1 << 12)
