@@ -230,7 +230,7 @@ def _daemon_flags(
 
 def _make_keys(folder: str, endpoints: Sequence[str]) -> list[tuple[str, str]]:
     """A CURVE keypair per daemon (`gradsync keygen`), every public key authorised."""
-    from gradsync.client.keygen import generate_keypair
+    from gradsync.client.cli.keygen import generate_keypair
 
     authorized = os.path.join(folder, "authorized")
     os.makedirs(authorized, mode=0o700)
@@ -298,7 +298,7 @@ def run_gradsync(
 
 def _snapshots(daemons: Sequence[DaemonRun], problems: list[str]) -> list[dict[str, Any]]:
     """Each daemon's statistics (for auto's picks); a daemon that does not answer is noted."""
-    from gradsync.client.stats_cli import fetch_snapshot
+    from gradsync.client.cli.stats import fetch_snapshot
     from gradsync.protocol.errors import GradsyncError
 
     snapshots = []

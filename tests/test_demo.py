@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_launch import assert_private_daemon_gone, clean_env, run_cli, sandbox
 
-from gradsync.client.demo import Progress, make_spiral, torch_available
+from gradsync.client.cli.demo_rank import Progress, make_spiral, torch_available
 
 __all__ = ["sandbox"]  # the fixture, imported for these tests
 

@@ -14,7 +14,7 @@ import pytest
 import zmq.auth
 from cluster import free_ports
 
-from gradsync.client.keygen import add_keygen_arguments, generate_keypair, run_keygen
+from gradsync.client.cli.keygen import add_keygen_arguments, generate_keypair, run_keygen
 from gradsync.daemon.peers import (
     KeyFileError,
     load_authorized,

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import DaemonProcess, collect, poll_until, spawn_ranks
-from gradsync.client.stats_cli import fetch_snapshot, render_table
+from gradsync.client.cli.stats import fetch_snapshot, render_table
 from gradsync.protocol import messages
 
 CLI = [sys.executable, "-m", "gradsync.client.cli"]

@@ -1,6 +1,6 @@
 """`gradsync demo`, the command: its options, and the launch of its ranks.
 
-The ranks run `gradsync.client.demo`, which trains with numpy (or torch); this
+The ranks run `gradsync.client.cli.demo_rank`, which trains with numpy (or torch); this
 side only parses, checks and launches, so it imports neither: `gradsync`
 builds every subcommand's options at start, and no command should pay for
 numpy's import to show its help or to ping.
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from gradsync.client.launch import LaunchInterrupted, SignalForwarder, daemon_for, run_ranks
+from gradsync.client.cli.launch import LaunchInterrupted, SignalForwarder, daemon_for, run_ranks
 from gradsync.protocol.endpoint import default_endpoint
 
 BACKENDS = ("auto", "torch", "numpy")
@@ -80,7 +80,7 @@ def run_demo(args: argparse.Namespace) -> int:
     threads = str(max(1, len(os.sched_getaffinity(0)) // (args.nproc + 1)))
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, threads)
-    command = [sys.executable, "-m", "gradsync.client.demo"]
+    command = [sys.executable, "-m", "gradsync.client.cli.demo_rank"]
     for name in _FORWARDED:
         command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args._break:

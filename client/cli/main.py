@@ -1,4 +1,4 @@
-"""`gradsync`: the command line (launch, demo, ping, keygen).
+"""`gradsync`: the parser and the dispatch of every subcommand.
 
 Building the parser imports every subcommand's module, so those modules import
 only what their options need: numpy, ZeroMQ and the like load inside the
@@ -12,11 +12,11 @@ import functools
 import sys
 from collections.abc import Sequence
 
-from gradsync.client.demo_cli import add_demo_arguments, run_demo
-from gradsync.client.keygen import add_keygen_arguments, run_keygen
-from gradsync.client.launch import add_launch_arguments, run_launch
-from gradsync.client.ping import ping
-from gradsync.client.stats_cli import (
+from gradsync.client.cli.demo import add_demo_arguments, run_demo
+from gradsync.client.cli.keygen import add_keygen_arguments, run_keygen
+from gradsync.client.cli.launch import add_launch_arguments, run_launch
+from gradsync.client.cli.ping import ping
+from gradsync.client.cli.stats import (
     add_stats_arguments,
     add_trace_arguments,
     run_stats,
