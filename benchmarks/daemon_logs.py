@@ -93,7 +93,7 @@ def picks_from_stats(
             result.costs.setdefault(nbytes, (entry["alpha_s"], entry["beta_s_per_byte"]))
     try:
         from gradsync.daemon.algorithms.cost_model import estimate_s
-        from gradsync.daemon.cluster import auto_candidates
+        from gradsync.daemon.core.auto import auto_candidates
     except ImportError:
         return result
     for nbytes, (alpha, beta) in result.costs.items():
@@ -108,7 +108,7 @@ def model_choice(daemons: int, nbytes: int, alpha: float, beta: float) -> str | 
     """What the daemon's cost model picks (None if gradsync is not importable here)."""
     try:
         from gradsync.daemon.algorithms.cost_model import choose
-        from gradsync.daemon.cluster import auto_candidates
+        from gradsync.daemon.core.auto import auto_candidates
     except ImportError:
         return None
     best: str = choose(daemons, nbytes, alpha, beta, candidates=auto_candidates(daemons))[0]

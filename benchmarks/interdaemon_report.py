@@ -25,8 +25,8 @@ from plan import (
 )
 from report import Cell, ContenderRun, details_table, format_bw, format_time, results_table
 
-from gradsync.daemon.cluster import auto_candidates
-from gradsync.daemon.cost_epochs import EPOCH_KEYS
+from gradsync.daemon.core.auto import auto_candidates
+from gradsync.daemon.core.cost_epochs import EPOCH_KEYS
 
 if TYPE_CHECKING:
     from interdaemon import Group

@@ -30,7 +30,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from gradsync.daemon.shm_pool import pid_alive
+from gradsync.daemon.backends.shm_pool import pid_alive
 
 SUBNET = "10.213.50"
 NAME_PREFIX = "gsbench"

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(config: DaemonConfig) -> None:
-    from gradsync.daemon.server import serve
+    from gradsync.daemon.io.server import serve
 
     try:
         import uvloop
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The server and the peer links (numpy, ml_dtypes, ZeroMQ, asyncio: most of a
     # second) load once the command line parses: `gradsyncd --help` answers at once.
-    from gradsync.daemon.server import StartupError
+    from gradsync.daemon.io.server import StartupError
     from gradsync.daemon.slurm import with_slurm_peers
 
     flags = {k: v for k, v in vars(args).items() if k != "config"}

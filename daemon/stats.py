@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:
-    from gradsync.daemon.service import GradsyncService
+    from gradsync.daemon.io.service import GradsyncService
 
 #: Size classes (upper bounds, bytes) for latency and bandwidth figures.
 SIZE_CLASSES = (4 * 1024, 64 * 1024, 1024**2, 16 * 1024**2, 256 * 1024**2, float("inf"))

@@ -16,7 +16,7 @@ from gradsync.daemon.algorithms.calibration import (
 )
 from gradsync.daemon.algorithms.cost_model import estimate_s
 from gradsync.daemon.config import DaemonConfig
-from gradsync.daemon.cost_epochs import (
+from gradsync.daemon.core.cost_epochs import (
     EPOCH_KEYS,
     TABLES_KEPT,
     Agreement,

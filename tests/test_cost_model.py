@@ -179,7 +179,7 @@ def test_best_tree_chunks_minimises_the_estimate(daemons: int, nbytes: int) -> N
 def test_the_daemons_auto_pick_is_choose_over_its_candidates() -> None:
     """What the daemon runs for `auto`: `choose` over ring, rhd, tree (and star up
     to 8 daemons), remembered per question."""
-    from gradsync.daemon.cluster import AUTO_CANDIDATES, auto_candidates, auto_pick
+    from gradsync.daemon.core.auto import AUTO_CANDIDATES, auto_candidates, auto_pick
 
     for daemons in (2, 4, 8, 9, 64):
         candidates = auto_candidates(daemons)

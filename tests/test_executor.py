@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradsync.daemon.algorithms import build_schedules
-from gradsync.daemon.executor import ChunkPool, ScheduleRun
+from gradsync.daemon.run.executor import ChunkPool, ScheduleRun
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveError, ProtocolError
 

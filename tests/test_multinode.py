@@ -71,7 +71,7 @@ def _auto_entries(daemons: list[DaemonProcess], job: str) -> list[dict[str, Any]
 def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemon) -> None:
     """Past its first epoch a job's `auto` runs on link costs fitted to the ring and
     rhd allreduces the daemons ran, and every member prices and picks alike."""
-    from gradsync.daemon.cost_epochs import EPOCH_KEYS
+    from gradsync.daemon.core.cost_epochs import EPOCH_KEYS
 
     rounds = 48  # 6 keys each: epochs 0 to 8
     daemons = start_cluster(start_daemon, 3)
@@ -132,7 +132,7 @@ def test_auto_alone_times_its_close_contenders_then_runs_the_fastest(
     epoch, each algorithm the model prices within `auto_explore_factor` of its
     best, then runs the fastest measured; every member does the same at every
     key.  At factor 1 the model alone decides."""
-    from gradsync.daemon.cost_epochs import EPOCH_KEYS
+    from gradsync.daemon.core.cost_epochs import EPOCH_KEYS
 
     rounds = 150  # 2 keys each: epochs 0 to 9
     # Factor 100: every algorithm is a contender, whatever the links cost.  The

@@ -15,7 +15,7 @@ from typing import Any
 
 from gradsync.daemon.backends.base import Backend, Slab
 from gradsync.daemon.backends.host import HostBackend
-from gradsync.daemon.shm_pool import ShmPool
+from gradsync.daemon.backends.shm_pool import ShmPool
 from gradsync.protocol.errors import InvalidArgumentError, ShmExhaustedError
 
 log = logging.getLogger("gradsync.daemon.buffers")

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from gradsync.daemon.backends.base import Slab
-from gradsync.daemon.reduce import reduce_range
-from gradsync.daemon.shm_pool import ShmPool
+from gradsync.daemon.backends.reduce import reduce_range
+from gradsync.daemon.backends.shm_pool import ShmPool
 from gradsync.protocol.dtypes import ReduceOp
 
 

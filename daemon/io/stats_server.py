@@ -39,7 +39,7 @@ from gradsync.protocol.endpoint import MAX_SOCKET_PATH, stats_stream_endpoint
 from gradsync.protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from gradsync.daemon.service import GradsyncService
+    from gradsync.daemon.io.service import GradsyncService
 
 log = logging.getLogger("gradsync.daemon.stats")
 

@@ -21,13 +21,13 @@ from collections.abc import Iterator
 
 import zmq
 
+from gradsync.daemon.backends.shm_pool import sweep_dead_segments
 from gradsync.daemon.config import DaemonConfig
-from gradsync.daemon.peering import Peering, wants_peers
+from gradsync.daemon.io.peering import Peering, wants_peers
+from gradsync.daemon.io.service import GradsyncService
+from gradsync.daemon.io.session import ClientSession
+from gradsync.daemon.io.stats_server import StatsServer, stats_curve, stats_endpoints
 from gradsync.daemon.sd_notify import Notifier
-from gradsync.daemon.service import GradsyncService
-from gradsync.daemon.session import ClientSession
-from gradsync.daemon.shm_pool import sweep_dead_segments
-from gradsync.daemon.stats_server import StatsServer, stats_curve, stats_endpoints
 from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.version import __version__
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from gradsync.daemon.cost_epochs import CostEpochs
-from gradsync.daemon.executor import ScheduleRun
-from gradsync.daemon.membership import Announcement, Formation
+from gradsync.daemon.core.cost_epochs import CostEpochs
+from gradsync.daemon.core.membership import Announcement, Formation
+from gradsync.daemon.run.executor import ScheduleRun
 from gradsync.protocol.errors import (
     CollectiveTimeoutError,
     GradsyncError,

@@ -22,7 +22,7 @@ from gradsync.protocol.codec import FrameReader, Message, encode_frame
 from gradsync.protocol.errors import GradsyncError, ProtocolError, VersionMismatchError
 
 if TYPE_CHECKING:
-    from gradsync.daemon.service import GradsyncService
+    from gradsync.daemon.io.service import GradsyncService
 
 log = logging.getLogger("gradsync.daemon.session")
 

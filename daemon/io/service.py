@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradsync.daemon.backends import Backend, Buffers, Slab
-from gradsync.daemon.cluster import ClusterJobs
-from gradsync.daemon.collectives import (
+from gradsync.daemon.backends.reduce import split_ranges
+from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
+from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.matching import Fingerprint, Job, Member, PendingCollective, Submission
+from gradsync.daemon.core.membership import Formation
+from gradsync.daemon.core.plans import (
     KINDS,
     REDUCING,
     ROOTED,
@@ -29,10 +33,6 @@ from gradsync.daemon.collectives import (
     make_plan,
     run_local,
 )
-from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
-from gradsync.daemon.jobs import Fingerprint, Job, Member, PendingCollective, Submission
-from gradsync.daemon.membership import Formation
-from gradsync.daemon.reduce import split_ranges
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
@@ -51,7 +51,7 @@ from gradsync.protocol.errors import (
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:
-    from gradsync.daemon.session import ClientSession
+    from gradsync.daemon.io.session import ClientSession
 
 log = logging.getLogger("gradsync.daemon")
 

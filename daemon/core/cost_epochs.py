@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from gradsync.daemon.algorithms.calibration import Costs, Group
-from gradsync.daemon.membership import Formation
+from gradsync.daemon.core.membership import Formation
 from gradsync.protocol.errors import GradsyncError
 
 #: Keys per epoch: how often the members re-agree on `auto`'s figures.

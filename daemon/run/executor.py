@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from gradsync.daemon.reduce import combine_into
+from gradsync.daemon.backends.reduce import combine_into
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
 

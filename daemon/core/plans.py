@@ -29,7 +29,7 @@ import numpy as np
 
 from gradsync.daemon.algorithms import rooted
 from gradsync.daemon.algorithms.schedule import Schedule
-from gradsync.daemon.reduce import combine_into
+from gradsync.daemon.backends.reduce import combine_into
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import InvalidArgumentError
 

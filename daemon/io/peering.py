@@ -11,10 +11,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from gradsync.daemon.cluster import ClusterJobs
 from gradsync.daemon.config import ConfigError, DaemonConfig
+from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.peers.links import CurveConfig, PeerLinks, PeerMessage
-from gradsync.daemon.service import GradsyncService
 
 log = logging.getLogger("gradsync.daemon.peering")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,12 +22,12 @@ import numpy as np
 
 from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.algorithms.calibration import CostMeter, Costs, Group, measured_pick
-from gradsync.daemon.algorithms.cost_model import best_tree_chunks, choose, estimate_s
+from gradsync.daemon.algorithms.cost_model import best_tree_chunks
 from gradsync.daemon.algorithms.tree import tree
-from gradsync.daemon.collectives import Plan
-from gradsync.daemon.cost_epochs import Agreement, Offer, epoch_of, epoch_to_offer, explores
-from gradsync.daemon.executor import ChunkPool, ScheduleRun, SendFailed, is_placed
-from gradsync.daemon.membership import (
+from gradsync.daemon.backends.reduce import broadcast_from_first, reduce_into_first
+from gradsync.daemon.core.auto import CALIBRATING, auto_pick, model_terms
+from gradsync.daemon.core.cost_epochs import Agreement, Offer, epoch_of, epoch_to_offer, explores
+from gradsync.daemon.core.membership import (
     BOOT,
     Announcement,
     Formation,
@@ -37,7 +36,8 @@ from gradsync.daemon.membership import (
     is_wire_int,
     new_incarnation,
 )
-from gradsync.daemon.reduce import broadcast_from_first, reduce_into_first
+from gradsync.daemon.core.plans import Plan
+from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol.dtypes import ReduceOp
@@ -56,24 +56,13 @@ from gradsync.protocol.messages import clip
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
-    from gradsync.daemon.jobs import Job, PendingCollective
+    from gradsync.daemon.core.matching import Job, PendingCollective
 
 log = logging.getLogger("gradsync.daemon.cluster")
 
-#: Algorithms `auto` picks from.  Star, two steps whatever the size, wins small
-#: buffers over a few daemons (measured: up to about 1 MiB at 4 daemons); its
-#: root's per-message cost, which the model does not charge, rules it out beyond.
-AUTO_CANDIDATES = ("ring", "rhd", "tree")
-#: ... and star too, up to this many daemons.
-STAR_MAX_DAEMONS = 8
 #: Withdrawals remembered, to drop an announcement they overtook (see `_on_withdraw`).
 WITHDRAWALS_KEPT = 4096
 
-#: Algorithms whose timings calibrate `auto`: those the model prices exactly as
-#: built (tests/test_cost_model.py).  The model leaves out star's per-message
-#: cost at the root and prices the tree within 25 %, so their timings would
-#: bend the figures away from what the others cost.
-CALIBRATING = frozenset({"ring", "rhd"})
 #: Timings (algorithm, size) a daemon offers per epoch at most: the groups of
 #: its remembered collectives that first ran most recently.
 MAX_TIMES_OFFERED = 64
@@ -81,29 +70,6 @@ MAX_TIMES_OFFERED = 64
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
 DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
-
-
-def auto_candidates(daemons: int) -> tuple[str, ...]:
-    """What `auto` chooses among for a job over this many daemons."""
-    return AUTO_CANDIDATES + (("star",) if daemons <= STAR_MAX_DAEMONS else ())
-
-
-@functools.lru_cache(maxsize=4096)
-def auto_pick(
-    daemons: int, nbytes: int, alpha_s: float, beta_s_per_byte: float
-) -> tuple[str, tuple[tuple[str, float], ...]]:
-    """`auto`'s choice and the estimates behind it; remembered, since a job asks
-    the same question (its formation's figures, the same sizes) every collective."""
-    best, estimates = choose(daemons, nbytes, alpha_s, beta_s_per_byte,
-                             candidates=auto_candidates(daemons))
-    return best, tuple(estimates.items())
-
-
-@functools.lru_cache(maxsize=1024)
-def model_terms(algorithm: str, daemons: int, nbytes: int) -> tuple[float, float]:
-    """(alphas, bytes at beta) the cost model charges this allreduce."""
-    return (estimate_s(algorithm, daemons, nbytes, 1.0, 0.0),
-            estimate_s(algorithm, daemons, nbytes, 0.0, 1.0))
 
 
 class PeerTransport(Protocol):

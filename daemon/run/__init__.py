@@ -1,0 +1,1 @@
+"""Running collectives: a schedule over the peer links (`executor.py`)."""
