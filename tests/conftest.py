@@ -7,13 +7,11 @@ clean exit and that none of their segments is left in /dev/shm.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,9 +22,8 @@ from typing import Any
 
 import pytest
 
-from gradsync.client.ping import query
-from gradsync.protocol.errors import GradsyncError
-from gradsync.protocol.shm import SHM_DIR
+from gradsync.client import daemon_process
+from gradsync.client.daemon_process import segments_of
 
 PROGRAMS = Path(__file__).parent / "programs"
 READY_TIMEOUT_S = 20.0
@@ -53,63 +50,38 @@ def assert_lock_released(lock_path: str) -> None:
         os.close(fd)
 
 
-def segments_of(pid: int) -> list[str]:
-    """Names of /dev/shm segments created by the daemon with this pid."""
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"gradsync-{pid}-"))
-
-
-@dataclasses.dataclass
-class DaemonProcess:
-    """A gradsyncd subprocess started by a test."""
+class DaemonProcess(daemon_process.DaemonProcess):
+    """A gradsyncd subprocess started by a test (the library's launcher, with asserts)."""
 
     endpoint: str
     folder: str
-    process: subprocess.Popen[bytes]
     log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
     @property
     def socket_path(self) -> str:
         return self.endpoint[len("ipc://") :]
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
     def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(
-                f"gradsyncd ignored SIGTERM for {timeout_s}s:\n{self.log()}"
-            ) from None
+        """SIGTERM and wait; returns the exit status.  Fails if SIGTERM was ignored."""
+        code = super().stop(timeout_s)
+        if self.killed:
+            raise AssertionError(f"gradsyncd ignored SIGTERM for {timeout_s}s:\n{self.log()}")
+        return code
 
     def assert_alive(self) -> None:
         assert self.process.poll() is None, f"gradsyncd died:\n{self.log()}"
 
 
 def wait_until_ready(endpoint: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(
-                f"gradsyncd exited with {process.returncode}:\n{log_path.read_text()}"
-            )
-        try:
-            query(endpoint, 1.0)
-            return
-        except GradsyncError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise AssertionError(f"gradsyncd not ready:\n{log_path.read_text()}") from None
-            time.sleep(0.01)
+    """Wait for a gradsyncd the test started itself; fails (killing it) with its log."""
+    try:
+        DaemonProcess(endpoint, str(log_path.parent), process, log_path).wait_ready(
+            READY_TIMEOUT_S, poll_s=0.01
+        )
+    except daemon_process.DaemonStartError as exc:
+        if exc.exit_code is None:
+            process.kill()
+        raise AssertionError(f"{exc}:\n{log_path.read_text()}") from None
 
 
 def launch_daemon(
@@ -119,18 +91,15 @@ def launch_daemon(
     name: str = "d",
     prefix: Sequence[str] = (),
 ) -> DaemonProcess:
-    endpoint = f"ipc://{folder}/{name}.sock"
     log_path = Path(folder) / f"{name}.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "gradsync.daemon", "--socket", endpoint, *args],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-        )
-    wait_until_ready(endpoint, process, log_path)
-    return DaemonProcess(endpoint, folder, process, log_path)
+    started = daemon_process.start_daemon(
+        f"ipc://{folder}/{name}.sock", args, folder=folder, log_path=log_path, prefix=prefix,
+        env={**os.environ, **(env or {})},
+    )
+    daemon = DaemonProcess(started.endpoint, folder, started.process, log_path,
+                           prefix_words=len(prefix))
+    wait_until_ready(daemon.endpoint, daemon.process, daemon.log_path)
+    return daemon
 
 
 @pytest.fixture
@@ -161,13 +130,12 @@ def start_daemon(short_tmp: str) -> Iterator[object]:
         code = daemon.stop()
         if was_running and code != 0:
             problems.append(f"gradsyncd exited {code} on SIGTERM:\n{daemon.log()}")
-        leaked = segments_of(daemon.pid)
-        if leaked and was_running:
-            problems.append(f"segments left behind: {leaked}")
         if not was_running:  # killed on purpose by the test: sweep its leftovers
-            for name in leaked:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, name))
+            daemon.sweep_segments()
+            continue
+        leaked = segments_of(daemon.pid)
+        if leaked:
+            problems.append(f"segments left behind: {leaked}")
     assert not problems, "\n".join(problems)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from gradsync.client.daemon_process import DaemonStartError, start_daemon
 from gradsync.client.ping import query
 from gradsync.protocol.endpoint import default_endpoint
 from gradsync.protocol.errors import GradsyncError
@@ -90,29 +91,22 @@ def daemon_for(
         if candidate is None:
             folder = tempfile.mkdtemp(prefix="gradsync-launch-")
             candidate = f"ipc://{folder}/gradsyncd.sock"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gradsync.daemon", "--socket", candidate,
-             *(daemon_args or [])],
-            stdin=subprocess.DEVNULL,
-            env=env,
-            # Its own session: a Ctrl-C for the ranks must not stop it under them;
-            # launch stops it once the ranks are done.
-            start_new_session=True,
-        )
+        # Its own session: a Ctrl-C for the ranks must not stop it under them;
+        # launch stops it once the ranks are done.
+        daemon = start_daemon(candidate, daemon_args or [], folder=folder, env=env,
+                              new_session=True)
     try:
         if signals is not None:
             signals.raise_held()
-        _wait_ready(candidate, process)
-        (report or log)(f"started a private gradsyncd (pid {process.pid}) at {candidate}")
+        try:
+            daemon.wait_ready(_DAEMON_START_TIMEOUT_S)
+        except DaemonStartError as exc:
+            raise SystemExit(f"gradsync launch: {exc}") from None
+        (report or log)(f"started a private gradsyncd (pid {daemon.pid}) at {candidate}")
         yield candidate
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                code = process.wait(_GRACE_S * 3)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                code = process.wait()
+        if daemon.alive():
+            code = daemon.stop(_GRACE_S * 3)
             if code != 0:
                 log(f"private gradsyncd exited with status {code}")
         if folder is not None:
@@ -133,23 +127,6 @@ def _has_peers(endpoint: str) -> bool:
         return bool(query(endpoint, 2.0).get("peers"))
     except GradsyncError:
         return True  # it answered a moment ago; the ranks will report what is wrong
-
-
-def _wait_ready(endpoint: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + _DAEMON_START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"gradsync launch: gradsyncd exited with status {process.returncode}")
-        try:
-            query(endpoint, 1.0)
-            return
-        except GradsyncError:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"gradsync launch: gradsyncd did not answer at {endpoint} within "
-                    f"{_DAEMON_START_TIMEOUT_S:g}s"
-                ) from None
-            time.sleep(0.02)
 
 
 def _rank_command(script: str, script_args: list[str]) -> list[str]:
