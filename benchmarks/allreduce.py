@@ -1,6 +1,6 @@
 """Allreduce benchmark, nccl-tests style: gradsync vs torch gloo vs Open MPI on one node.
 
-    python benchmarks/allreduce.py [--sizes 4KiB,16MiB] [--nproc 2,4] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.allreduce [--sizes 4KiB,16MiB] [--nproc 2,4] [--out benchmarks/RESULTS.md]
 
 Starts a private gradsyncd, runs every contender for every N (gradsync ranks
 through `gradsync launch`, gloo ranks as plain processes, MPI ranks under
@@ -24,9 +24,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-import machine
-import results_file
-from plan import (
+from benchmarks import machine, results_file
+from benchmarks.plan import (
     CONTENDER_KEYS,
     DEFAULT_NPROCS,
     DEFAULT_SIZES,
@@ -36,18 +35,19 @@ from plan import (
     format_size,
     parse_sizes,
 )
-from private_daemon import DaemonRun, private_daemon
-from processes import (
+from benchmarks.private_daemon import DaemonRun, private_daemon
+from benchmarks.processes import (
     command_line,
     log_tail,
+    module_command,
     rank_env,
     signals_unwind,
     start_group,
     stop_group,
     wait_all,
 )
-from rank_worker import result_path
-from report import (
+from benchmarks.rank_worker import result_path
+from benchmarks.report import (
     ContenderRun,
     latency_table,
     load_rank_files,
@@ -55,9 +55,6 @@ from report import (
     results_table,
     select_runs,
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "rank_worker.py")
 
 
 def log(message: str) -> None:
@@ -133,15 +130,15 @@ def skip_reason(key: str) -> str | None:
 
 
 def _worker_args(key: str, settings: Settings, nproc: int) -> list[str]:
-    return [
-        WORKER,
+    return module_command(
+        "rank_worker",
         "--contender", key,
         "--sizes", ",".join(map(str, settings.sizes)),
         "--out-dir", settings.run_dir,
         "--policy", json.dumps(dataclasses.asdict(settings.policy)),
         "--init-file", os.path.join(settings.run_dir, f"{key}-n{nproc}.store"),
         "--timeout-s", str(settings.timeout_s),
-    ]
+    )
 
 
 def mpirun_prefix(nproc: int) -> list[str]:
@@ -160,7 +157,7 @@ def run_contender(
     if reason is not None:
         return ContenderRun(key, nproc, "skipped", reason)
     log_path = os.path.join(settings.run_dir, f"{key}-n{nproc}.log")
-    worker = [sys.executable, *_worker_args(key, settings, nproc)]
+    worker = _worker_args(key, settings, nproc)
     helpers = [daemon.pid] if daemon is not None else []
     waited = 0.0
     if settings.quiet_wait_s > 0:
@@ -174,7 +171,8 @@ def run_contender(
         command = [
             sys.executable, "-m", "gradsync.client.cli", "launch",
             "--nproc-per-node", str(nproc), "--daemon", daemon.endpoint,
-            "--job", f"bench-{key}-n{nproc}", *worker[1:],
+            # The "script" is this interpreter, its arguments `-m benchmarks.rank_worker ...`.
+            "--job", f"bench-{key}-n{nproc}", *worker,
         ]
         commands = [(command, rank_env())]
     elif key == "gloo":
@@ -276,7 +274,7 @@ def _main(argv: Sequence[str] | None) -> int:
         )
         with daemon_context as daemon:
             if daemon is not None:
-                daemon_command = shlex.join(["gradsyncd", *daemon.command[3:]])
+                daemon_command = daemon.shown_command()
                 log(f"private gradsyncd pid {daemon.pid} at {daemon.endpoint}")
             if not args.no_probes:
                 helpers = [daemon.pid] if daemon is not None else []

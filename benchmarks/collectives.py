@@ -1,6 +1,6 @@
 """Collectives benchmark, nccl-tests style: gradsync (empty() buffers) vs torch gloo.
 
-    python benchmarks/collectives.py [--sizes 64KiB,1MiB,16MiB,64MiB] [--nproc 2,4]
+    python -m benchmarks.collectives [--sizes 64KiB,1MiB,16MiB,64MiB] [--nproc 2,4]
                                      [--out benchmarks/RESULTS.md]
 
 all_gather, reduce_scatter, broadcast, all_to_all and (as the reference row)
@@ -8,7 +8,8 @@ all_reduce, float32, N local ranks, in one run.  Starts a private gradsyncd
 (`private_daemon`), runs the gradsync ranks through `gradsync launch` and the
 gloo ranks as plain processes (`processes`), prints one table per N and with
 --out writes the `collectives` section of RESULTS.md (other sections kept).
-The same file is the rank program (`--worker`).  See README.md.
+The same module is the rank program (`python -m benchmarks.collectives --worker`).
+Run from the repository root.  See README.md.
 
 Size convention: the total buffer, i.e. all_gather's output, reduce_scatter's
 input, broadcast's buffer, all_to_all's per-rank send buffer, all_reduce's buffer.
@@ -34,16 +35,18 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # `python benchmarks/collectives.py` and `--worker` alike
-    sys.path.insert(0, HERE)
-
-import machine  # noqa: E402
-import results_file  # noqa: E402
-from plan import SamplePolicy, format_size, parse_sizes  # noqa: E402
-from private_daemon import private_daemon  # noqa: E402
-from processes import command_line, log_tail, rank_env, run_all, signals_unwind  # noqa: E402
-from report import format_bw, format_time  # noqa: E402
+from benchmarks import machine, results_file
+from benchmarks.plan import SamplePolicy, format_size, parse_sizes
+from benchmarks.private_daemon import private_daemon
+from benchmarks.processes import (
+    command_line,
+    log_tail,
+    module_command,
+    rank_env,
+    run_all,
+    signals_unwind,
+)
+from benchmarks.report import format_bw, format_time
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (64 * KIB, MIB, 16 * MIB, 64 * MIB)
@@ -289,21 +292,21 @@ def merge(run_dir: str, contender: str, nproc: int) -> tuple[dict[tuple[str, int
 
 def run_one(contender: str, nproc: int, args: argparse.Namespace, run_dir: str,
             endpoint: str | None) -> tuple[dict[tuple[str, int], Cell], str, float]:
-    worker_args = [
-        os.path.abspath(__file__), "--worker", "--contender", contender,
+    worker = module_command(
+        "collectives", "--worker", "--contender", contender,
         "--sizes", ",".join(str(s) for s in args.size_list), "--collectives", args.collectives,
         "--out-dir", run_dir, "--init-file", os.path.join(run_dir, f"{contender}-{nproc}.store"),
         "--timeout-s", str(args.timeout_s),
-    ]
+    )
     log_path = os.path.join(run_dir, f"{contender}-n{nproc}.log")
     if contender == "gradsync":
         assert endpoint is not None
         commands = [([sys.executable, "-m", "gradsync.client.cli", "launch",
                       "--nproc-per-node", str(nproc), "--daemon", endpoint,
-                      "--job", f"coll-n{nproc}", *worker_args], rank_env())]
+                      "--job", f"coll-n{nproc}", *worker], rank_env())]
     else:
         commands = [
-            ([sys.executable, *worker_args],
+            (worker,
              rank_env(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
                       LOCAL_WORLD_SIZE=str(nproc), GLOO_SOCKET_IFNAME="lo"))
             for r in range(nproc)

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
-from machine import process_cpu_s
+
+from benchmarks.machine import process_cpu_s
 
 
 class Contender(Protocol):

@@ -1,6 +1,6 @@
 """Training step benchmark: gradsync DDP, torch DDP and FSDP2 on gradsync and on gloo, no sync.
 
-    python benchmarks/ddp_step.py [--steps 20] [--warmup 5] [--batch 16]
+    python -m benchmarks.ddp_step [--steps 20] [--warmup 5] [--batch 16]
                                   [--out benchmarks/RESULTS.md]
 
 The same MLP (~25 M float32 parameters, 2048→4096→2048→2048→2048, ReLU),
@@ -10,8 +10,9 @@ torch's `DistributedDataParallel` and FSDP2 (`fully_shard` per Linear + root)
 on process groups of backend "gradsync" (the same daemon) and "gloo", and N
 ranks that train alone at the same time (no sync: the compute floor).  Every rank has
 OMP_NUM_THREADS=1 and torch.set_num_threads(1).  With --out writes the
-`ddp_step` section of RESULTS.md (other sections kept).  The same file is the
-rank program (`--worker`).  See README.md.
+`ddp_step` section of RESULTS.md (other sections kept).  The same module is
+the rank program (`python -m benchmarks.ddp_step --worker`).  Run from the
+repository root.  See README.md.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ from typing import Any
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-import machine  # noqa: E402
-import results_file  # noqa: E402
-from private_daemon import private_daemon  # noqa: E402
-from processes import command_line, log_tail, rank_env, run_all, signals_unwind  # noqa: E402
-from report import format_time  # noqa: E402
+from benchmarks import machine, results_file
+from benchmarks.private_daemon import private_daemon
+from benchmarks.processes import (
+    command_line,
+    log_tail,
+    module_command,
+    rank_env,
+    run_all,
+    signals_unwind,
+)
+from benchmarks.report import format_time
 
 WIDTHS = (2048, 4096, 2048, 2048, 2048)
 MODES = {
@@ -218,19 +221,19 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: str, endpoint: str) -
     store = os.path.join(run_dir, f"{mode}.store")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(store)  # a file store left by an earlier run of this mode would mislead
-    worker_args = [
-        os.path.abspath(__file__), "--worker", "--mode", mode, "--out-dir", run_dir,
+    worker = module_command(
+        "ddp_step", "--worker", "--mode", mode, "--out-dir", run_dir,
         "--init-file", store, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--batch", str(args.batch),
         "--bucket-mb", str(args.bucket_mb), "--timeout-s", str(args.timeout_s),
-    ]
+    )
     log_path = os.path.join(run_dir, f"{mode}.log")
     if mode == "gradsync":
         commands = [([sys.executable, "-m", "gradsync.client.cli", "launch",
                       "--nproc-per-node", str(args.nproc), "--daemon", endpoint,
-                      "--job", "ddp-step", *worker_args], rank_env())]
+                      "--job", "ddp-step", *worker], rank_env())]
     else:
-        commands = [([sys.executable, *worker_args],
+        commands = [(worker,
                      rank_env(RANK=str(r), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(r),
                               LOCAL_WORLD_SIZE=str(args.nproc), GLOO_SOCKET_IFNAME="lo",
                               GRADSYNC_DAEMON=endpoint))

@@ -1,9 +1,9 @@
 """GPU check: gradsync's device buffers on one GPU, within --budget-s (default 390 s).
 
-    python benchmarks/gpu_check.py --out DIR
+    python -m benchmarks.gpu_check --out DIR
 
 Starts a private gradsyncd in a temp folder, then runs rank programs
-(benchmarks/gpu_rank.py) as subprocesses that share GPU 0 through CUDA IPC:
+(`python -m benchmarks.gpu_rank`) as subprocesses that share GPU 0 through CUDA IPC:
 
 1. all_reduce with 2 and 4 ranks: sum, avg, min, max, prod × float16,
    bfloat16, float32, float64, int8, uint8, int32, int64 (avg: floats) × 1,
@@ -30,8 +30,10 @@ Prints a short table last; with --out, writes gpu_check.json (every number),
 gpu_check.md (a section for benchmarks/RESULTS.md) and logs/ (the daemon's
 log, the ranks' non-empty stderr).  Exit status: 0 when every correctness
 check passed ("unsupported" included), 1 otherwise, 2 at once when this
-machine has no cupy or no CUDA device.  gradsync need not be installed:
-<repo>/.mypy-src goes on sys.path and on the children's PYTHONPATH.
+machine has no cupy or no CUDA device.  Run it from the repository root;
+gradsync need not be installed when <repo>/.mypy-src is on PYTHONPATH
+(`PYTHONPATH=.mypy-src python -m benchmarks.gpu_check ...`): it goes first on
+the children's PYTHONPATH either way.
 `--host` runs the same plumbing on host buffers, without a GPU (for work on
 this script; its numbers mean nothing).
 """
@@ -57,17 +59,14 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from benchmarks.plan import format_size
+from benchmarks.processes import clean_env, module_command, signals_unwind, stop_group
+from benchmarks.report import format_time
+from gradsync.client.daemon_process import DaemonProcess, DaemonStartError, start_daemon
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SRC = os.path.join(REPO, ".mypy-src")  # gradsync/{protocol,daemon,client}: symlinks to the code
-RANK_PROGRAM = os.path.join(HERE, "gpu_rank.py")
-for _path in (HERE, SRC):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from plan import format_size  # noqa: E402
-from processes import clean_env, signals_unwind, stop_group  # noqa: E402
-from report import format_time  # noqa: E402
 
 MIB = 1 << 20
 MATRIX_SIZES = (1, 1000, 1 << 20)
@@ -122,68 +121,42 @@ def one_line(text: str, limit: int = 300) -> str:
 # -- the daemon --------------------------------------------------------------------------
 
 
-class DaemonStartError(RuntimeError):
-    """gradsyncd exited or did not answer a ping in time."""
-
-
 class Daemon:
-    """The private gradsyncd: started in `folder`, awaited by pinging, stopped by SIGTERM."""
+    """The private gradsyncd: started in `folder` by the project's launcher
+    (`gradsync.client.daemon_process`), awaited by pinging, stopped by SIGTERM."""
 
     def __init__(self, folder: str) -> None:
+        self.folder = folder
         self.endpoint = f"ipc://{folder}/d.sock"
         self.log_path = os.path.join(folder, "gradsyncd.log")
-        self.process: subprocess.Popen[bytes] | None = None
+        self.run: DaemonProcess | None = None
         self.exit_code: int | None = None
         self.killed = False
         self.leaked: list[str] = []
 
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self.run.process if self.run is not None else None
+
     def start(self) -> None:
         """Start it and wait until it answers a ping; DaemonStartError if it does not."""
-        from gradsync.client.ping import query
-        from gradsync.protocol.errors import GradsyncError
-
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gradsync.daemon", "--socket", self.endpoint],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=child_env(), cwd=REPO, start_new_session=True,
-            )
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            try:
-                query(self.endpoint, 1.0)
-                return
-            except GradsyncError:
-                if self.process.poll() is not None:
-                    raise DaemonStartError(f"gradsyncd exited with status "
-                                       f"{self.process.returncode}: {self.log_tail()}") from None
-                if time.monotonic() > deadline:
-                    raise DaemonStartError(f"gradsyncd did not answer within {READY_TIMEOUT_S:g}s: "
-                                       f"{self.log_tail()}") from None
-                time.sleep(0.05)
+        self.run = start_daemon(self.endpoint, folder=self.folder, log_path=self.log_path,
+                                env=child_env(), cwd=REPO, new_session=True)
+        try:
+            self.run.wait_ready(READY_TIMEOUT_S, poll_s=0.05)
+        except DaemonStartError as exc:
+            raise DaemonStartError(f"{exc}: {self.log_tail()}", exc.exit_code) from None
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.run is not None and self.run.alive()
 
     def stop(self) -> None:
         """SIGTERM (SIGKILL after a grace), then sweep its /dev/shm segments."""
-        if self.process is None:
+        if self.run is None:
             return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.killed = True
-            self.process.kill()
-            self.process.wait()
-        self.exit_code = self.process.returncode
-        prefix = f"gradsync-{self.process.pid}-"
-        with contextlib.suppress(OSError):
-            self.leaked = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
-        for name in self.leaked:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join("/dev/shm", name))
+        self.exit_code = self.run.stop(STOP_TIMEOUT_S)
+        self.killed = self.run.killed
+        self.leaked = self.run.sweep_segments()
 
     def log_tail(self, lines: int = 8) -> str:
         try:
@@ -308,7 +281,7 @@ class Runner:
 
     def _spawn(self, name: str, role: str, rank: int, world: int, args: Sequence[str]) -> Rank:
         command = [
-            sys.executable, RANK_PROGRAM, role, "--daemon", self.daemon.endpoint,
+            *module_command("gpu_rank", role), "--daemon", self.daemon.endpoint,
             "--job", f"gpu-check-{name}", "--rank", str(rank), "--world", str(world),
             "--device", "host" if self.host else "cuda", *args,
         ]
@@ -375,7 +348,7 @@ def matrix_check(name: str, phase: Phase) -> tuple[Check, dict[str, Any]]:
 
 
 def check_matrix(runner: Runner, world: int) -> tuple[Check, dict[str, Any]]:
-    from gpu_rank import DEVICE_KINDS, HOST_KINDS
+    from benchmarks.gpu_rank import DEVICE_KINDS, HOST_KINDS
 
     sizes = HOST_MATRIX_SIZES if runner.host else MATRIX_SIZES
     kinds = HOST_KINDS if runner.host else DEVICE_KINDS
@@ -386,7 +359,12 @@ def check_matrix(runner: Runner, world: int) -> tuple[Check, dict[str, Any]]:
 
 def check_collectives(runner: Runner) -> tuple[Check, dict[str, Any]]:
     """broadcast .. all_to_all, every root, on device buffers (host ones with --host)."""
-    from gpu_rank import COLLECTIVE_DEVICE_KINDS, COLLECTIVE_DTYPES, COLLECTIVES, HOST_KINDS
+    from benchmarks.gpu_rank import (
+        COLLECTIVE_DEVICE_KINDS,
+        COLLECTIVE_DTYPES,
+        COLLECTIVES,
+        HOST_KINDS,
+    )
 
     world = COLLECTIVES_WORLD
     kinds = HOST_KINDS if runner.host else COLLECTIVE_DEVICE_KINDS
@@ -783,7 +761,7 @@ def save(out: str, result: dict[str, Any], folder: str) -> None:
 
 def record(markdown_path: str) -> int:
     """Write an earlier run's gpu_check.md as the gpu_check section of RESULTS.md."""
-    import results_file
+    from benchmarks import results_file
 
     with open(markdown_path) as source:
         text = source.read()
@@ -823,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         checks, data, phases = run_with_daemon(folder, started + args.budget_s, args.host)
         result = {
-            "command": shlex.join(["python", "benchmarks/gpu_check.py",
+            "command": shlex.join(["python", "-m", "benchmarks.gpu_check",
                                    *(sys.argv[1:] if argv is None else argv)]),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "seconds": time.monotonic() - started,

@@ -1,6 +1,6 @@
-"""One rank of benchmarks/gpu_check.py: a GPU check or timing, its result as one JSON line.
+"""One rank of benchmarks.gpu_check: a GPU check or timing, its result as one JSON line.
 
-    python benchmarks/gpu_rank.py ROLE --daemon ipc://PATH --job NAME --rank R --world N [...]
+    python -m benchmarks.gpu_rank ROLE --daemon ipc://PATH --job NAME --rank R --world N [...]
 
 Roles:
 
@@ -52,12 +52,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SRC = os.path.join(REPO, ".mypy-src")  # gradsync/{protocol,daemon,client}: symlinks to the code
-if SRC not in sys.path:  # gradsync need not be pip-installed
-    sys.path.insert(0, SRC)
-
-from gradsync.client import (  # noqa: E402
+from gradsync.client import (
     Client,
     CollectiveTimeoutError,
     DaemonUnavailableError,

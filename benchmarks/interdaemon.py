@@ -1,6 +1,6 @@
 """Allreduce between daemons, nccl-tests style: every algorithm, torch gloo, raw pyzmq.
 
-    python benchmarks/interdaemon.py [--nproc 2,4] [--placements loopback,netns]
+    python -m benchmarks.interdaemon [--nproc 2,4] [--placements loopback,netns]
                                      [--out benchmarks/RESULTS.md]
 
 For every placement (127.0.0.1, or one network namespace per node) and every
@@ -13,7 +13,9 @@ throughput between the same addresses (one way, and a ring exchange).  On
 against --insecure ones.  `auto`'s choices, and the link costs it priced each
 size with, are read from every daemon's statistics before it stops.  Prints
 the tables; with --out, writes them as the "interdaemon" section of
-RESULTS.md (the rest of the file is kept).  See README.md.
+RESULTS.md (the rest of the file is kept).  Run from the repository root;
+the ranks run `python -m benchmarks.rank_worker` (and `benchmarks.raw_zmq`).
+See README.md.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import interdaemon_report as report_mod
-import machine
-import topology
-from daemon_logs import AutoPicks, LinkProbe, parse_links, picks_from_stats
-from plan import (
+from benchmarks import interdaemon_report as report_mod
+from benchmarks import machine, topology
+from benchmarks.daemon_logs import AutoPicks, LinkProbe, parse_links, picks_from_stats
+from benchmarks.plan import (
     ALGORITHMS,
     MIB,
     SamplePolicy,
@@ -45,14 +46,18 @@ from plan import (
     format_size,
     parse_sizes,
 )
-from private_daemon import DaemonRun, daemon_cluster
-from processes import clean_env, log_tail, rank_env, run_all, signals_unwind
-from rank_worker import result_path
-from report import ContenderRun, load_rank_files, merge_ranks
+from benchmarks.private_daemon import DaemonRun, daemon_cluster
+from benchmarks.processes import (
+    clean_env,
+    log_tail,
+    module_command,
+    rank_env,
+    run_all,
+    signals_unwind,
+)
+from benchmarks.rank_worker import result_path
+from benchmarks.report import ContenderRun, load_rank_files, merge_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "rank_worker.py")
-RAW = os.path.join(HERE, "raw_zmq.py")
 DEFAULT_SIZES = (4 << 10, 64 << 10, MIB, 16 * MIB, 64 * MIB)
 CURVE_SIZE = 16 * MIB
 PLACEMENTS = ("loopback", "netns", "shaped")
@@ -273,7 +278,7 @@ def run_gradsync(
         commands = []
         for rank, daemon in enumerate(daemons):
             command = [
-                *topo.prefix(rank), sys.executable, WORKER,
+                *topo.prefix(rank), *module_command("rank_worker"),
                 "--contender", "gradsync-empty", "--algorithms", ",".join(algorithms),
                 "--label", label, "--sizes", ",".join(map(str, sizes)), "--out-dir", out_dir,
                 "--policy", _policy_json(policy), "--timeout-s", str(settings.timeout_s),
@@ -285,7 +290,7 @@ def run_gradsync(
         failure = run_all(commands, log_path, settings.timeout_s)
         wall = time.perf_counter() - started
         background = meter.foreign_cores()
-        logs = [_read(d.log_path) for d in daemons]
+        logs = [d.log() for d in daemons]
         info.links = parse_links(logs)
         info.picks = picks_from_stats(_snapshots(daemons, info.problems), job, nproc)
         if failure is not None:
@@ -308,14 +313,6 @@ def _snapshots(daemons: Sequence[DaemonRun], problems: list[str]) -> list[dict[s
         except GradsyncError as exc:
             problems.append(f"daemon {index}: no statistics: {exc}")
     return snapshots
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as source:
-            return source.read()
-    except OSError:
-        return ""
 
 
 def _daemon_problems(daemons: Sequence[DaemonRun], label: str) -> list[str]:
@@ -344,7 +341,7 @@ def run_gloo(topo: topology.Topology, settings: Settings, out_dir: str) -> Conte
     commands = []
     for rank in range(nproc):
         command = [
-            *topo.prefix(rank), sys.executable, WORKER, "--contender", "gloo",
+            *topo.prefix(rank), *module_command("rank_worker"), "--contender", "gloo",
             "--sizes", ",".join(map(str, settings.sizes)), "--out-dir", out_dir,
             "--policy", _policy_json(settings.policy), "--init-file", store,
             "--timeout-s", str(settings.timeout_s),
@@ -365,7 +362,7 @@ def run_raw(topo: topology.Topology, settings: Settings, out_dir: str) -> RawRes
     log_path = os.path.join(out_dir, "raw.log")
     outs = [os.path.join(out_dir, f"raw-{i}.json") for i in range(nproc)]
     commands = [
-        ([*topo.prefix(i), sys.executable, RAW, "--index", str(i),
+        ([*topo.prefix(i), *module_command("raw_zmq"), "--index", str(i),
           "--endpoints", ",".join(endpoints),
           "--stream-bytes", ",".join(map(str, settings.raw_stream_bytes)),
           "--ring-bytes", ",".join(map(str, settings.raw_ring_bytes)),
@@ -556,7 +553,7 @@ def _main(argv: Sequence[str] | None) -> int:
     selected = report_mod.select_groups(groups)
     print(report_mod.console(selected, settings.sizes, settings.algorithms))
     if args.out:
-        import results_file
+        from benchmarks import results_file
 
         notes_text = results_file.existing_notes(
             args.out, report_mod.NOTES_BEGIN, report_mod.NOTES_END
@@ -574,7 +571,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _command(argv: Sequence[str] | None) -> str:
-    from processes import command_line
+    from benchmarks.processes import command_line
 
     return command_line(__file__, argv)
 

@@ -13,8 +13,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from daemon_logs import crossovers, model_choice
-from plan import (
+from benchmarks.daemon_logs import crossovers, model_choice
+from benchmarks.plan import (
     CURVE_CONTENDERS,
     FIXED_ALGORITHMS,
     INTERDAEMON_CONTENDERS,
@@ -23,13 +23,19 @@ from plan import (
     algorithm_key,
     format_size,
 )
-from report import Cell, ContenderRun, details_table, format_bw, format_time, results_table
-
+from benchmarks.report import (
+    Cell,
+    ContenderRun,
+    details_table,
+    format_bw,
+    format_time,
+    results_table,
+)
 from gradsync.daemon.core.auto import auto_candidates
 from gradsync.daemon.core.cost_epochs import EPOCH_KEYS
 
 if TYPE_CHECKING:
-    from interdaemon import Group
+    from benchmarks.interdaemon import Group
 
 NOTES_BEGIN = (
     "<!-- interdaemon-notes:begin (hand-written; kept when the section is regenerated) -->"

@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from contenders import Contender, GradsyncContender
-from plan import LATENCY_SIZE, SamplePolicy
+
+from benchmarks.contenders import Contender, GradsyncContender
+from benchmarks.plan import LATENCY_SIZE, SamplePolicy
 
 #: Inputs repeat with this period; chunks are a multiple of it, so one
 #: precomputed pattern serves every chunk of a buffer of any length.

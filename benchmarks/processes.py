@@ -103,10 +103,18 @@ def log_tail(path: str, lines: int = 15) -> str:
         return ""
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """`python -m benchmarks.MODULE ARGS`: how a benchmark starts its worker processes,
+    which inherit its working directory (the repository root) or PYTHONPATH."""
+    return [sys.executable, "-m", f"benchmarks.{module}", *args]
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """How this run was started, as `python benchmarks/SCRIPT ARGS`, for RESULTS.md."""
+    """How this run was started, as `python -m benchmarks.NAME ARGS`, for RESULTS.md
+    (`script`: the benchmark module's `__file__`)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", os.path.relpath(os.path.abspath(script)), *args])
+    name = os.path.splitext(os.path.basename(script))[0]
+    return shlex.join(["python", "-m", f"benchmarks.{name}", *args])
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

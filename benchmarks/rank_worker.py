@@ -18,9 +18,9 @@ import sys
 import traceback
 from typing import Any
 
-from contenders import GradsyncContender, make_contender
-from measure import make_pattern, measure_interleaved, measure_size
-from plan import ALGORITHMS, CONTENDER_KEYS, SamplePolicy, algorithm_key
+from benchmarks.contenders import GradsyncContender, make_contender
+from benchmarks.measure import make_pattern, measure_interleaved, measure_size
+from benchmarks.plan import ALGORITHMS, CONTENDER_KEYS, SamplePolicy, algorithm_key
 
 
 def result_path(out_dir: str, contender: str, nproc: int, rank: int) -> str:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from plan import CONTENDERS, LATENCY_SIZE, TITLES, format_size
+
+from benchmarks.plan import CONTENDERS, LATENCY_SIZE, TITLES, format_size
 
 #: Every known contender key, in table order (single-node ones first).
 CONTENDER_ORDER = {key: index for index, key in enumerate(TITLES)}

@@ -16,8 +16,8 @@ import os
 import re
 from collections.abc import Sequence
 
-from plan import SamplePolicy, format_size
-from report import (
+from benchmarks.plan import SamplePolicy, format_size
+from benchmarks.report import (
     ContenderRun,
     details_table,
     latency_table,

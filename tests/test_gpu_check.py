@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the GPU check of issue 7, as far as a CPU machine goes.
+"""benchmarks.gpu_check, the GPU check of issue 7, as far as a CPU machine goes.
 
 On a GPU machine it is run through the device tool; here: without cupy it
 refuses at once and clearly, and its `--host` mode runs the same plumbing
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+REPO = Path(__file__).resolve().parent.parent
+#: Run as its README says: a module of the benchmarks package, from the repository root.
+COMMAND = [sys.executable, "-m", "benchmarks.gpu_check"]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
 def test_without_cupy_it_refuses_at_once(short_tmp: str) -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--out", short_tmp],
+    result = subprocess.run([*COMMAND, "--out", short_tmp], cwd=REPO,
                             capture_output=True, text=True, timeout=50)
     assert result.returncode == 2, result
     assert "needs cupy and an NVIDIA GPU" in result.stdout + result.stderr
@@ -30,7 +32,7 @@ def test_without_cupy_it_refuses_at_once(short_tmp: str) -> None:
 @pytest.mark.timeout(240)
 def test_host_mode_runs_every_phase_and_reports(short_tmp: str) -> None:
     out = Path(short_tmp) / "out"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--host", "--out", str(out)],
+    result = subprocess.run([*COMMAND, "--host", "--out", str(out)], cwd=REPO,
                             capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     checks = json.loads((out / "gpu_check.json").read_text())["checks"]
