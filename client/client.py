@@ -34,6 +34,7 @@ from gradsync.protocol.errors import (
     GradsyncError,
     InvalidArgumentError,
 )
+from gradsync.protocol.peer import ALGORITHM_CHOICES
 
 
 @dataclasses.dataclass
@@ -62,7 +63,7 @@ class Checked(NamedTuple):
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
 _HELLO_TIMEOUT_S = 30.0
-ALGORITHMS = ("auto", "ring", "tree", "rhd", "star")
+ALGORITHMS = ALGORITHM_CHOICES
 
 
 class Client:

@@ -20,11 +20,11 @@ from gradsync.protocol.endpoint import (
     ipc_endpoint,
     stats_stream_endpoint,
 )
+from gradsync.protocol.peer import ALGORITHM_CHOICES
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-ALGORITHM_CHOICES = ("auto", "ring", "tree", "rhd", "star")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 

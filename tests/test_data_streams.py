@@ -27,7 +27,7 @@ from test_peer_links import FAST, READY_S, poll, run
 from gradsync.daemon.peers import PeerLinks
 from gradsync.daemon.peers.stream import encode_hello, message_head
 from gradsync.protocol.errors import PeerLostError
-from gradsync.protocol.version import PROTOCOL_VERSION
+from gradsync.protocol.peer import PEER_PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +89,7 @@ def test_stream_kinds_take_the_streams_intact_and_in_order() -> None:
                         assert isinstance(message.frames[0], zmq.Frame)  # over ZeroMQ
                         continue
                     seq = seen[message.peer]
-                    assert message.header == {"v": PROTOCOL_VERSION, "src": message.peer,
+                    assert message.header == {"v": PEER_PROTOCOL_VERSION, "src": message.peer,
                                               "kind": "chunk", "seq": seq}
                     data, empty, tail = message.payloads
                     assert isinstance(message.frames[0], memoryview)  # over the stream
@@ -271,7 +271,7 @@ def pong_fields(names: list[str]) -> dict[str, Any]:
         dealer.rcvtimeo = int(READY_S * 1000)
         dealer.routing_id = names[1].encode()
         dealer.connect(names[0])
-        ping = {"v": PROTOCOL_VERSION, "kind": "link.ping", "src": names[1], "seq": 1}
+        ping = {"v": PEER_PROTOCOL_VERSION, "kind": "link.ping", "src": names[1], "seq": 1}
         dealer.send(msgpack.packb(ping))
         return dict(msgpack.unpackb(dealer.recv(), raw=False))
     finally:
@@ -298,7 +298,7 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
     names = endpoints(2)
 
     def header(**fields: Any) -> bytes:
-        base = {"v": PROTOCOL_VERSION, "kind": "chunk", "src": names[1]}
+        base = {"v": PEER_PROTOCOL_VERSION, "kind": "chunk", "src": names[1]}
         return msgpack.packb({**base, **fields})
 
     async def main() -> None:

@@ -25,6 +25,7 @@ from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.core.membership import Announcement, form
 from gradsync.daemon.peers.wire import BULK, PING, PONG, encode_header
 from gradsync.protocol.codec import decode_body
+from gradsync.protocol.peer import Announce
 
 StartDaemon = Callable[..., DaemonProcess]
 PEER_TIMEOUT_S = 2.0
@@ -179,8 +180,8 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
         try:
             fake = ghost_dealer(context, ghost, endpoints[0])
             header = {"kind": "slice", "job": "live", "gen": 12345, "key": 0,
-                      "fp": ["allreduce", "float32", 1000, "sum", "ring"],
-                      "step": 0, "start": 0, "stop": 1000}
+                      "fp": ["allreduce", "float32", 1000, "sum", None, "ring"],
+                      "step": 0, "t": 0, "off": 0}
             for _ in range(5):
                 fake.send_multipart([encode_header(ghost, header), bytes(4000)])
             poll_until(lambda: counters(daemons[0])["stale_generation"] >= before + 5, 20,
@@ -189,7 +190,8 @@ def test_stale_generation_slices_are_dropped(start_daemon: StartDaemon, short_tm
             # is counted as such; neither reaches the job's figures.
             malformed = counters(daemons[0])["malformed"]
             costs = {"kind": "costs", "job": "live", "gen": 12345, "epoch": 1,
-                     "alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "times": [["ring", 4000, 1e-3]]}
+                     "alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "times": [["ring", 4000, 1e-3]],
+                     "explore_factor": 1.0}
             fake.send_multipart([encode_header(ghost, costs)])
             bad_times: list[Any] = [
                 "fast", [["ring", 4000]], [["warp", 4000, 1e-3]], [["ring", -1, 1e-3]],
@@ -285,7 +287,7 @@ def test_a_flood_of_early_slices_ends_the_job_not_the_daemon(start_daemon: Start
     try:
         fake = ghost_dealer(context, ghost, endpoint)
         header = {"kind": "slice", "job": "flood", "gen": 1, "key": 0,
-                  "fp": ["allreduce", "float32", 1000, "sum", "ring"],
+                  "fp": ["allreduce", "float32", 1000, "sum", None, "ring"],
                   "step": 0, "t": 0, "off": 0}
         deadline = time.monotonic() + 30
         while rank.poll() is None and time.monotonic() < deadline:
@@ -408,12 +410,12 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         (rank,) = spawn_spread([daemon], (1,), "multinode_finish.py", [str(count), "1", "star"],
                                job=job, env={"WORLD_SIZE": "3", "GRADSYNC_TIMEOUT_S": "60"})
         ours = ghosts.wait_for(leaving, "announce", 30)
-        announced = {endpoint: Announcement.from_wire(endpoint, ours)}
+        announced = {endpoint: Announcement.heard(endpoint, Announce.from_wire(ours))}
         for index, ghost in enumerate((leaving, staying), start=1):
             fields = {"job": job, "incarnation": 100 + index, "boot": 7, "world_size": 3,
                       "ranks": [index], "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
             ghosts.send(ghost, {"kind": "announce", **fields})
-            announced[ghost] = Announcement.from_wire(ghost, fields)
+            announced[ghost] = Announcement.heard(ghost, Announce.from_wire(fields))
         formation = form(announced, 3)
         assert formation is not None and formation.daemons[0] == endpoint  # the root
 
@@ -432,7 +434,8 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         poll_until(lambda: runs_wait_for() == [[staying]], 30,
                    "the root's collective to have the leaving leaf's part")
         ghosts.send(leaving, {"kind": "withdraw", "job": job, "incarnation": 101, "boot": 7,
-                              "reason": "its ranks left", "code": "rank_lost", "clean": True})
+                              "reason": "its ranks left", "code": "rank_lost",
+                              "origin": leaving, "clean": True})
         deadline = time.monotonic() + 30
         while f"on peer daemon {leaving}: its ranks left" not in daemon.log():
             assert time.monotonic() < deadline, "the daemon did not hear the leaf leave"

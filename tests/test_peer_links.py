@@ -38,7 +38,7 @@ from gradsync.daemon.peers import (
     read_peers_file,
 )
 from gradsync.protocol.errors import DaemonShuttingDownError, InvalidArgumentError, PeerLostError
-from gradsync.protocol.version import PROTOCOL_VERSION
+from gradsync.protocol.peer import PEER_PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -136,7 +136,7 @@ def exchange(names: list[str], configs: list[CurveConfig | None]) -> None:
                 assert set(got) == set(receiver.peers)
                 for peer, message in got.items():
                     assert message.header == {
-                        "v": PROTOCOL_VERSION, "src": peer, "kind": "chunk",
+                        "v": PEER_PROTOCOL_VERSION, "src": peer, "kind": "chunk",
                         "to": receiver.endpoint, "step": 3,
                     }
                     assert isinstance(message.frames[0], zmq.Frame)  # received without a copy
@@ -293,7 +293,7 @@ def test_unknown_key_never_delivers_and_is_counted(
         raw.curve_serverkey = (Path(config_a.authorized_dir) / "node0.key").read_text().split(
             'public-key = "')[1][:40].encode()
         raw.connect(names[0])
-        header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "note", "src": names[1]})
+        header = msgpack.packb({"v": PEER_PROTOCOL_VERSION, "kind": "note", "src": names[1]})
         raw.send_multipart([header])
         try:
             await poll(
@@ -338,7 +338,7 @@ def test_authorised_daemon_cannot_speak_for_another(
             raw.curve_serverkey = load_secret(configs[0].secret_file).public_key
             raw.connect(names[0])
             await raw.send_multipart(
-                [msgpack.packb({"v": PROTOCOL_VERSION, "kind": "note", "src": names[2]})]
+                [msgpack.packb({"v": PEER_PROTOCOL_VERSION, "kind": "note", "src": names[2]})]
             )
             await poll(lambda: a.counters["unknown_peer"] == 1, READY_S, "the drop")
             await b.send(names[0], {"kind": "note"})
@@ -383,20 +383,20 @@ def test_malformed_messages_are_dropped_and_counted() -> None:
     names = endpoints(2)
 
     def header(**fields: Any) -> bytes:
-        base: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "note", "src": names[1]}
+        base: dict[str, Any] = {"v": PEER_PROTOCOL_VERSION, "kind": "note", "src": names[1]}
         return msgpack.packb({**base, **fields})
 
     bad = [
         [b"\xc1 not msgpack"],
         [msgpack.packb([1, 2, 3])],
         [msgpack.packb({1: "int key"})],
-        [header(v=PROTOCOL_VERSION + 1)],
+        [header(v=PEER_PROTOCOL_VERSION + 1)],
         [header(v=True)],
         [header(kind="no-such-kind")],
         [header(kind="link.pong", seq=1)],
         [header(src=names[0])],
         [header(kind="link.ping")],  # no seq
-        [msgpack.packb({"v": PROTOCOL_VERSION, "kind": "note"})],
+        [msgpack.packb({"v": PEER_PROTOCOL_VERSION, "kind": "note"})],
         [b"\x00" * (64 * 1024 + 1)],
     ]
 

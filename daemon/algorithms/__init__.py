@@ -21,11 +21,14 @@ from gradsync.daemon.algorithms.schedule import (
 )
 from gradsync.daemon.algorithms.star import star
 from gradsync.daemon.algorithms.tree import double_binary_tree, tree
+from gradsync.protocol.peer import ALGORITHM_NAMES
 
 #: Schedule builder: ``(rank, size, count) -> Schedule``.
 Algorithm = Callable[[int, int, int], Schedule]
 
-ALGORITHMS: dict[str, Algorithm] = {"ring": ring, "tree": tree, "rhd": rhd, "star": star}
+#: The builders, under the names protocol/peer.py gives them (both wires use those).
+ALGORITHMS: dict[str, Algorithm] = dict(zip(ALGORITHM_NAMES, (ring, tree, rhd, star),
+                                            strict=True))
 
 
 def build_schedules(algorithm: str, size: int, count: int) -> list[Schedule]:

@@ -56,8 +56,8 @@ import math
 from collections.abc import Sequence
 
 from gradsync.daemon.algorithms.schedule import Schedule
+from gradsync.protocol.peer import ALGORITHM_NAMES
 
-ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
 #: Estimates within this fraction of the lowest are ties for `choose`.
 PREFERENCE_MARGIN = 0.10
 #: A collective is latency-bound when alpha makes up this much of its lowest estimate.

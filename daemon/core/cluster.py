@@ -16,12 +16,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from gradsync.daemon.algorithms import ALGORITHMS
-from gradsync.daemon.algorithms.calibration import CostMeter, Costs, Group, measured_pick
+from gradsync.daemon.algorithms.calibration import CostMeter, Costs, measured_pick
 from gradsync.daemon.algorithms.cost_model import best_tree_chunks
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.backends.reduce import broadcast_from_first, reduce_into_first
@@ -33,13 +33,13 @@ from gradsync.daemon.core.membership import (
     Formation,
     conflicts,
     form,
-    is_wire_int,
     new_incarnation,
 )
 from gradsync.daemon.core.plans import Plan
 from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed, is_placed
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
+from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import (
     CollectiveError,
@@ -52,7 +52,7 @@ from gradsync.protocol.errors import (
     RankLostError,
     error_from_wire,
 )
-from gradsync.protocol.messages import clip
+from gradsync.protocol.peer import Abort, Announce, Fingerprint, Slice, Withdraw
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
@@ -129,8 +129,9 @@ class ClusterJobs:
             self.transport.endpoint, job.name, job.incarnation, BOOT, job.world_size,
             tuple(sorted(job.members)), costs[0], costs[1],
         )
+        announce = job.announcement.message().to_wire()
         for peer in self.transport.peers():
-            self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
+            self.transport.send(peer, announce)
         self._try_form(job)
         self._fail_if_unformable(job)
 
@@ -139,7 +140,7 @@ class ClusterJobs:
         self.lost.discard(peer)
         for job in list(jobs.values()):
             if job.announcement is not None and job.broken is None:
-                self.transport.send(peer, {"kind": "announce", **job.announcement.to_wire()})
+                self.transport.send(peer, job.announcement.message().to_wire())
                 self._try_form(job)  # it may have waited for this very link
 
     def withdraw(self, job: Job, error: GradsyncError) -> None:
@@ -152,13 +153,10 @@ class ClusterJobs:
             return
         job.withdrawn = True
         origin, reason = job.end_origin or (self.transport.endpoint, error.message)
+        withdraw = Withdraw(job.name, job.incarnation, BOOT, reason, error.code, origin,
+                            job.ended_cleanly).to_wire()
         for peer in self.transport.peers():
-            self.transport.send(peer, {
-                "kind": "withdraw", "job": job.name, "incarnation": job.incarnation,
-                "boot": BOOT,
-                "reason": reason, "code": error.code,
-                "origin": origin, "clean": job.ended_cleanly,
-            })
+            self.transport.send(peer, withdraw)
 
     def _try_form(self, job: Job) -> None:
         if job.formation is not None or job.announcement is None or job.broken is not None:
@@ -191,43 +189,38 @@ class ClusterJobs:
         early = job.early_slices
         job.early_slices = []
         job.early_bytes -= _payload_bytes(early)
-        for peer, header, frames in early:
-            self._replay(job, peer, header, frames)
+        for peer, message, frames in early:
+            self._replay(job, peer, message, frames)
 
     # -- messages from peers ------------------------------------------------
 
     def on_message(
         self, peer: str, header: dict[str, Any], frames: Sequence[Any], jobs: dict[str, Job]
     ) -> None:
-        """Dispatch one validated peer message; malformed content is counted and dropped."""
-        kind = header.get("kind")
-        name = header.get("job")
-        if not isinstance(name, str):
-            self.counters["malformed"] += 1
-            return
-        job = jobs.get(name)
+        """Dispatch one peer message; malformed content is counted and dropped."""
         try:
-            if kind == "announce":
-                self._on_announce(peer, header, job)
-            elif kind == "withdraw":
-                self._on_withdraw(peer, header, job)
-            elif kind == "slice":
+            message = peer_wire.from_wire(header)
+            job = jobs.get(message.job)
+            if isinstance(message, Announce):
+                self._on_announce(peer, message, job)
+            elif isinstance(message, Withdraw):
+                self._on_withdraw(peer, message, job)
+            elif isinstance(message, Slice):
                 if job is None:
                     self.counters["dropped_unknown_job"] += 1
                 else:
-                    self.on_slice(job, peer, header, frames)
-            elif kind == "abort":
-                self._on_abort(peer, header, job)
-            elif kind == "costs":
-                self._on_costs(peer, header, job)
+                    self.on_slice(job, peer, message, frames)
+            elif isinstance(message, Abort):
+                self._on_abort(peer, message, job)
             else:
-                self.counters["malformed"] += 1
-        except (ProtocolError, ValueError, KeyError, TypeError) as exc:
+                self._on_costs(peer, message, job)
+        except ProtocolError as exc:
             self.counters["malformed"] += 1
-            log.warning("dropped a bad %r message from peer %s: %s", kind, peer, exc)
+            log.warning("dropped a bad %r message from peer %s: %s", header.get("kind"), peer,
+                        exc)
 
-    def _on_announce(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
-        announcement = Announcement.from_wire(peer, header)
+    def _on_announce(self, peer: str, message: Announce, job: Job | None) -> None:
+        announcement = Announcement.heard(peer, message)
         withdrawn = self.withdrawn.get((announcement.job, peer))
         if (withdrawn is not None and withdrawn[0] == announcement.boot
                 and withdrawn[1] >= announcement.incarnation):
@@ -250,7 +243,7 @@ class ClusterJobs:
             return
         self._try_form(job)
 
-    def _on_withdraw(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+    def _on_withdraw(self, peer: str, message: Withdraw, job: Job | None) -> None:
         """A peer's part of a job ended.
 
         A withdrawal travels over the data stream when there is one, behind the
@@ -262,12 +255,8 @@ class ClusterJobs:
         withdrawal heard from the same boot.  A restarted daemon's messages are
         never stale: its old ones all came before its old connection closed.
         """
-        name, incarnation, boot = header["job"], header.get("incarnation"), header.get("boot")
-        if not is_wire_int(incarnation) or not is_wire_int(boot):
-            raise ValueError("withdraw: 'incarnation' and 'boot' must be integers")
-        origin, clean = header.get("origin", peer), header.get("clean", False)
-        if not isinstance(origin, str) or not isinstance(clean, bool):
-            raise ValueError("withdraw: 'origin' must be a string and 'clean' a boolean")
+        name, incarnation, boot = message.job, message.incarnation, message.boot
+        origin, clean = message.origin, message.clean
         table = self.remote.get(name, {})
         held = table.get(peer)
         if held is not None and held.boot == boot and held.incarnation > incarnation:
@@ -285,8 +274,8 @@ class ClusterJobs:
                 # answer to our own withdrawal, which would only echo our reason.
                 error = job.broken
             else:
-                reason = str(header.get("reason") or "its part of the job ended")
-                code = str(header.get("code") or RankLostError.code)
+                reason = message.reason or "its part of the job ended"
+                code = message.code or RankLostError.code
                 error = error_from_wire(
                     code, f"{job.describe()} on peer daemon {origin}: {reason}",
                     {"job": name, "peer": origin},
@@ -310,14 +299,12 @@ class ClusterJobs:
         while len(self.withdrawn) > WITHDRAWALS_KEPT:
             self.withdrawn.popitem(last=False)
 
-    def _on_abort(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
-        if job is None or job.formation is None or header.get("gen") != job.formation.generation:
+    def _on_abort(self, peer: str, message: Abort, job: Job | None) -> None:
+        if job is None or job.formation is None or message.gen != job.formation.generation:
             self.counters["stale_generation"] += 1
             return
-        key = header["key"]
-        error = error_from_wire(
-            str(header.get("code")), str(header.get("message")), dict(header.get("details") or {})
-        )
+        key = message.key
+        error = error_from_wire(message.code, message.message, message.details)
         if not isinstance(error, CollectiveError):
             error = CollectiveError(error.message, error.details)
         job.remember_failure(key, error)
@@ -325,19 +312,9 @@ class ClusterJobs:
         if run is not None:
             run.fail(error)
 
-    def _on_costs(self, peer: str, header: dict[str, Any], job: Job | None) -> None:
+    def _on_costs(self, peer: str, message: peer_wire.Costs, job: Job | None) -> None:
         """A member's figures for one epoch of `auto` (see cost_epochs.py)."""
-        generation, epoch = header["gen"], header["epoch"]
-        alpha, beta = header["alpha_s"], header["beta_s_per_byte"]
-        if not is_wire_int(generation) or not is_wire_int(epoch):
-            raise ValueError("costs: 'gen' and 'epoch' must be integers")
-        if not all(_seconds(v) for v in (alpha, beta)) or epoch < 1:
-            raise ValueError("costs: epoch must be positive, alpha and beta seconds in [0, 1000)")
-        times = _timings_from_wire(header.get("times", []))
-        factor = header.get("explore_factor", 1.0)
-        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
-                and 1 <= factor < 1e6):
-            raise ValueError(f"costs: explore_factor must be a number >= 1, got {clip(factor)}")
+        generation, epoch = message.gen, message.epoch
         if job is None:
             self.counters["dropped_unknown_job"] += 1
             return
@@ -348,8 +325,9 @@ class ClusterJobs:
         if formation is not None and peer not in formation.daemons:
             raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
         # Before this daemon formed the job, keep them: the generation decides later.
-        job.costs.add(generation, epoch, peer,
-                      Offer(Costs(float(alpha), float(beta)), times, float(factor)))
+        job.costs.add(generation, epoch, peer, Offer(
+            Costs(message.alpha_s, message.beta_s_per_byte), message.times,
+            message.explore_factor))
         if formation is not None:
             job.costs.notify(generation, epoch, formation.daemons)
 
@@ -362,58 +340,56 @@ class ClusterJobs:
         step is placed; everything else (and everything odd) arrives the usual
         way and is judged there.
         """
-        name = header.get("job")
-        if header.get("kind") != "slice" or len(sizes) != 1 or not isinstance(name, str):
-            return None
-        job = jobs.get(name)
-        formation = job.formation if job is not None else None
-        if job is None or formation is None or header.get("gen") != formation.generation:
+        if header.get("kind") != Slice.kind or len(sizes) != 1:
             return None
         try:
-            key = header["key"]
-            run = job.runs.get(key)
-            if run is None or key in job.failed or peer not in formation.daemons:
-                return None
-            if (header.get("fp") or []) != run.wire_fingerprint:
-                return None
-            placement = run.place(formation.index_of(peer), int(header["step"]),
-                                  int(header["t"]), int(header["off"]), sizes[0])
-        except (KeyError, TypeError, ValueError):
+            message = Slice.from_wire(header)
+        except ProtocolError:
             return None
+        job = jobs.get(message.job)
+        formation = job.formation if job is not None else None
+        if job is None or formation is None or message.gen != formation.generation:
+            return None
+        run = job.runs.get(message.key)
+        if (run is None or message.key in job.failed or peer not in formation.daemons
+                or message.fp != run.fingerprint):
+            return None
+        placement = run.place(formation.index_of(peer), message.step, message.t, message.off,
+                              sizes[0])
         if placement is None:
             return None
         self.counters["slices_placed"] += 1
         return [placement]
 
-    def on_slice(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
+    def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Any]) -> None:
         formation = job.formation
         if formation is None:
-            self._keep_early(job, peer, header, frames, None)
+            self._keep_early(job, peer, message, frames, None)
             return
-        if header.get("gen") != formation.generation:
+        if message.gen != formation.generation:
             self.counters["stale_generation"] += 1
             log.debug("dropped a slice of an old generation of %s from %s", job.describe(), peer)
             return
         if peer not in formation.daemons or len(frames) != 1:
             raise ProtocolError(f"slice from {peer}, not a member of {job.describe()}")
-        key = header["key"]
+        key = message.key
         if key in job.failed:
             return  # that collective already failed here; its stragglers are moot
         run = job.runs.get(key)
         if run is None:
             if is_placed(frames[0]):
                 return  # placed while its collective ran here; that one has ended since
-            self._keep_early(job, peer, header, frames, key)
+            self._keep_early(job, peer, message, frames, key)
             return
         # A placed slice's fingerprint was checked when it was placed (`place`).
-        if not is_placed(frames[0]) and (header.get("fp") or []) != run.wire_fingerprint:
-            self._mismatch(job, key, run, peer, header)
+        if not is_placed(frames[0]) and message.fp != run.fingerprint:
+            self._mismatch(job, key, run, peer, message)
             return
         if self.stats is not None:
             self.stats.peer_traffic(job.name, peer, received=len(frames[0]))
         try:
-            run.deliver(formation.index_of(peer), int(header["step"]), int(header["t"]),
-                        int(header["off"]), frames[0])
+            run.deliver(formation.index_of(peer), message.step, message.t, message.off,
+                        frames[0])
         except ProtocolError as exc:
             self.abort(job, key, CollectiveError(
                 f"key {key!r} of {job.describe()}: bad slice from peer {peer}: {exc}",
@@ -421,7 +397,7 @@ class ClusterJobs:
             ))
 
     def _keep_early(
-        self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any], key: Any,
+        self, job: Job, peer: str, message: Slice, frames: Sequence[Any], key: Any,
     ) -> None:
         """Keep a slice until its job forms (`key` None) or its collective starts here.
 
@@ -432,7 +408,7 @@ class ClusterJobs:
         """
         if job.broken is not None:
             return  # nothing of this generation will run any more
-        nbytes = _payload_bytes([(peer, header, frames)])
+        nbytes = _payload_bytes([(peer, message, frames)])
         limit = self.config.max_shm_bytes
         if job.early_bytes + nbytes > limit:
             self.counters["early_refused"] += 1
@@ -449,31 +425,31 @@ class ClusterJobs:
             return
         job.early_bytes += nbytes
         if key is None:
-            job.early_slices.append((peer, header, frames))
+            job.early_slices.append((peer, message, frames))
         else:
-            job.early_by_key.setdefault(key, []).append((peer, header, frames))
+            job.early_by_key.setdefault(key, []).append((peer, message, frames))
 
-    def _replay(self, job: Job, peer: str, header: dict[str, Any], frames: Sequence[Any]) -> None:
+    def _replay(self, job: Job, peer: str, message: Slice, frames: Sequence[Any]) -> None:
         """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
         try:
-            self.on_slice(job, peer, header, frames)
-        except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+            self.on_slice(job, peer, message, frames)
+        except ProtocolError as exc:
             self.counters["malformed"] += 1
             log.warning("dropped an early slice of %s from %s: %s", job.describe(), peer, exc)
 
-    def _mismatch(self, job: Job, key: Any, run: Any, peer: str, header: dict[str, Any]) -> None:
-        theirs = list(header.get("fp") or [])
+    def _mismatch(self, job: Job, key: Any, run: Any, peer: str, message: Slice) -> None:
+        theirs = message.fp.describe()
         formation = job.formation
         assert formation is not None
         peer_ranks = list(formation.ranks_by_daemon[formation.index_of(peer)])
-        ours = _describe_fp(list(run.fingerprint))
+        ours = run.fingerprint.describe()
         error = MismatchError(
             f"key {key!r} of {job.describe()}: ranks disagree: ranks {peer_ranks} (daemon "
-            f"{peer}) sent {_describe_fp(theirs)}; ranks {sorted(job.members)} (daemon "
+            f"{peer}) sent {theirs}; ranks {sorted(job.members)} (daemon "
             f"{self.transport.endpoint}) sent {ours}",
-            # The same keys as a mismatch between the ranks of one daemon (jobs.py).
+            # The same keys as a mismatch between the ranks of one daemon (matching.py).
             {"job": job.name, "key": key, "sent": {
-                **{str(rank): _describe_fp(theirs) for rank in peer_ranks},
+                **{str(rank): theirs for rank in peer_ranks},
                 **{str(rank): ours for rank in sorted(job.members)},
             }},
         )
@@ -492,12 +468,11 @@ class ClusterJobs:
         formation = job.formation
         if formation is None or already_known:
             return
+        abort = Abort(job.name, formation.generation, key, error.code, error.message,
+                      error.details).to_wire()
         for peer in formation.daemons:
             if peer != self.transport.endpoint:
-                self.transport.send(peer, {
-                    "kind": "abort", "job": job.name, "gen": formation.generation, "key": key,
-                    "code": error.code, "message": error.message, "details": error.details,
-                })
+                self.transport.send(peer, abort)
 
     def peer_lost(self, peer: str, jobs: dict[str, Job], why: str) -> None:
         """Fail every collective of every job that spans the lost peer, and of every
@@ -635,7 +610,7 @@ class ClusterJobs:
 
     async def run(
         self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
-        count: int, requested_algorithm: str | None, fingerprint: tuple[Any, ...],
+        count: int, requested_algorithm: str | None, fingerprint: Fingerprint,
     ) -> None:
         """An allreduce across daemons: local reduce, the chosen algorithm, write-back."""
         nbytes = count * (slots[0].itemsize if slots else 0)
@@ -681,7 +656,7 @@ class ClusterJobs:
         job: Job,
         ready: PendingCollective,
         op: ReduceOp,
-        fingerprint: tuple[Any, ...],
+        fingerprint: Fingerprint,
         plan_for: Callable[[Formation, int], Plan],
         agreed_costs: bool = False,
     ) -> None:
@@ -711,13 +686,13 @@ class ClusterJobs:
             formation = await self._with_agreed_costs(job, formation, ready, deadline)
         plan = plan_for(formation, me)
         algorithm = plan.algorithm
-        fp = (*fingerprint, algorithm)
+        fp = dataclasses.replace(fingerprint, algorithm=algorithm)
         phase_start = time.monotonic()
         if plan.before is not None:
             await self.run_call(plan.before, plan.work.nbytes)
         self._trace(job, "local phase", phase_start, ready.key)
-        base = {"kind": "slice", "job": job.name, "gen": formation.generation,
-                "key": ready.key, "fp": list(fp)}
+        # Each slice's header: this, with the executor's step, transfer and offset.
+        base = Slice(job.name, formation.generation, ready.key, fp, 0, 0, 0).to_wire()
 
         def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
             if self.stats is not None:
@@ -774,15 +749,11 @@ class ClusterJobs:
         job.costs.notify(formation.generation, epoch, daemons)
         log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
                   epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
+        costs = peer_wire.Costs(job.name, formation.generation, epoch, own.alpha_s,
+                                own.beta_s_per_byte, times, factor).to_wire()
         for peer in daemons:
             if peer != self.transport.endpoint:
-                self.transport.send(peer, {
-                    "kind": "costs", "job": job.name, "gen": formation.generation,
-                    "epoch": epoch, "alpha_s": own.alpha_s,
-                    "beta_s_per_byte": own.beta_s_per_byte,
-                    "times": [[name, nbytes, seconds] for (name, nbytes), seconds in times.items()],
-                    "explore_factor": factor,
-                })
+                self.transport.send(peer, costs)
 
     async def _with_agreed_costs(
         self, job: Job, formation: Formation, ready: PendingCollective, deadline: float,
@@ -844,8 +815,8 @@ class ClusterJobs:
         run.start()
         early = job.early_by_key.pop(ready.key, [])
         job.early_bytes -= _payload_bytes(early)
-        for peer, header, frames in early:
-            self._replay(job, peer, header, frames)
+        for peer, message, frames in early:
+            self._replay(job, peer, message, frames)
         if job.broken is not None:  # it broke while this run's task was queued
             _fail_if_waiting_on_gone(job, run, job.broken)
         try:
@@ -879,31 +850,6 @@ class ClusterJobs:
             self.trace.add(f"job {job.name}", name, started, time.monotonic(), key=repr(key))
 
 
-def _seconds(value: Any) -> bool:
-    """True for a plausible duration on the wire: a number in [0, 1000) seconds."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e3
-
-
-def _is_group(group: Any) -> TypeGuard[Group]:
-    """True for an (algorithm, buffer bytes) timing group."""
-    return (isinstance(group, tuple) and len(group) == 2 and group[0] in ALGORITHMS
-            and isinstance(group[1], int) and not isinstance(group[1], bool) and group[1] >= 0)
-
-
-def _timings_from_wire(value: Any) -> dict[Group, float]:
-    """A costs message's [[algorithm, bytes, seconds], ...]; ValueError if malformed."""
-    if not isinstance(value, list) or len(value) > MAX_TIMES_OFFERED:
-        raise ValueError(f"costs: 'times' must be a list of at most {MAX_TIMES_OFFERED} entries")
-    times: dict[Group, float] = {}
-    for entry in value:
-        if not (isinstance(entry, list) and len(entry) == 3 and _is_group(tuple(entry[:2]))
-                and _seconds(entry[2]) and entry[2] > 0):
-            raise ValueError("costs: each timing must be [algorithm, bytes >= 0, seconds in "
-                             f"(0, 1000)], got {clip(entry)}")
-        times[(entry[0], entry[1])] = float(entry[2])
-    return times
-
-
 def _fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) -> None:
     """A run that still needs data from a member daemon that left or was lost
     cannot finish; one that already holds everything from them can."""
@@ -912,22 +858,9 @@ def _fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) -
         run.fail(error)
 
 
-def _payload_bytes(slices: Sequence[tuple[str, dict[str, Any], Sequence[Any]]]) -> int:
+def _payload_bytes(slices: Sequence[tuple[str, Slice, Sequence[Any]]]) -> int:
     """Payload bytes of kept slices."""
     return sum(memoryview(frame).nbytes for _, _, frames in slices for frame in frames)
-
-
-def _describe_fp(fp: list[Any]) -> str:
-    """(collective, dtype, count, op, root, algorithm) as a reader wants it."""
-    if len(fp) != 6:
-        return repr(fp)
-    collective, dtype, count, op, root, algorithm = fp
-    text = f"{collective} {dtype}[{count}]"
-    if op:
-        text += f" op={op}"
-    if root is not None:
-        text += f" root={root}"
-    return f"{text} algorithm={algorithm}"
 
 
 def _ranks_not_announced(remote: dict[str, Announcement], job: Job) -> list[int]:

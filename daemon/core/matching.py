@@ -29,29 +29,12 @@ from gradsync.protocol.errors import (
     MismatchError,
     RankLostError,
 )
+from gradsync.protocol.peer import Fingerprint, Slice
 
 Key = int | str
 
 #: How many failed keys a job remembers, so late arrivals fail fast.
 _FAILED_KEYS_KEPT = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    """What every member must agree on for one collective."""
-
-    collective: str
-    dtype: str
-    count: int
-    op: str | None
-    algorithm: str | None = None
-    root: int | None = None
-
-    def describe(self) -> str:
-        op = f" op={self.op}" if self.op else ""
-        algorithm = f" algorithm={self.algorithm}" if self.algorithm else ""
-        root = f" root={self.root}" if self.root is not None else ""
-        return f"{self.collective} {self.dtype}[{self.count}]{op}{root}{algorithm}"
 
 
 @dataclasses.dataclass
@@ -128,8 +111,8 @@ class Job:
         self.formation: Formation | None = None
         self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
         self.runs: dict[Key, ScheduleRun] = {}
-        self.early_slices: list[tuple[str, dict[str, Any], Any]] = []
-        self.early_by_key: dict[Key, list[tuple[str, dict[str, Any], Any]]] = {}
+        self.early_slices: list[tuple[str, Slice, Any]] = []
+        self.early_by_key: dict[Key, list[tuple[str, Slice, Any]]] = {}
         #: Payload bytes held in `early_slices` and `early_by_key`.
         self.early_bytes = 0
         #: Member daemons that withdrew or were lost since the job formed.

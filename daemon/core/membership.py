@@ -25,18 +25,14 @@ import os
 import secrets
 import statistics
 import time
-from typing import Any, TypeGuard
+
+from gradsync.protocol.peer import Announce
 
 _incarnations = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + os.getpid() % 1000)
 
 
 #: This run of the daemon (see the module docstring).
 BOOT = secrets.randbits(62)
-
-
-def is_wire_int(value: Any) -> TypeGuard[int]:
-    """An integer as msgpack decodes one (bool is not)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def new_incarnation() -> int:
@@ -58,37 +54,16 @@ class Announcement:
     alpha_s: float
     beta_s_per_byte: float
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "incarnation": self.incarnation,
-            "boot": self.boot,
-            "world_size": self.world_size,
-            "ranks": list(self.ranks),
-            "alpha_s": self.alpha_s,
-            "beta_s_per_byte": self.beta_s_per_byte,
-        }
+    def message(self) -> Announce:
+        """What this daemon tells its peers."""
+        return Announce(self.job, self.incarnation, self.boot, self.world_size, self.ranks,
+                        self.alpha_s, self.beta_s_per_byte)
 
     @classmethod
-    def from_wire(cls, daemon: str, fields: dict[str, Any]) -> Announcement:
-        """Build from a peer's message; raises ValueError on a malformed one."""
-        ranks = fields.get("ranks")
-        world = fields.get("world_size")
-        if not isinstance(ranks, list) or not all(is_wire_int(r) for r in ranks):
-            raise ValueError("announce: 'ranks' must be a list of integers")
-        if not is_wire_int(world) or world < 1:
-            raise ValueError("announce: 'world_size' must be a positive integer")
-        if not ranks or any(not 0 <= r < world for r in ranks) or len(set(ranks)) != len(ranks):
-            raise ValueError("announce: ranks out of range or repeated")
-        job, incarnation, boot = fields.get("job"), fields.get("incarnation"), fields.get("boot")
-        if not isinstance(job, str) or not is_wire_int(incarnation) or not is_wire_int(boot):
-            raise ValueError(
-                "announce: 'job' must be a string, 'incarnation' and 'boot' integers")
-        alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
-        if not isinstance(alpha, (int, float)) or not isinstance(beta, (int, float)):
-            raise ValueError("announce: link costs must be numbers")
-        return cls(daemon, job, incarnation, boot, world, tuple(sorted(ranks)),
-                   float(alpha), float(beta))
+    def heard(cls, daemon: str, message: Announce) -> Announcement:
+        """A peer's share, as its (already checked) announce message says."""
+        return cls(daemon, message.job, message.incarnation, message.boot,
+                   message.world_size, message.ranks, message.alpha_s, message.beta_s_per_byte)
 
 
 @dataclasses.dataclass(frozen=True)

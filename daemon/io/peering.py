@@ -15,14 +15,10 @@ from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.peers.links import CurveConfig, PeerLinks, PeerMessage
+from gradsync.protocol.peer import CONTROL_KINDS, MESSAGES, STREAM_KINDS
 
 log = logging.getLogger("gradsync.daemon.peering")
 
-#: Message kinds daemons exchange (besides the links' own probes).
-PEER_KINDS = ("announce", "withdraw", "slice", "abort", "costs")
-#: Control messages that only matter to a peer that is up: a peer that is down
-#: fails its own collectives, and hears the announcements again when it is back.
-_CONTROL_KINDS = frozenset({"announce", "withdraw", "abort", "costs"})
 
 
 class LinksTransport:
@@ -39,7 +35,7 @@ class LinksTransport:
         self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
         zero_copy: bool = False,
     ) -> Any:
-        if header["kind"] in _CONTROL_KINDS and self.links.peer_state(peer) != "up":
+        if header["kind"] in CONTROL_KINDS and self.links.peer_state(peer) != "up":
             return None
         sending = self.links.send_nowait(peer, header, payloads, track=zero_copy)
         if not zero_copy:
@@ -102,11 +98,11 @@ class Peering:
             list(config.all_peers()),
             curve,
             insecure=config.insecure,
-            kinds=PEER_KINDS,
+            kinds=MESSAGES,
             # A withdraw follows the sender's slices down the same stream: a daemon
             # whose ranks leave right after their last collective must not overtake
             # the slices its peers still need to finish that collective.
-            stream_kinds=("slice", "withdraw"),
+            stream_kinds=STREAM_KINDS,
             peer_timeout_s=config.peer_timeout_s,
             on_peer_up=self._peer_up,
             on_peer_lost=self._peer_lost,

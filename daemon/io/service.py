@@ -20,9 +20,9 @@ import numpy as np
 
 from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.backends.reduce import split_ranges
-from gradsync.daemon.config import ALGORITHM_CHOICES, DaemonConfig
+from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.matching import Fingerprint, Job, Member, PendingCollective, Submission
+from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.core.membership import Formation
 from gradsync.daemon.core.plans import (
     KINDS,
@@ -48,6 +48,7 @@ from gradsync.protocol.errors import (
     ProtocolError,
     ShmExhaustedError,
 )
+from gradsync.protocol.peer import ALGORITHM_CHOICES, Fingerprint
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:
@@ -418,8 +419,7 @@ class GradsyncService:
 
             await self.cluster.run_plan(
                 job, ready, op or ReduceOp.SUM,
-                (first.collective, first.dtype, first.count, first.op, first.root),
-                plan_for,
+                first, plan_for,
             )
 
         try:
@@ -607,8 +607,7 @@ class GradsyncService:
 
         async def across(hosts: list[Any]) -> None:
             await cluster.run(
-                job, ready, op, hosts, first.count, first.algorithm,
-                (first.collective, first.dtype, first.count, first.op, None),
+                job, ready, op, hosts, first.count, first.algorithm, first,
             )
 
         try:

@@ -106,10 +106,6 @@ class DataPlane:
         self.port = listener.getsockname()[1]
         self._loop.add_reader(listener.fileno(), self._accept)
 
-    def advertisement(self) -> dict[str, Any]:
-        """Fields for our probe answers: where and how to open a stream to us."""
-        return {"data_port": self.port, "data_token": self.token}
-
     def sender(self, peer: str) -> StreamSender | None:
         """The open stream to `peer`, if any."""
         return self._senders.get(peer)

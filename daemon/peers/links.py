@@ -76,6 +76,7 @@ from gradsync.protocol.errors import (
     PeerLostError,
     ProtocolError,
 )
+from gradsync.protocol.peer import Probe
 
 log = logging.getLogger("gradsync.daemon.peers")
 
@@ -802,10 +803,10 @@ class PeerLinks:
         kind = message.header["kind"]
         if kind in (PING, BULK):
             assert self._router is not None
-            answer = {"kind": PONG, "seq": message.header["seq"]}
+            answer = Probe(PONG, message.header["seq"])
             if self._data is not None:
-                answer.update(self._data.advertisement())
-            pong = encode_header(self.endpoint, answer)
+                answer = Probe(PONG, answer.seq, self._data.port, self._data.token)
+            pong = encode_header(self.endpoint, answer.to_wire())
             # A probe answer that does not fit is dropped, never waited for.
             self._router.try_send([frames[0], pong])
             return
@@ -898,13 +899,14 @@ class PeerLinks:
             header = decode_header(frames[0].bytes, frozenset({PONG}))
             if len(frames) != 1:
                 raise ProtocolError("a pong carries no payload")
+            pong = Probe.from_wire(header)
         except ProtocolError as exc:
             self._drop("malformed", link.name, str(exc))
             return
         link.last_heard = time.monotonic()
         if self._data is not None and link.state == "up" and not self._closed:
             self._data.offer(link.name, link.endpoint.host, header)
-        waiter = link.pongs.pop(header["seq"], None)
+        waiter = link.pongs.pop(pong.seq, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
@@ -968,7 +970,7 @@ class PeerLinks:
                             heard_s, self._peer_timeout_s)
                 self._drop_link(link)
                 continue
-            header = encode_header(self.endpoint, {"kind": PING, "seq": next(link.seq)})
+            header = encode_header(self.endpoint, Probe(PING, next(link.seq)).to_wire())
             link.dealer.try_send([header])
 
     def _drop_link(self, link: _Link) -> None:
@@ -1046,7 +1048,7 @@ class PeerLinks:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             link.pongs[seq] = waiter
             kind = BULK if payload else PING
-            header = encode_header(self.endpoint, {"kind": kind, "seq": seq})
+            header = encode_header(self.endpoint, Probe(kind, seq).to_wire())
             try:
                 await self._send_frames(link, [header, *payload], wait_sent=False)
                 await asyncio.wait_for(waiter, timeout_s)

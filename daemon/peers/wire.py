@@ -2,12 +2,14 @@
 
 A peer message is `[header, payload...]` on the DEALER side (the receiving
 ROUTER prepends the sender's routing id).  The header is a map
-`{"v": PROTOCOL_VERSION, "kind": ..., "src": SENDER_ENDPOINT, ...}` of at most
+`{"v": PEER_PROTOCOL_VERSION, "kind": ..., "src": SENDER_ENDPOINT, ...}` of at most
 `MAX_FRAME_BYTES`; payload frames are opaque bytes, never decoded.
 
 Kinds starting with `link.` belong to the link layer itself (latency and
 bandwidth probes); all other kinds are the application's and must be declared
 when the links are built, so that an unknown kind is dropped at the door.
+The messages themselves, and the peer protocol's version, are defined in
+protocol/peer.py; this module only frames them.
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ import msgpack
 
 from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body
 from gradsync.protocol.errors import InvalidArgumentError, ProtocolError
-from gradsync.protocol.messages import check_version
-from gradsync.protocol.version import PROTOCOL_VERSION
+from gradsync.protocol.peer import (
+    BULK,
+    LINK_KINDS,
+    PEER_PROTOCOL_VERSION,
+    PING,
+    PONG,
+    check_peer_version,
+)
+
+__all__ = ["BULK", "LINK_KINDS", "PING", "PONG", "check_kinds", "decode_header",
+           "encode_header"]
 
 LINK_PREFIX = "link."
-#: Latency probe; answered by PONG with the same `seq`.
-PING = "link.ping"
-#: Bandwidth probe: PING with payload frames; answered by PONG once all arrived.
-BULK = "link.bulk"
-#: Answer to PING and BULK, sent back over the connection the probe came in on.
-PONG = "link.pong"
-LINK_KINDS = frozenset({PING, BULK, PONG})
 
 #: At most this many payload frames per message (a bound for hostile peers).
 MAX_PAYLOAD_FRAMES = 4096
@@ -53,7 +57,8 @@ def encode_header(src: str, header: Mapping[str, Any]) -> bytes:
     clash = [key for key in _FILLED_IN if key in header]
     if clash:
         raise InvalidArgumentError(f"header fields {clash} are filled in by the peer links")
-    body: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "src": src, **header}, use_bin_type=True)
+    body: bytes = msgpack.packb({"v": PEER_PROTOCOL_VERSION, "src": src, **header},
+                                use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES:
         raise InvalidArgumentError(
             f"header of kind {header.get('kind')!r} is {len(body)} bytes, above the "
@@ -79,7 +84,7 @@ def decode_header(body: bytes, kinds: frozenset[str]) -> Message:
     message = decode_body(body)
     if not isinstance(message, dict):
         raise ProtocolError(f"a header must be a map, got {type(message).__name__}")
-    check_version(message)
+    check_peer_version(message)
     kind = message.get("kind")
     if not isinstance(kind, str):
         raise ProtocolError("header lacks a string 'kind'")

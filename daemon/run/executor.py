@@ -36,6 +36,7 @@ import numpy as np
 from gradsync.daemon.backends.reduce import combine_into
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
+from gradsync.protocol.peer import Fingerprint
 
 #: Sends at least this large go zero-copy and are tracked until libzmq lets go.
 ZERO_COPY_BYTES = 64 * 1024
@@ -131,7 +132,7 @@ class ScheduleRun:
         send: SendSlice,
         slice_bytes: int,
         loop: asyncio.AbstractEventLoop,
-        fingerprint: tuple[Any, ...] = (),
+        fingerprint: Fingerprint | None = None,
         algorithm: str = "",
         agree_with: Sequence[int] = (),
         chunks: ChunkPool | None = None,
@@ -141,8 +142,6 @@ class ScheduleRun:
         self._agree_with = list(agree_with)
         self._agreements_missing = set(agree_with)
         self.fingerprint = fingerprint
-        #: The fingerprint as a slice's header carries it (msgpack gives lists).
-        self.wire_fingerprint = list(fingerprint)
         self.algorithm = algorithm
         self.buffer = buffer
         self.op = op

@@ -1,0 +1,365 @@
+"""The daemon-to-daemon wire: typed messages, strictly checked both ways.
+
+A peer message is a msgpack header map `{"v": PEER_PROTOCOL_VERSION, "src":
+SENDER, "kind": KIND, ...fields}` followed by raw payload frames (only a slice
+carries one).  The envelope ("v", "src") is the links' (daemon/peers/wire.py);
+this module owns everything after it: one frozen dataclass per kind, whose
+`to_wire()` gives the fields and whose `from_wire(fields)` refuses anything
+malformed with `ProtocolError`.  Only daemons speak this wire, so it has a
+version of its own: a change here does not break clients, and a client change
+does not break a cluster mid-upgrade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeGuard
+
+from gradsync.protocol.errors import ProtocolError, VersionMismatchError
+
+#: Bumped on every incompatible change of a message below (the client wire's
+#: PROTOCOL_VERSION is separate: protocol/version.py).
+PEER_PROTOCOL_VERSION = 1
+
+#: The allreduce algorithms between daemons, named once for both wires.
+ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
+#: What a client or a daemon's configuration may ask for.
+ALGORITHM_CHOICES: tuple[str, ...] = ("auto", *ALGORITHM_NAMES)
+
+#: Link-layer kinds (latency and bandwidth probes), answered by the links themselves.
+PING = "link.ping"
+BULK = "link.bulk"
+PONG = "link.pong"
+LINK_KINDS = frozenset({PING, BULK, PONG})
+
+#: Timings a `Costs` message may carry.
+MAX_TIMES = 64
+#: An upper bound for any duration on the wire (seconds).
+MAX_SECONDS = 1e3
+
+Key = int | str
+
+
+def is_wire_int(value: Any) -> TypeGuard[int]:
+    """An integer as msgpack decodes one (bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_wire_number(value: Any) -> TypeGuard[int | float]:
+    """A number as msgpack decodes one (bool is not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_seconds(value: Any) -> TypeGuard[int | float]:
+    """A plausible duration on the wire: a number in [0, MAX_SECONDS)."""
+    return is_wire_number(value) and 0 <= value < MAX_SECONDS
+
+
+def check_peer_version(header: Mapping[str, Any]) -> None:
+    """Refuse a header of another peer protocol version, naming both."""
+    version = header.get("v")
+    if not is_wire_int(version):
+        raise ProtocolError("peer message lacks an integer protocol version 'v'")
+    if version != PEER_PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"peer protocol version mismatch: the peer speaks v{version}, "
+            f"this daemon speaks v{PEER_PROTOCOL_VERSION}",
+            {"peer_version": version, "our_version": PEER_PROTOCOL_VERSION},
+        )
+
+
+def _need(condition: bool, kind: str, what: str) -> None:
+    if not condition:
+        raise ProtocolError(f"{kind}: {what}")
+
+
+def _text(fields: Mapping[str, Any], name: str, kind: str) -> str:
+    """A string field (the header's size limit bounds its length)."""
+    value = fields.get(name)
+    _need(isinstance(value, str), kind, f"{name!r} must be a string")
+    return str(value)
+
+
+def _int(fields: Mapping[str, Any], name: str, kind: str) -> int:
+    value = fields.get(name)
+    if not is_wire_int(value):
+        raise ProtocolError(f"{kind}: {name!r} must be an integer")
+    return value
+
+
+def _key(fields: Mapping[str, Any], kind: str) -> Key:
+    value = fields.get("key")
+    if not (is_wire_int(value) or isinstance(value, str)):
+        raise ProtocolError(f"{kind}: 'key' must be an integer or a string")
+    return value
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What every member must agree on for one collective: locally between ranks
+    (`algorithm` is what they asked for) and between daemons (what runs)."""
+
+    collective: str
+    dtype: str
+    count: int
+    op: str | None
+    algorithm: str | None = None
+    root: int | None = None
+
+    def describe(self) -> str:
+        op = f" op={self.op}" if self.op else ""
+        algorithm = f" algorithm={self.algorithm}" if self.algorithm else ""
+        root = f" root={self.root}" if self.root is not None else ""
+        return f"{self.collective} {self.dtype}[{self.count}]{op}{root}{algorithm}"
+
+    def to_wire(self) -> list[Any]:
+        return [self.collective, self.dtype, self.count, self.op, self.root, self.algorithm]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Fingerprint:
+        _need(isinstance(value, list) and len(value) == 6, "fingerprint",
+              f"must be [collective, dtype, count, op, root, algorithm], got {_clip(value)}")
+        collective, dtype, count, op, root, algorithm = value
+        _need(isinstance(collective, str) and isinstance(dtype, str) and is_wire_int(count)
+              and (op is None or isinstance(op, str)) and (root is None or is_wire_int(root))
+              and (algorithm is None or isinstance(algorithm, str)), "fingerprint",
+              f"fields of the wrong type: {_clip(value)}")
+        return cls(collective, dtype, count, op, algorithm, root)
+
+
+class WireMessage:
+    """Base of the typed messages: `kind` names it on the wire."""
+
+    kind: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        """The header fields, `kind` included (the links add "v" and "src")."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {"kind": self.kind, **fields}
+
+
+@dataclasses.dataclass(frozen=True)
+class Announce(WireMessage):
+    """A daemon's share of a job: which ranks it holds, and its link figures."""
+
+    kind: ClassVar[str] = "announce"
+    job: str
+    incarnation: int
+    #: The sender's run (daemon/core/membership.py BOOT): incarnations compare within one.
+    boot: int
+    world_size: int
+    ranks: tuple[int, ...]
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Announce:
+        kind = cls.kind
+        ranks, world = fields.get("ranks"), fields.get("world_size")
+        _need(isinstance(ranks, list) and all(is_wire_int(r) for r in ranks), kind,
+              "'ranks' must be a list of integers")
+        _need(is_wire_int(world) and world >= 1, kind, "'world_size' must be a positive integer")
+        assert isinstance(ranks, list) and isinstance(world, int)
+        _need(bool(ranks) and all(0 <= r < world for r in ranks)
+              and len(set(ranks)) == len(ranks), kind, "ranks out of range or repeated")
+        alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
+        _need(is_wire_number(alpha) and is_wire_number(beta), kind,
+              "link costs must be numbers")
+        return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
+                   _int(fields, "boot", kind), world, tuple(sorted(ranks)),
+                   float(alpha), float(beta))  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class Withdraw(WireMessage):
+    """A daemon's part of a job ended: why, who caused it, and whether cleanly."""
+
+    kind: ClassVar[str] = "withdraw"
+    job: str
+    incarnation: int
+    boot: int
+    reason: str
+    #: The error code its clients got (protocol/errors.py), so ours get the same kind.
+    code: str
+    #: The daemon where the end began (a rank lost there, say).
+    origin: str
+    clean: bool
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Withdraw:
+        kind = cls.kind
+        clean = fields.get("clean")
+        _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
+        return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
+                   _int(fields, "boot", kind), _text(fields, "reason", kind),
+                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean))
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice(WireMessage):
+    """The header of one slice of a collective's data (its payload follows).
+
+    `step` -1 is a fingerprint-only agreement (no data); `t` is the transfer of
+    that step, `off` the element offset within it.
+    """
+
+    kind: ClassVar[str] = "slice"
+    job: str
+    gen: int
+    key: Key
+    fp: Fingerprint
+    step: int
+    t: int
+    off: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "fp": self.fp.to_wire()}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Slice:
+        kind = cls.kind
+        return cls(_text(fields, "job", kind), _int(fields, "gen", kind), _key(fields, kind),
+                   Fingerprint.from_wire(fields.get("fp")), _int(fields, "step", kind),
+                   _int(fields, "t", kind), _int(fields, "off", kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort(WireMessage):
+    """One collective failed on the sender: every member fails it with this error."""
+
+    kind: ClassVar[str] = "abort"
+    job: str
+    gen: int
+    key: Key
+    code: str
+    message: str
+    details: dict[str, Any]
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Abort:
+        kind = cls.kind
+        details = fields.get("details")
+        _need(isinstance(details, dict), kind, "'details' must be a map")
+        return cls(_text(fields, "job", kind), _int(fields, "gen", kind), _key(fields, kind),
+                   _text(fields, "code", kind), _text(fields, "message", kind),
+                   dict(details))  # type: ignore[arg-type]
+
+
+#: (algorithm, buffer bytes): what one timing of `auto`'s calibration is of.
+TimingGroup = tuple[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs(WireMessage):
+    """A member's link figures and timings for one epoch of `auto`."""
+
+    kind: ClassVar[str] = "costs"
+    job: str
+    gen: int
+    epoch: int
+    alpha_s: float
+    beta_s_per_byte: float
+    times: dict[TimingGroup, float]
+    explore_factor: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "times": [
+            [name, nbytes, seconds] for (name, nbytes), seconds in self.times.items()]}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Costs:
+        kind = cls.kind
+        epoch = _int(fields, "epoch", kind)
+        alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
+        _need(is_seconds(alpha) and is_seconds(beta) and epoch >= 1, kind,
+              "epoch must be positive, alpha and beta seconds in [0, 1000)")
+        factor = fields.get("explore_factor")
+        _need(is_wire_number(factor) and 1 <= factor < 1e6, kind,
+              f"explore_factor must be a number >= 1, got {_clip(factor)}")
+        return cls(_text(fields, "job", kind), _int(fields, "gen", kind), epoch,
+                   float(alpha), float(beta), _timings(fields.get("times")),  # type: ignore[arg-type]
+                   float(factor))  # type: ignore[arg-type]
+
+
+def _timings(value: Any) -> dict[TimingGroup, float]:
+    """A costs message's [[algorithm, bytes, seconds], ...]."""
+    _need(isinstance(value, list) and len(value) <= MAX_TIMES, "costs",
+          f"'times' must be a list of at most {MAX_TIMES} entries")
+    times: dict[TimingGroup, float] = {}
+    for entry in value:
+        _need(isinstance(entry, list) and len(entry) == 3 and entry[0] in ALGORITHM_NAMES
+              and is_wire_int(entry[1]) and entry[1] >= 0 and is_seconds(entry[2])
+              and entry[2] > 0, "costs",
+              f"each timing must be [algorithm, bytes >= 0, seconds in (0, 1000)], "
+              f"got {_clip(entry)}")
+        times[(entry[0], entry[1])] = float(entry[2])
+    return times
+
+
+#: Every application kind, by name.
+MESSAGES: dict[str, type[Announce | Withdraw | Slice | Abort | Costs]] = {
+    cls.kind: cls for cls in (Announce, Withdraw, Slice, Abort, Costs)
+}
+#: The kinds that take a data stream where one is open: a withdrawal follows the
+#: sender's slices, so a peer never hears that a daemon left before it has read
+#: that daemon's last slices.
+STREAM_KINDS: tuple[str, ...] = (Slice.kind, Withdraw.kind)
+#: Control kinds, which only matter to a peer that is up: one that is down fails
+#: its own collectives, and hears the announcements again when it is back.
+CONTROL_KINDS = frozenset({Announce.kind, Withdraw.kind, Abort.kind, Costs.kind})
+
+Message = Announce | Withdraw | Slice | Abort | Costs
+
+
+def from_wire(fields: Mapping[str, Any]) -> Message:
+    """The typed message of a decoded header; `ProtocolError` on anything malformed."""
+    kind = fields.get("kind")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown peer message kind {_clip(kind)}")
+    return cls.from_wire(fields)
+
+
+# -- link probes -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A link probe (PING, or BULK with payload frames) or its answer (PONG).
+
+    A PONG also tells where the answering daemon's data streams listen
+    (`data_port`, `data_token`), when it has them.
+    """
+
+    kind: str
+    seq: int
+    data_port: int | None = None
+    data_token: bytes | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"kind": self.kind, "seq": self.seq}
+        if self.data_port is not None:
+            fields.update(data_port=self.data_port, data_token=self.data_token)
+        return fields
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Probe:
+        kind = fields.get("kind")
+        _need(kind in LINK_KINDS, "probe", f"unknown link kind {_clip(kind)}")
+        seq = _int(fields, "seq", str(kind))
+        port, token = fields.get("data_port"), fields.get("data_token")
+        if port is None and token is None:
+            return cls(str(kind), seq)
+        _need(is_wire_int(port) and 0 < port < 65536 and isinstance(token, bytes)
+              and 0 < len(token) < 256, str(kind),
+              "'data_port' must be a port and 'data_token' 1 to 255 bytes")
+        return cls(str(kind), seq, int(port), bytes(token))  # type: ignore[arg-type]

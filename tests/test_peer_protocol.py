@@ -1,0 +1,120 @@
+"""The daemon-to-daemon wire (protocol/peer.py): every message survives its own
+round trip through msgpack, and anything malformed is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from gradsync.daemon.peers.wire import decode_header, encode_header
+from gradsync.protocol import peer
+from gradsync.protocol.errors import ProtocolError, VersionMismatchError
+from gradsync.protocol.version import PROTOCOL_VERSION
+
+FP = peer.Fingerprint("allreduce", "float32", 1000, "sum", "ring", None)
+MESSAGES: list[peer.Message] = [
+    peer.Announce("job", 7, 1 << 61, 4, (0, 2), 5e-5, 1e-9),
+    peer.Withdraw("job", 7, 3, "rank 1 died", "rank_lost", "tcp://10.0.0.1:7000", False),
+    peer.Slice("job", 1 << 62, 12, FP, 3, 1, 4096),
+    peer.Slice("job", 5, "bucket:4", FP, -1, 0, 0),
+    peer.Abort("job", 5, "bucket:4", "mismatch", "ranks disagree", {"job": "job", "key": 3}),
+    peer.Costs("job", 5, 2, 5e-5, 1e-9, {("ring", 4096): 1e-4, ("rhd", 1 << 20): 2e-3}, 1.5),
+]
+SENDER = "tcp://127.0.0.1:7000"
+
+
+def over_the_wire(message: peer.Message) -> dict[str, Any]:
+    """The header a receiving daemon's links hand on for this message."""
+    body = encode_header(SENDER, message.to_wire())
+    return dict(decode_header(body, frozenset(peer.MESSAGES)))
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: peer.Message) -> None:
+    header = over_the_wire(message)
+    assert header["v"] == peer.PEER_PROTOCOL_VERSION and header["src"] == SENDER
+    assert peer.from_wire(header) == message
+
+
+def test_the_fingerprint_has_one_description_and_a_strict_wire_form() -> None:
+    assert FP.describe() == "allreduce float32[1000] op=sum algorithm=ring"
+    rooted = peer.Fingerprint("broadcast", "int64", 8, None, "star", 2)
+    assert rooted.describe() == "broadcast int64[8] root=2 algorithm=star"
+    assert peer.Fingerprint.from_wire(rooted.to_wire()) == rooted
+    for bad in (["allreduce", "float32", 1000, "sum", "ring"],  # five fields
+                ["allreduce", "float32", "1000", "sum", None, "ring"],
+                ["allreduce", "float32", True, "sum", None, "ring"],
+                ["allreduce", 4, 1000, "sum", None, "ring"], "allreduce"):
+        with pytest.raises(ProtocolError, match="fingerprint"):
+            peer.Fingerprint.from_wire(bad)
+
+
+def test_the_peer_wire_has_a_version_of_its_own() -> None:
+    """Daemons compare PEER_PROTOCOL_VERSION, never the client wire's version."""
+    fields = {"src": SENDER, **MESSAGES[0].to_wire()}
+    other = peer.PEER_PROTOCOL_VERSION + 1
+    with pytest.raises(VersionMismatchError) as caught:
+        decode_header(msgpack.packb({"v": other, **fields}), frozenset(peer.MESSAGES))
+    assert caught.value.details == {"peer_version": other,
+                                    "our_version": peer.PEER_PROTOCOL_VERSION}
+    if PROTOCOL_VERSION != peer.PEER_PROTOCOL_VERSION:
+        with pytest.raises(VersionMismatchError):
+            decode_header(msgpack.packb({"v": PROTOCOL_VERSION, **fields}),
+                          frozenset(peer.MESSAGES))
+
+
+def _without(fields: dict[str, Any], name: str) -> dict[str, Any]:
+    return {key: value for key, value in fields.items() if key != name}
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_a_missing_or_mistyped_field_is_refused_by_name(message: peer.Message) -> None:
+    fields = message.to_wire()
+    for name in fields:
+        if name == "kind":
+            continue
+        with pytest.raises(ProtocolError) as missing:
+            peer.from_wire(_without(fields, name))
+        assert missing.value.message.startswith(f"{message.kind}:") or "fingerprint" in str(
+            missing.value), missing.value
+        with pytest.raises(ProtocolError):
+            peer.from_wire({**fields, name: [object.__name__]})
+
+
+@pytest.mark.parametrize(("kind", "change"), [
+    ("announce", {"ranks": [0, 0]}), ("announce", {"ranks": [4]}), ("announce", {"ranks": []}),
+    ("announce", {"world_size": 0}), ("announce", {"alpha_s": True}),
+    ("withdraw", {"clean": 1}), ("slice", {"key": 1.5}), ("slice", {"step": True}),
+    ("abort", {"details": []}), ("costs", {"epoch": 0}), ("costs", {"alpha_s": 1e4}),
+    ("costs", {"explore_factor": 0.5}), ("costs", {"times": [["warp", 4096, 1e-3]]}),
+    ("costs", {"times": [["ring", -1, 1e-3]]}), ("costs", {"times": [["ring", 1, 0.0]]}),
+    ("costs", {"times": [["ring", 1, 1e-3]] * (peer.MAX_TIMES + 1)}),
+])
+def test_out_of_range_values_are_refused(kind: str, change: dict[str, Any]) -> None:
+    (message,) = [m for m in MESSAGES if m.kind == kind][:1]
+    with pytest.raises(ProtocolError, match=kind):
+        peer.from_wire({**message.to_wire(), **change})
+
+
+def test_unknown_kinds_and_link_probes() -> None:
+    with pytest.raises(ProtocolError, match="unknown peer message kind"):
+        peer.from_wire({"kind": "rumour", "job": "job"})
+    pong = peer.Probe(peer.PONG, 3, 41000, b"t" * 16)
+    assert peer.Probe.from_wire(pong.to_wire()) == pong
+    assert peer.Probe.from_wire({"kind": peer.PING, "seq": 1}) == peer.Probe(peer.PING, 1)
+    for bad in ({"kind": peer.PONG, "seq": "1"}, {"kind": "chunk", "seq": 1},
+                {"kind": peer.PONG, "seq": 1, "data_port": 0, "data_token": b"t"},
+                {"kind": peer.PONG, "seq": 1, "data_port": 80, "data_token": ""}):
+        with pytest.raises(ProtocolError):
+            peer.Probe.from_wire(bad)
+
+
+def test_the_algorithms_are_named_once() -> None:
+    from gradsync.client.client import ALGORITHMS as CLIENT_CHOICES
+    from gradsync.daemon.algorithms import ALGORITHMS
+    from gradsync.daemon.config import ALGORITHM_CHOICES as CONFIG_CHOICES
+
+    assert tuple(ALGORITHMS) == peer.ALGORITHM_NAMES
+    assert CLIENT_CHOICES == CONFIG_CHOICES == ("auto", *peer.ALGORITHM_NAMES)
