@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from conftest import DaemonProcess, wait_until_ready
+from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
-from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.config import (
     ConfigError,
     DaemonConfig,

@@ -57,7 +57,7 @@ def test_every_algorithm_matches_numpy(
 
 def _job_entries(daemons: list[DaemonProcess], job: str) -> list[dict[str, Any]]:
     """Each daemon's statistics for `job`."""
-    from gradsync.client.stats_cli import fetch_snapshot
+    from gradsync.client.cli.stats import fetch_snapshot
 
     return [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][job] for d in daemons]
 

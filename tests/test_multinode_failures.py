@@ -20,8 +20,8 @@ import zmq
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
 from conftest import PROGRAMS, DaemonProcess, collect, poll_until, spawn_rank
+from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
-from gradsync.client.stats_cli import fetch_snapshot
 from gradsync.daemon.core.membership import Announcement, form
 from gradsync.daemon.peers.wire import BULK, PING, PONG, encode_header
 from gradsync.protocol.codec import decode_body

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 from cluster import free_ports
 
-from gradsync.client.keygen import generate_keypair
+from gradsync.client.cli.keygen import generate_keypair
 from gradsync.daemon.config import ConfigError
 from gradsync.daemon.peers import (
     CurveConfig,

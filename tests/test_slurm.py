@@ -25,7 +25,7 @@ from cluster import free_ports
 from slurm_cluster import JobResult, SlurmCluster, skip_reason
 
 from conftest import PROGRAMS, DaemonProcess
-from gradsync.client.stats_cli import fetch_snapshot
+from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.daemon.config import ConfigError, load_config
 from gradsync.daemon.main import main as gradsyncd_main
 from gradsync.daemon.slurm import expand_hostnames, with_slurm_peers

@@ -228,7 +228,7 @@ def test_unsupported_parameters_are_refused_by_name(client: Client) -> None:
 def test_gradsync_without_the_torch_integration_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "import gradsync.client, gradsync.client.cli, gradsync.client.launch\n"
+        "import gradsync.client, gradsync.client.cli, gradsync.client.cli.launch\n"
         "import gradsync.daemon.main, gradsync.protocol\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
