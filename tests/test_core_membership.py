@@ -57,10 +57,6 @@ class FakeTransport:
         return [header["kind"] for _, header, _ in self.sent]
 
 
-async def _no_call(work: Any, nbytes: int) -> None:
-    work()
-
-
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
@@ -72,7 +68,7 @@ def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, d
     transport = FakeTransport(HERE, [HERE, PEER])
     counters = dict.fromkeys(("malformed", "stale_generation", "stale_membership",
                               "dropped_unknown_job", "slices_placed", "early_refused"), 0)
-    return ClusterJobs(DaemonConfig(), loop, transport, _no_call, counters), transport, {}
+    return ClusterJobs(DaemonConfig(), transport, counters), transport, {}
 
 
 def local_job(cluster: ClusterJobs, jobs: dict[str, Job], loop: asyncio.AbstractEventLoop,

@@ -14,13 +14,12 @@ import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradsync.daemon.core.cost_epochs import CostEpochs
 from gradsync.daemon.core.membership import Announcement, Formation
-from gradsync.daemon.run.executor import ScheduleRun
 from gradsync.protocol.errors import (
     CollectiveTimeoutError,
     GradsyncError,
@@ -30,6 +29,9 @@ from gradsync.protocol.errors import (
     RankLostError,
 )
 from gradsync.protocol.peer import Fingerprint, Slice
+
+if TYPE_CHECKING:  # the run layer's type only: the core never calls into it
+    from gradsync.daemon.run.executor import ScheduleRun
 
 Key = int | str
 

@@ -15,6 +15,7 @@ from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.peers.links import CurveConfig, PeerLinks, PeerMessage
+from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.protocol.peer import CONTROL_KINDS, MESSAGES, STREAM_KINDS
 
 log = logging.getLogger("gradsync.daemon.peering")
@@ -111,15 +112,12 @@ class Peering:
             on_place=self._on_place,
         )
         self.cluster = ClusterJobs(
-            config, service.loop, LinksTransport(self.links), service.run_call,
-            service.counters,
+            config, LinksTransport(self.links), service.counters, service.stats
         )
-        service.cluster = self.cluster
-        self.cluster.trace = service.trace
-        self.cluster.stats = service.stats
-        service.extra_counters = lambda: {
-            f"links_{name}": value for name, value in self.links.counters.items()
-        }
+        runner = CrossDaemonRunner(
+            self.cluster, service.loop, service.run_call, service.stats, service.trace
+        )
+        service.join_cluster(self.cluster, runner, self._link_counters)
 
     async def start(self) -> None:
         if self.links.insecure and self.links.peers:
@@ -166,6 +164,9 @@ class Peering:
 
     def counters(self) -> dict[str, int]:
         return dict(self.links.counters)
+
+    def _link_counters(self) -> dict[str, int]:
+        return {f"links_{name}": value for name, value in self.links.counters.items()}
 
     async def close(self) -> None:
         await self.links.close()

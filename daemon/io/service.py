@@ -33,6 +33,7 @@ from gradsync.daemon.core.plans import (
     make_plan,
     run_local,
 )
+from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
@@ -83,11 +84,19 @@ class GradsyncService:
             "dropped_unknown_job": 0, "rejected_keys": 0, "stats_rejected_keys": 0,
             "slices_placed": 0, "early_refused": 0,
         }
+        #: The multi-node side, when this daemon has peers (`join_cluster`).
         self.cluster: ClusterJobs | None = None
+        self.runner: CrossDaemonRunner | None = None
         self.stats = StatsRecorder()
         self.trace = TraceRecorder()
         #: More counters for `ping` (the peer links add theirs).
         self.extra_counters: Callable[[], dict[str, int]] = dict
+
+    def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner,
+                     link_counters: Callable[[], dict[str, int]]) -> None:
+        """Serve multi-node jobs too: membership through `cluster`, the
+        inter-daemon phase through `runner`; `ping` shows the links' counters."""
+        self.cluster, self.runner, self.extra_counters = cluster, runner, link_counters
 
     # -- sessions -----------------------------------------------------------
 
@@ -410,14 +419,14 @@ class GradsyncService:
             )
 
         async def across(arrays: list[Any]) -> None:
-            assert self.cluster is not None
+            assert self.runner is not None
             ins, outs = by_rank(arrays)
 
             def plan_for(formation: Formation, me: int) -> Plan:
                 return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
                                  job.world_size, chunk, op, root, dtype)
 
-            await self.cluster.run_plan(
+            await self.runner.run_plan(
                 job, ready, op or ReduceOp.SUM,
                 first, plan_for,
             )
@@ -599,14 +608,14 @@ class GradsyncService:
         self._spawn(ready, self._run_multi_node(job, ready, op))
 
     async def _run_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        assert self.cluster is not None
-        cluster = self.cluster
+        assert self.runner is not None
+        runner = self.runner
         order = sorted(ready.submissions)
         first = ready.submissions[order[0]].fingerprint
         slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
 
         async def across(hosts: list[Any]) -> None:
-            await cluster.run(
+            await runner.run(
                 job, ready, op, hosts, first.count, first.algorithm, first,
             )
 

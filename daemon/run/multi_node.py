@@ -1,0 +1,318 @@
+"""Running a collective across daemons: the inter-daemon phase of a job.
+
+The request handlers hand a collective here once all local ranks have
+submitted it.  The runner reduces the local slots into the first one, waits
+until the job is formed across daemons (core/cluster.py), agrees `auto`'s
+link costs for the key's epoch (core/cost_epochs.py), runs the plan's
+schedule over the peer links (executor.py), then writes the result back to
+every local slot.  Failures go through the core (`ClusterJobs.abort`), which
+tells the other members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gradsync.daemon.algorithms import ALGORITHMS
+from gradsync.daemon.algorithms.calibration import CostMeter, Costs
+from gradsync.daemon.algorithms.cost_model import best_tree_chunks
+from gradsync.daemon.algorithms.tree import tree
+from gradsync.daemon.backends.reduce import broadcast_from_first, reduce_into_first
+from gradsync.daemon.core.auto import CALIBRATING, model_terms
+from gradsync.daemon.core.cluster import (
+    MAX_TIMES_OFFERED,
+    ClusterJobs,
+    PeerTransport,
+    fail_if_waiting_on_gone,
+    payload_bytes,
+    ranks_not_announced,
+)
+from gradsync.daemon.core.cost_epochs import Offer, epoch_of, epoch_to_offer, explores
+from gradsync.daemon.core.membership import Formation
+from gradsync.daemon.core.plans import Plan
+from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed
+from gradsync.daemon.stats import StatsRecorder
+from gradsync.daemon.trace import TraceRecorder
+from gradsync.protocol import peer as peer_wire
+from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.errors import CollectiveTimeoutError, PeerLostError
+from gradsync.protocol.peer import Fingerprint, Slice
+
+if TYPE_CHECKING:
+    from gradsync.daemon.config import DaemonConfig
+    from gradsync.daemon.core.matching import Job, PendingCollective
+
+log = logging.getLogger("gradsync.daemon.cluster")
+
+
+class CrossDaemonRunner:
+    """Runs the collectives of multi-node jobs over the peer links."""
+
+    def __init__(
+        self,
+        cluster: ClusterJobs,
+        loop: asyncio.AbstractEventLoop,
+        run_call: Callable[[Callable[[], None], int], Awaitable[None]],
+        stats: StatsRecorder | None = None,
+        trace: TraceRecorder | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.config: DaemonConfig = cluster.config
+        self.transport: PeerTransport = cluster.transport
+        self.loop = loop
+        self.run_call = run_call
+        self.stats = stats
+        self.trace = trace
+        #: Timings of this daemon's allreduces, from which it fits `auto`'s figures.
+        self.meter = CostMeter()
+        #: Reduce chunks that placed slices of every run take turns with.
+        self.chunks = ChunkPool()
+
+    async def run(
+        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
+        count: int, requested_algorithm: str | None, fingerprint: Fingerprint,
+    ) -> None:
+        """An allreduce across daemons: local reduce, the chosen algorithm, write-back."""
+        nbytes = count * (slots[0].itemsize if slots else 0)
+        divide = job.world_size if op is ReduceOp.AVG else 1
+        auto = self.cluster.wants_auto(requested_algorithm)
+
+        def plan_for(formation: Formation, me: int) -> Plan:
+            epoch = epoch_of(ready.key)
+            # run_plan has waited for this epoch's agreement where auto needs one.
+            agreement = job.costs.agreed(formation.generation, epoch, formation.daemons) if (
+                epoch > 0 and auto) else None
+            algorithm = self.cluster.choose_algorithm(
+                requested_algorithm, formation, nbytes, job.name, epoch, agreement,
+                explores(ready.key))
+            work = slots[0] if slots else np.empty(0, dtype=np.uint8)
+
+            def before() -> None:
+                reduce_into_first(slots, 0, count, op)
+
+            def after() -> None:
+                broadcast_from_first(slots, 0, count, divide)
+
+            daemons = len(formation.daemons)
+            chunks = None
+            if algorithm == "tree":
+                # The chunk count the cost model priced; every daemon computes the same.
+                chunks = best_tree_chunks(daemons, nbytes, formation.alpha_s,
+                                          formation.beta_s_per_byte)
+                schedule = tree(me, daemons, count, chunks=chunks)
+            else:
+                schedule = ALGORITHMS[algorithm](me, daemons, count)
+            return Plan(
+                work, schedule, before if len(slots) > 1 else None,
+                after if len(slots) > 1 or (slots and divide != 1) else None,
+                algorithm, agree_first=False, timed=(algorithm, nbytes),
+                modelled=model_terms(algorithm, daemons, nbytes)
+                if algorithm in CALIBRATING else None,
+            )
+
+        await self.run_plan(job, ready, op, fingerprint, plan_for, agreed_costs=auto)
+
+    async def run_plan(
+        self,
+        job: Job,
+        ready: PendingCollective,
+        op: ReduceOp,
+        fingerprint: Fingerprint,
+        plan_for: Callable[[Formation, int], Plan],
+        agreed_costs: bool = False,
+    ) -> None:
+        """Any collective across daemons; raises the error the clients should get.
+
+        With `agreed_costs` the plan sees the formation with the link costs the
+        members agreed for this key's epoch (for `auto`).
+        """
+        deadline = ready.first_seen + ready.deadline_s
+        formation = job.formation
+        if formation is None:
+            try:
+                formation = await asyncio.wait_for(
+                    asyncio.shield(job.formed), max(0.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job)
+                raise CollectiveTimeoutError(
+                    f"key {ready.key!r} of {job.describe()} timed out after "
+                    f"{ready.deadline_s:g}s: the job never formed; ranks {missing} did not "
+                    "join on any peer daemon",
+                    {"job": job.name, "key": ready.key, "missing": missing},
+                ) from None
+        me = formation.index_of(self.transport.endpoint)
+        self._offer_costs(job, formation, epoch_to_offer(ready.key))
+        if agreed_costs:
+            formation = await self._with_agreed_costs(job, formation, ready, deadline)
+        plan = plan_for(formation, me)
+        algorithm = plan.algorithm
+        fp = dataclasses.replace(fingerprint, algorithm=algorithm)
+        phase_start = time.monotonic()
+        if plan.before is not None:
+            await self.run_call(plan.before, plan.work.nbytes)
+        self._trace(job, "local phase", phase_start, ready.key)
+        # Each slice's header: this, with the executor's step, transfer and offset.
+        base = Slice(job.name, formation.generation, ready.key, fp, 0, 0, 0).to_wire()
+
+        def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
+            if self.stats is not None:
+                self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload))
+            return self.transport.send(
+                formation.daemons[peer], {**base, **header}, (payload,), zero_copy
+            )
+
+        run = ScheduleRun(
+            plan.schedule, plan.work, op, send, self.config.pipeline_slice_bytes, self.loop,
+            fingerprint=fp, algorithm=algorithm,
+            agree_with=[
+                index for index in range(len(formation.daemons)) if index != me
+            ] if plan.agree_first else [],
+            chunks=self.chunks,
+        )
+        job.runs[ready.key] = run
+        data_phase = time.monotonic()
+        try:
+            await self._with_job_context(job, ready.key, run, self._drive(
+                job, ready, run, formation, algorithm, deadline))
+        finally:
+            job.runs.pop(ready.key, None)
+            run.release()
+            if job.withdrawal is not None and not job.runs:
+                self.cluster.withdraw(job, job.withdrawal)
+        if plan.timed is not None and len(formation.daemons) > 1:
+            self.meter.record(len(formation.daemons), plan.timed,
+                              time.monotonic() - data_phase, plan.modelled)
+        if self.trace is not None and self.trace.active:
+            for number, (started, ended, sources) in enumerate(run.step_times):
+                for source in sources or [me]:
+                    self.trace.add(f"link {formation.daemons[source]}",
+                                   f"{algorithm} step {number + 1}/{run.steps}", started, ended,
+                                   job=job.name, key=repr(ready.key))
+        phase_start = time.monotonic()
+        if plan.after is not None:
+            await self.run_call(plan.after, plan.work.nbytes)
+        self._trace(job, "write-back", phase_start, ready.key)
+
+    def _offer_costs(self, job: Job, formation: Formation, epoch: int) -> None:
+        """Send this daemon's figures for `epoch` to every member, once."""
+        daemons = formation.daemons
+        if epoch < 1 or len(daemons) < 2 or not job.costs.first_offer(formation.generation, epoch):
+            return
+        # What the members agreed last is the best guess for what these timings
+        # cannot tell (see CostMeter.fit), better than the start-up probes.
+        prior = job.costs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
+        own = self.meter.fit(len(daemons), prior) or prior
+        times = dict(list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:])
+        factor = self.config.auto_explore_factor
+        job.costs.add(formation.generation, epoch, self.transport.endpoint,
+                      Offer(own, times, factor))
+        job.costs.notify(formation.generation, epoch, daemons)
+        log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
+                  epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
+        costs = peer_wire.Costs(job.name, formation.generation, epoch, own.alpha_s,
+                                own.beta_s_per_byte, times, factor).to_wire()
+        for peer in daemons:
+            if peer != self.transport.endpoint:
+                self.transport.send(peer, costs)
+
+    async def _with_agreed_costs(
+        self, job: Job, formation: Formation, ready: PendingCollective, deadline: float,
+    ) -> Formation:
+        """The formation with the figures every member sent for this key's epoch."""
+        epoch = epoch_of(ready.key)
+        if epoch < 1 or len(formation.daemons) < 2:
+            return formation
+        generation, daemons = formation.generation, formation.daemons
+        agreement = job.costs.agreed(generation, epoch, daemons)
+        if agreement is None:
+            self._offer_costs(job, formation, epoch)
+            agreement = job.costs.agreed(generation, epoch, daemons)
+        if agreement is None:
+            if job.broken is not None:
+                raise job.broken
+            try:
+                agreement = await asyncio.wait_for(
+                    asyncio.shield(job.costs.waiter(generation, epoch)),
+                    max(0.0, deadline - time.monotonic()),
+                )
+            except TimeoutError:
+                job.costs.forget_waiter(generation, epoch)
+                missing = job.costs.missing(generation, epoch, daemons)
+                raise CollectiveTimeoutError(
+                    f"key {ready.key!r} of {job.describe()} timed out after "
+                    f"{ready.deadline_s:g}s waiting for the link costs of epoch {epoch} "
+                    f"(auto) from peer daemons {missing}",
+                    {"job": job.name, "key": ready.key, "waiting_for": missing},
+                ) from None
+        if agreement.priced is None:
+            agreement.priced = dataclasses.replace(
+                formation, alpha_s=agreement.costs.alpha_s,
+                beta_s_per_byte=agreement.costs.beta_s_per_byte)
+        return agreement.priced
+
+    @staticmethod
+    async def _with_job_context(
+        job: Job, key: Any, run: ScheduleRun, driving: Awaitable[None]
+    ) -> None:
+        """A link that went down under a send raises a bare "peer P is lost": say
+        which job, key and step it broke, as the cluster's own notice would."""
+        try:
+            await driving
+        except PeerLostError as exc:
+            if job.name in exc.message:
+                raise
+            raise PeerLostError(
+                f"peer daemon {exc.details.get('peer', '?')} of {job.describe()} was lost "
+                f"(key {key!r} at step {run.step + 1}/{run.steps} of {run.algorithm})",
+                {**exc.details, "job": job.name, "key": key},
+            ) from None
+
+    async def _drive(
+        self, job: Job, ready: PendingCollective, run: ScheduleRun, formation: Formation,
+        algorithm: str, deadline: float,
+    ) -> None:
+        """Start the schedule, feed it what came early, wait until done and sent."""
+        run.start()
+        early = job.early_by_key.pop(ready.key, [])
+        job.early_bytes -= payload_bytes(early)
+        for peer, message, frames in early:
+            self.cluster.replay(job, peer, message, frames)
+        if job.broken is not None:  # it broke while this run's task was queued
+            fail_if_waiting_on_gone(job, run, job.broken)
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            waiting = [formation.daemons[i] for i in run.waiting_for()]
+            error = CollectiveTimeoutError(
+                f"key {ready.key!r} of {job.describe()} timed out after "
+                f"{ready.deadline_s:g}s at step {run.step + 1}/{run.steps} of {algorithm}, "
+                f"waiting for peer daemons {waiting}",
+                {"job": job.name, "key": ready.key, "waiting_for": waiting},
+            )
+            self.cluster.abort(job, ready.key, error)
+            raise error from None
+        try:
+            await run.wait_sent(max(1.0, deadline - time.monotonic()))
+        except SendFailed as exc:  # a data stream broke under our last slices
+            peer = formation.daemons[exc.peer]
+            lost = PeerLostError(
+                f"key {ready.key!r} of {job.describe()}: sending this daemon's last slices "
+                f"of {algorithm} to peer daemon {peer} failed: {exc.cause}",
+                {"job": job.name, "key": ready.key, "peer": peer},
+            )
+            self.cluster.abort(job, ready.key, lost)
+            raise lost from None
+
+    def _trace(self, job: Job, name: str, started: float, key: Any) -> None:
+        if self.trace is not None and self.trace.active:
+            self.trace.add(f"job {job.name}", name, started, time.monotonic(), key=repr(key))
