@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gradsync.daemon.errors import ConfigError as ConfigError
 from gradsync.protocol.endpoint import (
     default_endpoint,
     ipc_endpoint,
@@ -26,10 +27,6 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names key and source."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +73,8 @@ class DaemonConfig:
         """`peers` plus the endpoints listed in `peers_file`, in order, without repeats."""
         endpoints = list(self.peers)
         if self.peers_file:
-            # Imported here: the peers package itself imports this module.
+            # Imported here: the peers package pulls in ZeroMQ, which reading the
+            # configuration does not need.
             from gradsync.daemon.peers.endpoints import read_peers_file
 
             try:

@@ -19,7 +19,7 @@ import stat
 
 from zmq.utils import z85
 
-from gradsync.daemon.config import ConfigError
+from gradsync.daemon.errors import ConfigError
 
 _KEY_CHARS = 40
 _MAX_CERT_BYTES = 64 * 1024

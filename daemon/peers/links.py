@@ -51,7 +51,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from gradsync.daemon.config import ConfigError
+from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
 from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
