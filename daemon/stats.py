@@ -147,7 +147,7 @@ class StatsRecorder:
             "shm": {"in_use": service.buffers.in_use, "attached": service.buffers.attached,
                     "segments": len(service.buffers),
                     "limit": config.max_shm_bytes},
-            "counters": {**service.counters, **service.extra_counters()},
+            "counters": service.state.counters(),
             "errors": dict(self.errors),
             "jobs": {name: self._job(service, name, now) for name in
                      sorted(set(service.jobs) | set(self.jobs))},

@@ -66,9 +66,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, dict[str, Job]]:
     transport = FakeTransport(HERE, [HERE, PEER])
-    counters = dict.fromkeys(("malformed", "stale_generation", "stale_membership",
-                              "dropped_unknown_job", "slices_placed", "early_refused"), 0)
-    return ClusterJobs(DaemonConfig(), transport, counters), transport, {}
+    return ClusterJobs(DaemonConfig(), transport), transport, {}
 
 
 def local_job(cluster: ClusterJobs, jobs: dict[str, Job], loop: asyncio.AbstractEventLoop,
@@ -113,7 +111,7 @@ def test_a_withdrawal_that_overtook_its_announcement_drops_the_announcement(
     job = local_job(cluster, jobs, loop)
     cluster.on_message(PEER, withdraw(5), (), jobs)
     cluster.on_message(PEER, announce(5), (), jobs)
-    assert cluster.counters["stale_membership"] == 1
+    assert cluster.counters.stale_membership == 1
     assert job.formation is None and job.broken is None
     # The peer's ranks come back: a newer incarnation of the same boot forms.
     cluster.on_message(PEER, announce(6), (), jobs)
@@ -128,7 +126,7 @@ def test_an_old_withdrawal_arriving_after_a_newer_announcement_is_dropped(
     cluster.on_message(PEER, announce(7), (), jobs)
     formation = job.formation
     cluster.on_message(PEER, withdraw(6), (), jobs)
-    assert cluster.counters["stale_membership"] == 1
+    assert cluster.counters.stale_membership == 1
     assert job.formation is formation and job.broken is None
 
 
@@ -143,7 +141,7 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
     cluster.on_message(PEER, announce(900), (), jobs)
     assert job.formation is not None
     cluster.on_message(PEER, announce(3, boot=BOOT + 1), (), jobs)
-    assert cluster.counters["stale_membership"] == 0
+    assert cluster.counters.stale_membership == 0
     assert isinstance(job.broken, PeerLostError)
     assert PEER in job.broken.message and "re-created" in job.broken.message
     assert "withdraw" in transport.kinds()  # peers hear that we stop counting on it
@@ -237,6 +235,6 @@ def test_malformed_and_unknown_messages_are_counted_not_raised(
     cluster.on_message(PEER, {**announce(5), "ranks": [1, 1]}, (), jobs)
     cluster.on_message(PEER, {"kind": "withdraw", "job": "train"}, (), jobs)
     cluster.on_message(PEER, {"kind": "rumour", "job": "train"}, (), jobs)
-    assert cluster.counters["malformed"] == 3 and job.formation is None
+    assert cluster.counters.malformed == 3 and job.formation is None
     cluster.on_message(PEER, announce(5, name="other"), (), jobs)  # no such job here
-    assert cluster.counters["malformed"] == 3 and "other" in cluster.remote
+    assert cluster.counters.malformed == 3 and "other" in cluster.remote

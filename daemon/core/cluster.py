@@ -11,6 +11,7 @@ slices, aborts, and peers lost.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -78,6 +79,23 @@ class PeerTransport(Protocol):
     def is_up(self, peer: str) -> bool: ...
 
 
+@dataclasses.dataclass
+class ClusterCounters:
+    """What the cluster core counts of the peers' messages (dropped ones, mostly)."""
+
+    #: Undecodable, or failing the peer protocol's checks.
+    malformed: int = 0
+    #: For a generation of a job that has ended or not formed here.
+    stale_generation: int = 0
+    #: Announcements and withdrawals overtaken by a newer one from the same daemon.
+    stale_membership: int = 0
+    dropped_unknown_job: int = 0
+    #: Slices received straight into their collective's buffer.
+    slices_placed: int = 0
+    #: Jobs ended because a peer sent more early slices than max_shm_bytes.
+    early_refused: int = 0
+
+
 class ClusterJobs:
     """Cross-daemon state of every multi-node job on this daemon."""
 
@@ -85,12 +103,11 @@ class ClusterJobs:
         self,
         config: DaemonConfig,
         transport: PeerTransport,
-        counters: dict[str, int],
         stats: StatsRecorder | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
-        self.counters = counters
+        self.counters = ClusterCounters()
         self.stats = stats
         self.remote: dict[str, dict[str, Announcement]] = {}
         #: (job, peer) -> (boot, newest incarnation) that peer withdrew, oldest first.
@@ -188,7 +205,7 @@ class ClusterJobs:
                 self._on_withdraw(peer, message, job)
             elif isinstance(message, Slice):
                 if job is None:
-                    self.counters["dropped_unknown_job"] += 1
+                    self.counters.dropped_unknown_job += 1
                 else:
                     self.on_slice(job, peer, message, frames)
             elif isinstance(message, Abort):
@@ -196,16 +213,19 @@ class ClusterJobs:
             else:
                 self._on_costs(peer, message, job)
         except ProtocolError as exc:
-            self.counters["malformed"] += 1
+            self.counters.malformed += 1
             log.warning("dropped a bad %r message from peer %s: %s", header.get("kind"), peer,
                         exc)
+        except Exception:  # a bug: say so, drop the message, keep serving
+            self.counters.malformed += 1
+            log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
     def _on_announce(self, peer: str, message: Announce, job: Job | None) -> None:
         announcement = Announcement.heard(peer, message)
         withdrawn = self.withdrawn.get((announcement.job, peer))
         if (withdrawn is not None and withdrawn[0] == announcement.boot
                 and withdrawn[1] >= announcement.incarnation):
-            self.counters["stale_membership"] += 1  # its withdrawal overtook it
+            self.counters.stale_membership += 1  # its withdrawal overtook it
             return
         table = self.remote.setdefault(announcement.job, {})
         previous = table.get(peer)
@@ -241,7 +261,7 @@ class ClusterJobs:
         table = self.remote.get(name, {})
         held = table.get(peer)
         if held is not None and held.boot == boot and held.incarnation > incarnation:
-            self.counters["stale_membership"] += 1
+            self.counters.stale_membership += 1
             return
         self._remember_withdrawal(name, peer, boot, incarnation)
         if held is not None:
@@ -282,7 +302,7 @@ class ClusterJobs:
 
     def _on_abort(self, peer: str, message: Abort, job: Job | None) -> None:
         if job is None or job.formation is None or message.gen != job.formation.generation:
-            self.counters["stale_generation"] += 1
+            self.counters.stale_generation += 1
             return
         key = message.key
         error = error_from_wire(message.code, message.message, message.details)
@@ -297,11 +317,11 @@ class ClusterJobs:
         """A member's figures for one epoch of `auto` (see cost_epochs.py)."""
         generation, epoch = message.gen, message.epoch
         if job is None:
-            self.counters["dropped_unknown_job"] += 1
+            self.counters.dropped_unknown_job += 1
             return
         formation = job.formation
         if formation is not None and generation != formation.generation:
-            self.counters["stale_generation"] += 1
+            self.counters.stale_generation += 1
             return
         if formation is not None and peer not in formation.daemons:
             raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
@@ -339,7 +359,7 @@ class ClusterJobs:
                               sizes[0])
         if placement is None:
             return None
-        self.counters["slices_placed"] += 1
+        self.counters.slices_placed += 1
         return [placement]
 
     def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Any]) -> None:
@@ -348,7 +368,7 @@ class ClusterJobs:
             self._keep_early(job, peer, message, frames, None)
             return
         if message.gen != formation.generation:
-            self.counters["stale_generation"] += 1
+            self.counters.stale_generation += 1
             log.debug("dropped a slice of an old generation of %s from %s", job.describe(), peer)
             return
         if peer not in formation.daemons or len(frames) != 1:
@@ -392,7 +412,7 @@ class ClusterJobs:
         nbytes = payload_bytes([(peer, message, frames)])
         limit = self.config.max_shm_bytes
         if job.early_bytes + nbytes > limit:
-            self.counters["early_refused"] += 1
+            self.counters.early_refused += 1
             held = job.early_bytes
             job.early_slices.clear()
             job.early_by_key.clear()
@@ -415,7 +435,7 @@ class ClusterJobs:
         try:
             self.on_slice(job, peer, message, frames)
         except ProtocolError as exc:
-            self.counters["malformed"] += 1
+            self.counters.malformed += 1
             log.warning("dropped an early slice of %s from %s: %s", job.describe(), peer, exc)
 
     def _mismatch(self, job: Job, key: Any, run: Any, peer: str, message: Slice) -> None:

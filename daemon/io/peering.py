@@ -111,13 +111,13 @@ class Peering:
             on_message=self._on_message,
             on_place=self._on_place,
         )
-        self.cluster = ClusterJobs(
-            config, LinksTransport(self.links), service.counters, service.stats
-        )
+        self.cluster = ClusterJobs(config, LinksTransport(self.links), service.stats)
         runner = CrossDaemonRunner(
             self.cluster, service.loop, service.run_call, service.stats, service.trace
         )
-        service.join_cluster(self.cluster, runner, self._link_counters)
+        service.join_cluster(self.cluster, runner)
+        service.state.cluster = self.cluster.counters
+        service.state.link_counters = lambda: self.links.counters
 
     async def start(self) -> None:
         if self.links.insecure and self.links.peers:
@@ -131,14 +131,7 @@ class Peering:
 
     def _on_message(self, message: PeerMessage) -> None:
         """Called by the links, from the event loop, as each message arrives."""
-        try:
-            self.cluster.on_message(
-                message.peer, message.header, message.payloads, self.service.jobs
-            )
-        except Exception:
-            self.service.counters["malformed"] += 1
-            log.exception("failed to handle a %r message from %s",
-                          message.header.get("kind"), message.peer)
+        self.cluster.on_message(message.peer, message.header, message.payloads, self.service.jobs)
 
     def _on_place(
         self, peer: str, header: dict[str, Any], sizes: list[int]
@@ -164,9 +157,6 @@ class Peering:
 
     def counters(self) -> dict[str, int]:
         return dict(self.links.counters)
-
-    def _link_counters(self) -> dict[str, int]:
-        return {f"links_{name}": value for name, value in self.links.counters.items()}
 
     async def close(self) -> None:
         await self.links.close()

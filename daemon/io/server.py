@@ -28,6 +28,7 @@ from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.io.session import ClientSession
 from gradsync.daemon.io.stats_server import StatsServer, stats_curve, stats_endpoints
 from gradsync.daemon.sd_notify import Notifier
+from gradsync.daemon.state import DaemonState
 from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.version import __version__
 
@@ -104,7 +105,7 @@ async def serve(config: DaemonConfig) -> None:
     endpoints = stats_endpoints(config.stats, config.socket)
     stats_keys = stats_curve(config, endpoints[0]) if endpoints is not None else None
     with claim_socket(path, config.group_access):
-        service = GradsyncService(config, loop)
+        service = GradsyncService(DaemonState(config), loop)
         peering = Peering(config, service) if use_peers else None
         if peering is not None:
             try:
@@ -167,10 +168,10 @@ async def serve(config: DaemonConfig) -> None:
 
 
 def _status(service: GradsyncService) -> str:
-    counters = service.counters
+    counters = service.state.requests
     return (
         f"{len(service.jobs)} jobs, {len(service.sessions)} clients, "
-        f"{counters['collectives']} collectives done, {counters['failed']} failed, "
+        f"{counters.collectives} collectives done, {counters.failed} failed, "
         f"{service.buffers.in_use} bytes of shared memory"
     )
 

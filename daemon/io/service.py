@@ -20,7 +20,6 @@ import numpy as np
 
 from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.backends.reduce import split_ranges
-from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.core.membership import Formation
@@ -34,6 +33,7 @@ from gradsync.daemon.core.plans import (
     run_local,
 )
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
+from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
@@ -64,7 +64,9 @@ MAX_WORLD_SIZE = 1 << 20
 class GradsyncService:
     """State and request handlers of one daemon."""
 
-    def __init__(self, config: DaemonConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, state: DaemonState, loop: asyncio.AbstractEventLoop) -> None:
+        config = state.config
+        self.state = state
         self.config = config
         self.loop = loop
         self.buffers = Buffers(
@@ -73,30 +75,21 @@ class GradsyncService:
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix="gradsync-reduce"
         )
-        self.jobs: dict[str, Job] = {}
-        self.sessions: dict[int, ClientSession] = {}
+        self.jobs = state.jobs
+        self.sessions = state.sessions
         self.running: set[asyncio.Task[None]] = set()
         self.in_flight: dict[int, PendingCollective] = {}
         self.shutting_down = False
-        self.counters: dict[str, int] = {
-            "malformed": 0, "collectives": 0, "failed": 0, "stale_generation": 0,
-            "stale_membership": 0,
-            "dropped_unknown_job": 0, "rejected_keys": 0, "stats_rejected_keys": 0,
-            "slices_placed": 0, "early_refused": 0,
-        }
         #: The multi-node side, when this daemon has peers (`join_cluster`).
         self.cluster: ClusterJobs | None = None
         self.runner: CrossDaemonRunner | None = None
         self.stats = StatsRecorder()
         self.trace = TraceRecorder()
-        #: More counters for `ping` (the peer links add theirs).
-        self.extra_counters: Callable[[], dict[str, int]] = dict
 
-    def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner,
-                     link_counters: Callable[[], dict[str, int]]) -> None:
+    def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         """Serve multi-node jobs too: membership through `cluster`, the
-        inter-daemon phase through `runner`; `ping` shows the links' counters."""
-        self.cluster, self.runner, self.extra_counters = cluster, runner, link_counters
+        inter-daemon phase through `runner`."""
+        self.cluster, self.runner = cluster, runner
 
     # -- sessions -----------------------------------------------------------
 
@@ -179,7 +172,7 @@ class GradsyncService:
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "collective_timeout_s": self.config.collective_timeout_s,
-            "counters": {**self.counters, **self.extra_counters()},
+            "counters": self.state.counters(),
             "jobs": len(self.jobs),
             "shm_in_use": self.buffers.in_use,
             "shm_attached": self.buffers.attached,
@@ -674,7 +667,7 @@ class GradsyncService:
             return
         job.completed += 1
         now = time.monotonic()
-        self.counters["collectives"] += 1
+        self.state.requests.collectives += 1
         first = ready.submissions[min(ready.submissions)]
         itemsize = DTYPES[first.fingerprint.dtype].itemsize
         if self.trace.active:
@@ -709,7 +702,7 @@ class GradsyncService:
     def _fail(self, pending: PendingCollective, error: GradsyncError) -> None:
         if pending.timer is not None:
             pending.timer.cancel()
-        self.counters["failed"] += 1
+        self.state.requests.failed += 1
         self.stats.collective_failed(pending.job_name or None, error.code)
         for submission in pending.submissions.values():
             submission.respond(error)

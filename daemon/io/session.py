@@ -100,7 +100,7 @@ class ClientSession(asyncio.Protocol):
             bodies = self.reader.feed(data)
         except ProtocolError as exc:
             # The length prefix is garbage: the stream cannot be resynchronised.
-            self.service.counters["malformed"] += 1
+            self.service.state.requests.malformed += 1
             self.reply_error(-1, exc)
             log.warning("%s sent an unframeable stream (%s); closing it", self.describe(), exc)
             self.close()
@@ -112,13 +112,13 @@ class ClientSession(asyncio.Protocol):
         try:
             message = messages.decode_request(body)
         except VersionMismatchError as exc:
-            self.service.counters["malformed"] += 1
+            self.service.state.requests.malformed += 1
             self.reply_error(-1, exc)
             log.warning("%s: %s", self.describe(), exc.message)
             self.close()
             return
         except ProtocolError as exc:
-            self.service.counters["malformed"] += 1
+            self.service.state.requests.malformed += 1
             self.reply_error(-1, exc)
             log.debug("%s sent a bad message: %s", self.describe(), exc.message)
             return

@@ -149,7 +149,7 @@ class StatsServer:
         log.info("statistics at %s (requests) and %s (stream)", *self.endpoints)
 
     def _rejected(self, address: str, reason: str) -> None:
-        self.service.counters["stats_rejected_keys"] += 1
+        self.service.state.stats_endpoint.stats_rejected_keys += 1
         log.warning("refused a statistics reader from %s: %s", address, reason)
 
     async def _serve(self) -> None:
@@ -157,7 +157,7 @@ class StatsServer:
         while True:
             frames = await self._receive_envelope()
             if len(frames) != 3 or frames[1] != b"":
-                self.service.counters["malformed"] += 1
+                self.service.state.stats_endpoint.malformed += 1
                 continue  # not a REQ envelope: nothing sensible to answer
             route, body = frames[0], frames[2]
             try:
@@ -173,7 +173,7 @@ class StatsServer:
                         f"not {messages.clip(request['kind'])}"
                     )
             except ProtocolError as exc:
-                self.service.counters["malformed"] += 1
+                self.service.state.stats_endpoint.malformed += 1
                 reply = messages.error_reply(-1, exc.code, exc.message)
             await self._answer(route, reply)
 
