@@ -22,7 +22,8 @@ import pytest
 import zmq
 import zmq.asyncio
 from cluster import free_ports
-from test_peer_links import FAST, READY_S, poll, run
+from peer_events import Events
+from test_peer_links import FAST, READY_S, TESTS, poll, run
 
 from gradsync.daemon.peers import PeerLinks
 from gradsync.daemon.peers.stream import encode_hello, message_head
@@ -39,12 +40,14 @@ def endpoints(count: int) -> list[str]:
     return [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
 
 
-async def start_streaming(names: list[str], **options: Any) -> list[PeerLinks]:
+async def start_streaming(
+    names: list[str], events: list[Events], **options: Any
+) -> list[PeerLinks]:
     """Insecure links with "chunk" on streams; returns once every stream is open."""
     links = [
-        PeerLinks(name, names, insecure=True, kinds=KINDS, stream_kinds=STREAM,
+        PeerLinks(name, names, events=inbox, insecure=True, kinds=KINDS, stream_kinds=STREAM,
                   **{**FAST, **options})
-        for name in names
+        for name, inbox in zip(names, events, strict=True)
     ]
     for link in links:
         await link.start()
@@ -64,7 +67,8 @@ def test_stream_kinds_take_the_streams_intact_and_in_order() -> None:
     names = endpoints(3)
 
     async def main() -> None:
-        links = await start_streaming(names)
+        events = [Events() for _ in names]
+        links = await start_streaming(names, events)
         try:
             rng = np.random.default_rng(5)
             sent: dict[tuple[str, str], list[bytes]] = {}
@@ -78,11 +82,11 @@ def test_stream_kinds_take_the_streams_intact_and_in_order() -> None:
                         sender.send_nowait(peer, {"kind": "chunk", "seq": seq}, payloads)
                         sent[sender.endpoint, peer].append(data.tobytes())
                     await sender.send(peer, {"kind": "note", "last": True}, [b"zmq"])
-            for receiver in links:
+            for receiver, inbox in zip(links, events, strict=True):
                 seen: dict[str, int] = dict.fromkeys(receiver.peers, 0)
                 notes = 0
                 while notes < len(receiver.peers) or any(n < 40 for n in seen.values()):
-                    message = await receiver.recv()
+                    message = await inbox.next()
                     if message.header["kind"] == "note":
                         notes += 1
                         assert message.header["src"] == message.peer
@@ -124,7 +128,7 @@ class Sink:
 
 
 def test_placed_payloads_are_read_into_their_sinks() -> None:
-    """`on_place` sees a stream message's header before its payloads; the
+    """`place` sees a stream message's header before its payloads; the
     payloads it places land in its sinks (the message carries the sinks), the
     others in fresh buffers, and messages it declines arrive as usual.  Small
     messages (below `place_min_bytes`, 64 KiB) are not offered at all."""
@@ -139,7 +143,8 @@ def test_placed_payloads_are_read_into_their_sinks() -> None:
         return placed[header["seq"]]
 
     async def main() -> None:
-        a, b = await start_streaming(endpoints(2), on_place=on_place)
+        events = [Events(on_place), Events(on_place)]
+        a, b = await start_streaming(endpoints(2), events)
         try:
             rng = np.random.default_rng(3)
             sent = []
@@ -148,7 +153,7 @@ def test_placed_payloads_are_read_into_their_sinks() -> None:
                 a.send_nowait(b.endpoint, {"kind": "chunk", "seq": seq}, [data, b"tail"])
                 sent.append(data.tobytes())
             for seq in range(12):
-                message = await b.recv()
+                message = await events[1].next()
                 assert message.header["seq"] == seq
                 first, tail = message.frames
                 assert isinstance(tail, memoryview) and bytes(tail) == b"tail"
@@ -179,9 +184,8 @@ class BrokenSink(Sink):
 
 def test_a_stream_that_breaks_mid_message_is_reported_and_the_link_goes_on() -> None:
     """A failure while a payload is being read closes that stream only: both
-    ends report it through `on_stream_broken` (a slice may be lost), the event
+    ends report it through `stream_broken` (a slice may be lost), the event
     loop and the ZeroMQ link carry on, and later messages still arrive."""
-    broken: dict[str, list[tuple[str, str]]] = {}
     breaking = [True]
 
     def on_place(peer: str, header: dict[str, Any], sizes: list[int]) -> list[Sink | None]:
@@ -192,13 +196,11 @@ def test_a_stream_that_breaks_mid_message_is_reported_and_the_link_goes_on() -> 
 
     async def main() -> None:
         names = endpoints(2)
+        events_a, events_b = events = [Events(), Events(on_place)]
         links = [
-            PeerLinks(name, names, insecure=True, kinds=KINDS, stream_kinds=STREAM,
-                      on_place=on_place if index == 1 else None,
-                      on_stream_broken=lambda peer, why, me=name: broken.setdefault(
-                          me, []).append((peer, why)),
-                      **FAST)
-            for index, name in enumerate(names)
+            PeerLinks(name, names, events=inbox, insecure=True, kinds=KINDS,
+                      stream_kinds=STREAM, **FAST)
+            for name, inbox in zip(names, events, strict=True)
         ]
         a, b = links
         try:
@@ -209,16 +211,16 @@ def test_a_stream_that_breaks_mid_message_is_reported_and_the_link_goes_on() -> 
             await poll(lambda: a.stream_open(b.endpoint), READY_S, "a's stream to b")
             first = np.ones(1 << 20, np.uint8)
             a.send_nowait(b.endpoint, {"kind": "chunk", "seq": 0}, [first])
-            await poll(lambda: a.endpoint in dict(broken.get(b.endpoint, [])), READY_S,
+            await poll(lambda: a.endpoint in dict(events_b.broken), READY_S,
                        "b to report the broken stream from a")
-            await poll(lambda: b.endpoint in dict(broken.get(a.endpoint, [])), READY_S,
+            await poll(lambda: b.endpoint in dict(events_a.broken), READY_S,
                        "a to report its broken stream to b")
-            assert "from it" in dict(broken[b.endpoint])[a.endpoint]
-            assert "to it" in dict(broken[a.endpoint])[b.endpoint]
+            assert "from it" in dict(events_b.broken)[a.endpoint]
+            assert "to it" in dict(events_a.broken)[b.endpoint]
             assert a.peer_state(b.endpoint) == b.peer_state(a.endpoint) == "up"
             data = np.arange(1 << 20, dtype=np.uint8)
             a.send_nowait(b.endpoint, {"kind": "chunk", "seq": 1}, [data])
-            message = await asyncio.wait_for(b.recv(), READY_S)
+            message = await events_b.next(READY_S)
             assert message.header["seq"] == 1
             (payload,) = message.frames
             got = bytes(payload.data) if isinstance(payload, Sink) else bytes(payload)
@@ -232,7 +234,8 @@ def test_a_stream_that_breaks_mid_message_is_reported_and_the_link_goes_on() -> 
 
 def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
     async def main() -> None:
-        a, b = await start_streaming(endpoints(2))
+        events = [Events(), Events()]
+        a, b = await start_streaming(endpoints(2), events)
         try:
             data = np.full(48 << 20, 7, dtype=np.uint8)  # more than the socket buffers hold
             written = a.send_nowait(b.endpoint, {"kind": "chunk"}, [data])
@@ -240,7 +243,7 @@ def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
             await a.send(b.endpoint, {"kind": "chunk", "second": True}, [data[:10]])
             assert written.done() and written.result() is None
             data[:] = 0
-            first, second = await b.recv(), await b.recv()
+            first, second = await events[1].next(), await events[1].next()
             assert np.all(np.frombuffer(first.payloads[0], np.uint8) == 7)
             assert "second" in second.header and bytes(second.payloads[0]) == b"\7" * 10
         finally:
@@ -252,7 +255,7 @@ def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
 def test_curve_or_no_stream_kinds_means_no_streams() -> None:
     async def main() -> None:
         names = endpoints(2)
-        plain = PeerLinks(names[0], names, insecure=True, kinds=KINDS, **FAST)
+        plain = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS, **FAST)
         await plain.start()
         try:
             assert plain.data_port is None and not plain.stream_open(names[1])
@@ -302,7 +305,9 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
         return msgpack.packb({**base, **fields})
 
     async def main() -> None:
-        a = PeerLinks(names[0], names, insecure=True, kinds=KINDS, stream_kinds=STREAM, **FAST)
+        events = Events()
+        a = PeerLinks(names[0], names, events=events, insecure=True, kinds=KINDS,
+                      stream_kinds=STREAM, **FAST)
         await a.start()
         try:
             fields = await asyncio.to_thread(pong_fields, names)
@@ -327,21 +332,21 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
                 message_head(good, [4]) + b"data",
             ]
             impostor = await asyncio.to_thread(raw_stream, port, hello + b"".join(messages))
-            message = await a.recv()
+            message = await events.next()
             assert message.header["seq"] == 1 and bytes(message.payloads[0]) == b"data"
             assert a.counters["malformed"] == 3
             impostor.sendall(struct.pack("!IH", 1 << 30, 0))  # a 1 GiB header
             assert await asyncio.to_thread(closed_by_peer, impostor)
             await poll(lambda: a.counters["stream_failed"] == 1, READY_S, "the broken stream")
             # The real peer still gets through, over ZeroMQ and then its own stream.
-            b = PeerLinks(names[1], names, insecure=True, kinds=KINDS, stream_kinds=STREAM,
-                          **FAST)
+            b = PeerLinks(names[1], names, events=Events(), insecure=True, kinds=KINDS,
+                          stream_kinds=STREAM, **FAST)
             await b.start()
             try:
                 await b.wait_up(READY_S)
                 await poll(lambda: b.stream_open(names[0]), READY_S, "b's stream")
                 await b.send(names[0], {"kind": "chunk", "seq": 2}, [b"real"])
-                message = await a.recv()
+                message = await events.next()
                 assert message.header["seq"] == 2 and bytes(message.payloads[0]) == b"real"
                 assert b.counters["stream_sent"] == 1
             finally:
@@ -354,16 +359,17 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
 
 CHILD = """
 import asyncio, json, sys
+sys.path.insert(0, sys.argv[4])
 from gradsync.daemon.peers import PeerLinks
+from peer_events import Events
 
 async def main():
-    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), insecure=True,
+    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), events=Events(), insecure=True,
                       kinds=["chunk", "note"], stream_kinds=["chunk"],
                       peer_timeout_s=float(sys.argv[3]), probe_bytes=0, probe_rounds=1)
     await links.start()
     print("started", flush=True)
-    async for _ in links:
-        pass
+    await asyncio.Event().wait()  # until killed
 
 asyncio.run(main())
 """
@@ -377,13 +383,14 @@ def test_stream_sends_waiting_for_a_lost_peer_fail_instead_of_hanging() -> None:
     peer_timeout_s = 1.0
     names = endpoints(2)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, names[1], json.dumps(names), str(peer_timeout_s)],
+        [sys.executable, "-c", CHILD, names[1], json.dumps(names), str(peer_timeout_s), TESTS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
     async def main() -> None:
-        links = PeerLinks(names[0], names, insecure=True, kinds=KINDS, stream_kinds=STREAM,
-                          peer_timeout_s=peer_timeout_s, probe_bytes=0, probe_rounds=1)
+        links = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS,
+                          stream_kinds=STREAM, peer_timeout_s=peer_timeout_s, probe_bytes=0,
+                          probe_rounds=1)
         await links.start()
         try:
             await links.wait_up(READY_S)

@@ -26,6 +26,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from cluster import free_ports
+from peer_events import Events
 
 from gradsync.client.cli.keygen import generate_keypair
 from gradsync.daemon.config import ConfigError
@@ -90,11 +91,12 @@ def keys(tmp_path: Path) -> Callable[[list[str]], list[CurveConfig]]:
 
 
 async def start_all(
-    names: list[str], configs: list[CurveConfig | None], **options: Any
+    names: list[str], configs: list[CurveConfig | None], events: list[Events], **options: Any
 ) -> list[PeerLinks]:
     links = [
-        PeerLinks(name, names, config, insecure=config is None, kinds=KINDS, **{**FAST, **options})
-        for name, config in zip(names, configs, strict=True)
+        PeerLinks(name, names, config, events=inbox, insecure=config is None, kinds=KINDS,
+                  **{**FAST, **options})
+        for name, config, inbox in zip(names, configs, events, strict=True)
     ]
     for link in links:
         await link.start()
@@ -115,7 +117,8 @@ def exchange(names: list[str], configs: list[CurveConfig | None]) -> None:
     """Every link sends every other one a header and two payloads; all arrive intact."""
 
     async def main() -> None:
-        links = await start_all(names, configs)
+        events = [Events() for _ in names]
+        links = await start_all(names, configs, events)
         try:
             big = {
                 name: np.arange(3 * 1024 * 1024, dtype=np.float32) * (i + 1)
@@ -128,10 +131,10 @@ def exchange(names: list[str], configs: list[CurveConfig | None]) -> None:
                         peer, {"kind": "chunk", "to": peer, "step": 3},
                         [big[sender.endpoint].data, small],
                     )
-            for receiver in links:
+            for receiver, inbox in zip(links, events, strict=True):
                 got: dict[str, PeerMessage] = {}
                 while len(got) < len(names) - 1:
-                    message = await receiver.recv()
+                    message = await inbox.next()
                     got[message.peer] = message
                 assert set(got) == set(receiver.peers)
                 for peer, message in got.items():
@@ -176,12 +179,13 @@ def test_sending_zero_copy_waits_until_buffers_are_released() -> None:
 
     async def main() -> None:
         names = endpoints(2)
-        a, b = await start_all(names, [None, None])
+        events = [Events(), Events()]
+        a, b = await start_all(names, [None, None], events)
         try:
             data = np.full(8 * 1024 * 1024, 7, dtype=np.uint8)
             await a.send(b.endpoint, {"kind": "chunk"}, [data])
             data[:] = 0
-            message = await b.recv()
+            message = await events[1].next()
             assert np.all(np.frombuffer(message.payloads[0], dtype=np.uint8) == 7)
             with pytest.raises(InvalidArgumentError, match="C-contiguous"):
                 await a.send(b.endpoint, {"kind": "chunk"}, [np.zeros((4, 4))[:, ::2]])
@@ -201,8 +205,8 @@ def test_sending_zero_copy_waits_until_buffers_are_released() -> None:
 def test_missing_keys_without_insecure_raises() -> None:
     names = endpoints(2)
     with pytest.raises(ConfigError, match=r"--curve-secret.*--curve-authorized.*--insecure"):
-        PeerLinks(names[0], names)
-    PeerLinks(names[0], [names[0]])  # alone: nothing to secure, nothing bound
+        PeerLinks(names[0], names, events=Events())
+    PeerLinks(names[0], [names[0]], events=Events())  # alone: nothing to secure, nothing bound
 
 
 def test_self_is_recognised_under_an_equivalent_address() -> None:
@@ -210,22 +214,24 @@ def test_self_is_recognised_under_an_equivalent_address() -> None:
     links = PeerLinks(
         f"tcp://127.0.0.1:{own}",
         [f"tcp://localhost:{own}", f"tcp://127.0.0.1:{other}"],
-        insecure=True,
+        events=Events(), insecure=True,
     )
     assert links.endpoint == f"tcp://localhost:{own}"
     assert links.peers == (f"tcp://127.0.0.1:{other}",)
     wildcard = PeerLinks(
-        f"tcp://*:{own}", [f"tcp://127.0.0.1:{own}", f"tcp://127.0.0.1:{other}"], insecure=True
+        f"tcp://*:{own}", [f"tcp://127.0.0.1:{own}", f"tcp://127.0.0.1:{other}"],
+        events=Events(), insecure=True,
     )
     assert wildcard.peers == (f"tcp://127.0.0.1:{other}",)
     with pytest.raises(ConfigError, match="twice"):
         PeerLinks(
             f"tcp://127.0.0.1:{own}",
             [f"tcp://127.0.0.1:{other}", f"tcp://localhost:{other}"],
-            insecure=True,
+            events=Events(), insecure=True,
         )
     with pytest.raises(ConfigError, match="list this daemon's own address"):
-        PeerLinks(f"tcp://*:{own}", [f"tcp://127.0.0.1:{other}"], insecure=True)
+        PeerLinks(f"tcp://*:{own}", [f"tcp://127.0.0.1:{other}"], events=Events(),
+                  insecure=True)
 
 
 def test_peers_file(tmp_path: Path) -> None:
@@ -247,7 +253,7 @@ def test_secret_key_readable_by_others_is_refused(
     config = keys(names)[0]
     os.chmod(config.secret_file, 0o644)
     with pytest.raises(KeyFileError, match=rf"{config.secret_file} has mode 0644"):
-        PeerLinks(names[0], names, config)
+        PeerLinks(names[0], names, config, events=Events())
 
 
 def test_peer_without_recorded_endpoint_is_refused(tmp_path: Path) -> None:
@@ -258,7 +264,7 @@ def test_peer_without_recorded_endpoint_is_refused(tmp_path: Path) -> None:
     public_b, _ = generate_keypair(str(tmp_path / "b"), "b")  # no --endpoint
     os.replace(public_b, folder / "b.key")
     with pytest.raises(KeyFileError, match=rf"records the endpoint of peer {names[1]}"):
-        PeerLinks(names[0], names, CurveConfig(secret, str(folder)))
+        PeerLinks(names[0], names, CurveConfig(secret, str(folder)), events=Events())
 
 
 # -- authentication ------------------------------------------------------------------
@@ -278,10 +284,12 @@ def test_unknown_key_never_delivers_and_is_counted(
     rogue_endpoint = endpoints(1)[0]
 
     async def main() -> None:
-        a, b = await start_all(names, [config_a, config_b])
+        events = [Events(), Events()]
+        a, b = await start_all(names, [config_a, config_b], events)
         rogue_keys = CurveConfig(rogue_secret, str(rogue_folder))
         rogue = PeerLinks(
-            rogue_endpoint, [rogue_endpoint, names[0]], rogue_keys, kinds=KINDS, **FAST
+            rogue_endpoint, [rogue_endpoint, names[0]], rogue_keys, events=Events(),
+            kinds=KINDS, **FAST
         )
         await rogue.start()
         # A raw CURVE socket with the rogue key, queueing messages before the handshake.
@@ -304,7 +312,7 @@ def test_unknown_key_never_delivers_and_is_counted(
             with pytest.raises(PeerLostError):
                 await rogue.send(names[0], {"kind": "note"})
             await b.send(names[0], {"kind": "note", "from": "b"})
-            message = await a.recv()
+            message = await events[0].next()
             assert (message.peer, message.header["from"]) == (names[1], "b")
             assert a.counters["received"] == 1
         finally:
@@ -321,8 +329,9 @@ def test_authorised_daemon_cannot_speak_for_another(
     configs = keys(names)
 
     async def main() -> None:
-        a = PeerLinks(names[0], names, configs[0], kinds=KINDS, **FAST)
-        b = PeerLinks(names[1], names, configs[1], kinds=KINDS, **FAST)
+        events_a = Events()
+        a = PeerLinks(names[0], names, configs[0], events=events_a, kinds=KINDS, **FAST)
+        b = PeerLinks(names[1], names, configs[1], events=Events(), kinds=KINDS, **FAST)
         for links in (a, b):
             await links.start()
         await a.wait_up(READY_S, [names[1]])
@@ -342,7 +351,7 @@ def test_authorised_daemon_cannot_speak_for_another(
             )
             await poll(lambda: a.counters["unknown_peer"] == 1, READY_S, "the drop")
             await b.send(names[0], {"kind": "note"})
-            assert (await a.recv()).peer == names[1]
+            assert (await events_a.next()).peer == names[1]
             assert a.counters["received"] == 1
         finally:
             context.destroy(linger=0)
@@ -351,25 +360,12 @@ def test_authorised_daemon_cannot_speak_for_another(
     run(main())
 
 
-def test_close_wakes_receivers_and_is_prompt() -> None:
+def test_close_is_prompt_and_refuses_sends() -> None:
     async def main() -> None:
-        a, b = await start_all(endpoints(2), [None, None])
-        receiver = asyncio.ensure_future(a.recv())
-        iterated: list[PeerMessage] = []
-
-        async def iterate() -> None:
-            async for message in b:
-                iterated.append(message)
-
-        iterator = asyncio.ensure_future(iterate())
-        await asyncio.sleep(0)
+        a, b = await start_all(endpoints(2), [None, None], [Events(), Events()])
         started = time.monotonic()
         await close_all([a, b])
         assert time.monotonic() - started < 2.0
-        with pytest.raises(DaemonShuttingDownError):
-            await receiver
-        await iterator
-        assert iterated == []
         with pytest.raises(DaemonShuttingDownError):
             await a.send(b.endpoint, {"kind": "note"})
 
@@ -400,12 +396,9 @@ def test_malformed_messages_are_dropped_and_counted() -> None:
         [b"\x00" * (64 * 1024 + 1)],
     ]
 
-    def validate(message: dict[str, Any]) -> None:
-        if message.get("poison"):
-            raise ValueError("poisoned")
-
     async def main() -> None:
-        a = PeerLinks(names[0], names, insecure=True, kinds=KINDS, validate=validate, **FAST)
+        events = Events()
+        a = PeerLinks(names[0], names, events=events, insecure=True, kinds=KINDS, **FAST)
         await a.start()
         context = zmq.asyncio.Context()
         try:
@@ -418,12 +411,12 @@ def test_malformed_messages_are_dropped_and_counted() -> None:
             stranger.routing_id = b"tcp://127.0.0.1:9"
             stranger.connect(names[0])
             await stranger.send_multipart([header(src="tcp://127.0.0.1:9")])
-            for frames in [*bad, [header(poison=True)]]:
+            for frames in bad:
                 await impostor.send_multipart(frames)
             await impostor.send_multipart([header(ok=1), b"payload"])
-            message = await a.recv()
+            message = await events.next()
             assert message.header["ok"] == 1 and bytes(message.payloads[0]) == b"payload"
-            assert a.counters["malformed"] == len(bad) + 1
+            assert a.counters["malformed"] == len(bad)
             await poll(lambda: a.counters["unknown_peer"] == 1, READY_S, "the stranger")
         finally:
             context.destroy(linger=0)
@@ -436,18 +429,20 @@ def test_malformed_messages_are_dropped_and_counted() -> None:
 
 CHILD = """
 import asyncio, json, sys
+sys.path.insert(0, sys.argv[4])
 from gradsync.daemon.peers import PeerLinks
+from peer_events import Events
 
 async def main():
-    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), insecure=True,
+    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), events=Events(), insecure=True,
                       peer_timeout_s=float(sys.argv[3]), probe_bytes=1 << 20)
     await links.start()
     print("started", flush=True)
-    async for _ in links:
-        pass
+    await asyncio.Event().wait()  # until killed
 
 asyncio.run(main())
 """
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @contextlib.contextmanager
@@ -455,7 +450,7 @@ def child_links(
     listen: str, peers: list[str], peer_timeout_s: float
 ) -> Iterator[subprocess.Popen[str]]:
     process = subprocess.Popen(
-        [sys.executable, "-c", CHILD, listen, json.dumps(peers), str(peer_timeout_s)],
+        [sys.executable, "-c", CHILD, listen, json.dumps(peers), str(peer_timeout_s), TESTS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -471,14 +466,12 @@ def notice_loss(how: signal.Signals) -> None:
     peer_timeout_s = 1.0
     margin_s = 0.5
     names = endpoints(2)
-    lost_at: list[float] = []
-    up_count: list[int] = []
+    events = Events()
 
     async def main(child: subprocess.Popen[str]) -> None:
         links = PeerLinks(
-            names[0], names, insecure=True, kinds=KINDS, peer_timeout_s=peer_timeout_s,
-            on_peer_lost=lambda peer: lost_at.append(time.monotonic()),
-            on_peer_up=lambda peer: up_count.append(1),
+            names[0], names, events=events, insecure=True, kinds=KINDS,
+            peer_timeout_s=peer_timeout_s,
         )
         await links.start()
         try:
@@ -489,8 +482,9 @@ def notice_loss(how: signal.Signals) -> None:
                 raise AssertionError(f"child never came up: {child.communicate()[1]}") from None
             signalled = time.monotonic()
             os.kill(child.pid, how)
-            await poll(lambda: bool(lost_at), peer_timeout_s + 5, "the loss")
-            delay = lost_at[0] - signalled
+            await poll(lambda: bool(events.lost), peer_timeout_s + 5, "the loss")
+            assert events.lost[0][0] == names[1]
+            delay = events.lost[0][1] - signalled
             assert delay <= peer_timeout_s + margin_s, f"noticed after {delay:.2f}s"
             if how == signal.SIGSTOP:  # by missed heartbeats: after timeout - interval at least
                 assert delay >= 0.7 * peer_timeout_s, f"noticed after {delay:.2f}s"
@@ -501,7 +495,7 @@ def notice_loss(how: signal.Signals) -> None:
             if how == signal.SIGSTOP:  # it comes back when continued
                 os.kill(child.pid, signal.SIGCONT)
                 await links.wait_up(READY_S)
-                assert len(up_count) == 2
+                assert events.up == [names[1], names[1]]
         finally:
             await links.close()
 
@@ -524,7 +518,7 @@ def test_sends_waiting_for_a_lost_peer_fail_instead_of_hanging() -> None:
     names = endpoints(2)
 
     async def main(child: subprocess.Popen[str]) -> None:
-        links = PeerLinks(names[0], names, insecure=True, kinds=KINDS,
+        links = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS,
                           peer_timeout_s=peer_timeout_s, probe_bytes=0, probe_rounds=1)
         await links.start()
         try:

@@ -1,7 +1,8 @@
 """Wiring of the peer links into the daemon: build, adapt, pump, close.
 
 `PeerLinks` (daemon/peers) moves messages; `ClusterJobs` (cluster.py) decides
-what they mean.  This module connects the two and the service.
+what they mean.  This module connects the two and the service: `Peering` is
+the links' `PeerEvents`, handing what they hear on to the cluster jobs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.io.service import GradsyncService
-from gradsync.daemon.peers.links import CurveConfig, PeerLinks, PeerMessage
+from gradsync.daemon.peers.events import PeerMessage
+from gradsync.daemon.peers.links import CurveConfig, PeerLinks
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.protocol.peer import CONTROL_KINDS, MESSAGES, STREAM_KINDS
 
@@ -85,7 +87,7 @@ def wants_peers(config: DaemonConfig) -> bool:
 
 
 class Peering:
-    """The running peer side of a daemon: links, cluster state, receive loop."""
+    """The running peer side of a daemon: links, cluster state, and the links' events."""
 
     def __init__(self, config: DaemonConfig, service: GradsyncService) -> None:
         assert config.listen is not None
@@ -98,6 +100,7 @@ class Peering:
             config.listen,
             list(config.all_peers()),
             curve,
+            events=self,
             insecure=config.insecure,
             kinds=MESSAGES,
             # A withdraw follows the sender's slices down the same stream: a daemon
@@ -105,11 +108,6 @@ class Peering:
             # the slices its peers still need to finish that collective.
             stream_kinds=STREAM_KINDS,
             peer_timeout_s=config.peer_timeout_s,
-            on_peer_up=self._peer_up,
-            on_peer_lost=self._peer_lost,
-            on_stream_broken=self._stream_broken,
-            on_message=self._on_message,
-            on_place=self._on_place,
         )
         self.cluster = ClusterJobs(config, LinksTransport(self.links), service.stats)
         runner = CrossDaemonRunner(
@@ -129,11 +127,13 @@ class Peering:
         log.info("peer links up on %s; peers: %s", self.links.endpoint,
                  ", ".join(self.links.peers) or "none")
 
-    def _on_message(self, message: PeerMessage) -> None:
+    # -- PeerEvents: called by the links, from the event loop --------------------
+
+    def message(self, message: PeerMessage) -> None:
         """Called by the links, from the event loop, as each message arrives."""
         self.cluster.on_message(message.peer, message.header, message.payloads, self.service.jobs)
 
-    def _on_place(
+    def place(
         self, peer: str, header: dict[str, Any], sizes: list[int]
     ) -> list[Any] | None:
         """Called by the links when a slice's header is in, before its payload."""
@@ -143,16 +143,16 @@ class Peering:
             log.exception("placing a slice from %s failed; it arrives the usual way", peer)
             return None
 
-    def _peer_up(self, peer: str) -> None:
+    def peer_up(self, peer: str) -> None:
         self.cluster.peer_up(peer, self.service.jobs)
 
-    def _peer_lost(self, peer: str) -> None:
+    def peer_lost(self, peer: str) -> None:
         self.cluster.peer_lost(
             peer, self.service.jobs,
             f"its connection closed or it was silent for {self.peer_timeout_s:g}s",
         )
 
-    def _stream_broken(self, peer: str, why: str) -> None:
+    def stream_broken(self, peer: str, why: str) -> None:
         self.cluster.stream_broken(peer, self.service.jobs, why)
 
     def counters(self) -> dict[str, int]:

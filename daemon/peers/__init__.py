@@ -6,6 +6,7 @@ measures each link's latency and bandwidth for the algorithm cost model.
 """
 
 from gradsync.daemon.peers.endpoints import read_peers_file
+from gradsync.daemon.peers.events import PeerEvents, PeerMessage
 from gradsync.daemon.peers.keys import (
     Certificate,
     KeyFileError,
@@ -17,7 +18,6 @@ from gradsync.daemon.peers.links import (
     COUNTERS,
     CurveConfig,
     PeerLinks,
-    PeerMessage,
     PeerState,
 )
 from gradsync.daemon.peers.probe import LinkStats
@@ -28,6 +28,7 @@ __all__ = [
     "CurveConfig",
     "KeyFileError",
     "LinkStats",
+    "PeerEvents",
     "PeerLinks",
     "PeerMessage",
     "PeerState",

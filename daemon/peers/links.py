@@ -54,13 +54,13 @@ from zmq.utils.monitor import parse_monitor_message
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
+from gradsync.daemon.peers.events import PeerEvents, PeerMessage
 from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
 from gradsync.daemon.peers.socket_io import LoopSocket
 from gradsync.daemon.peers.stream import PayloadSink, StreamSender, message_head
 from gradsync.daemon.peers.wire import (
     BULK,
-    LINK_KINDS,
     MAX_PAYLOAD_FRAMES,
     PING,
     PONG,
@@ -107,7 +107,7 @@ _HANDSHAKE_FAILED = (
 )
 COUNTERS = (
     "sent",  # application messages sent
-    "received",  # application messages accepted (queued for recv())
+    "received",  # application messages accepted (handed to the events' `message`)
     "malformed",  # dropped: undecodable header, wrong version, unknown kind, bad fields
     "unknown_peer",  # dropped: sender is not one of our peers
     "rejected_keys",  # CURVE handshakes refused by the ZAP handler
@@ -126,22 +126,6 @@ class CurveConfig:
 
     secret_file: str
     authorized_dir: str
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerMessage:
-    """A message from a peer: its header and its payload frames (not copied)."""
-
-    peer: str
-    header: Message
-    #: ZeroMQ frames, or memoryviews (or `PayloadSink`s the payloads were
-    #: placed in) for messages that came over a data stream.
-    frames: list[Any]
-
-    @property
-    def payloads(self) -> list[Any]:
-        """Views of the payloads (or their sinks), valid while the frames live."""
-        return [f.buffer if isinstance(f, zmq.Frame) else f for f in self.frames]
 
 
 @dataclasses.dataclass(eq=False)
@@ -191,11 +175,10 @@ def _find_self(
 class PeerLinks:
     """The peer-link layer of one daemon: connect, send, receive, watch health.
 
-    Build it, `await start()`, then `await send(peer, header, payloads)` and
-    `await recv()` (or `async for message in links`, or an `on_message`
-    callback, called from the event loop as each message arrives); `await
-    close()` at the end.  Peers are named by the endpoint strings given in
-    `peers`.
+    Build it with the `PeerEvents` that hears what happens (messages, links
+    up and lost, broken streams; see `events.py`), `await start()`, then
+    `await send(peer, header, payloads)`; `await close()` at the end.  Peers
+    are named by the endpoint strings given in `peers`.
     """
 
     def __init__(
@@ -204,6 +187,7 @@ class PeerLinks:
         peers: Sequence[str],
         curve: CurveConfig | None = None,
         *,
+        events: PeerEvents,
         insecure: bool = False,
         kinds: Collection[str] = (),
         stream_kinds: Collection[str] = (),
@@ -212,31 +196,17 @@ class PeerLinks:
         probe_rounds: int = 5,
         probe_bytes: int = 4 * 1024 * 1024,
         max_payload_bytes: int = 1 << 31,
-        max_queued: int = 10_000,
         io_threads: int = 1,
-        validate: Callable[[Message], None] | None = None,
-        on_peer_up: Callable[[str], None] | None = None,
-        on_peer_lost: Callable[[str], None] | None = None,
-        on_stream_broken: Callable[[str, str], None] | None = None,
-        on_message: Callable[[PeerMessage], None] | None = None,
-        on_place: Callable[[str, Message, list[int]], Sequence[PayloadSink | None] | None]
-        | None = None,
         place_min_bytes: int = 64 * 1024,
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
         `kinds` are the application message kinds accepted from peers; on
         `insecure` links, those of `stream_kinds` go over plain-TCP data streams
-        once they are open (see `stream.py`); `validate(header)` may raise
-        `ProtocolError` to drop a message as malformed.  With `on_message`,
-        accepted messages go to it instead of `recv()`: no queue, no task switch
-        per message.  `on_place(peer, header, sizes)` may give a stream message's
-        payloads their place before they arrive (`PayloadSink`s; the message then
-        carries the sinks instead of memoryviews); it must not raise.  Messages
-        whose payloads add up to less than `place_min_bytes` are not offered:
-        copying them costs less than placing them.  `on_stream_broken(peer, why)`
-        hears of a data stream to or from a peer that broke while it may have
-        lost a message (the link itself may still be up; see `data_plane.py`).
+        once they are open (see `stream.py`).  `events` hears of each accepted
+        message, of links that come up or are lost and of broken data streams,
+        and may place a stream message's payloads before they arrive (only
+        messages of at least `place_min_bytes`).
         Raises `ConfigError` (`KeyFileError` for key files) with a message
         naming the setting when something cannot work.
         """
@@ -254,10 +224,9 @@ class PeerLinks:
             )
         if max_payload_bytes < 1024 * 1024:
             raise ConfigError("max_payload_bytes must be at least 1 MiB")
-        if probe_rounds < 1 or probe_bytes < 0 or max_queued < 1 or io_threads < 1:
+        if probe_rounds < 1 or probe_bytes < 0 or io_threads < 1:
             raise ConfigError(
-                "probe_rounds, max_queued and io_threads must be at least 1, "
-                "probe_bytes at least 0"
+                "probe_rounds and io_threads must be at least 1, probe_bytes at least 0"
             )
         me, others = _find_self(self._listen, peers)
         if me is None and others and self._listen.is_wildcard:
@@ -286,7 +255,6 @@ class PeerLinks:
             raise InvalidArgumentError("stream_kinds must be among kinds")
         self._data: DataPlane | None = None
         self._accepted = self._kinds | {PING, BULK}
-        self._validate = validate
         self._peer_timeout_s = float(peer_timeout_s)
         self._heartbeat_ivl_s = float(heartbeat)
         self._liveness_ivl_s = min(self._heartbeat_ivl_s, _MAX_LIVENESS_IVL_S)
@@ -294,11 +262,7 @@ class PeerLinks:
         self._probe_bytes = probe_bytes
         self._max_payload_bytes = max_payload_bytes
         self._io_threads = io_threads
-        self._on_peer_up = on_peer_up
-        self._on_peer_lost = on_peer_lost
-        self._on_stream_broken = on_stream_broken
-        self._on_message = on_message
-        self._on_place = on_place
+        self._events = events
         self._place_min_bytes = place_min_bytes
         #: Per peer, the stream message whose header `_on_stream_head` decoded.
         self._stream_heads: dict[str, tuple[bytes, Message]] = {}
@@ -308,7 +272,6 @@ class PeerLinks:
         if curve is not None and self._links:
             self._load_keys(curve)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._inbox: asyncio.Queue[PeerMessage | None] = asyncio.Queue(max_queued)
         self._by_routing_id: dict[bytes, str | None] = {
             name.encode(): name for name in self._links
         }
@@ -446,7 +409,7 @@ class PeerLinks:
             identify=lambda name: self._peer_named(name.encode()),
             on_message=self._on_stream_message, on_event=self._on_stream_event,
             on_broken=self._stream_broken,
-            on_head=self._on_stream_head if self._on_place is not None else None,
+            on_head=self._on_stream_head,
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
             connect_timeout_s=max(5.0, self._peer_timeout_s),
             dead_after_s=self._peer_timeout_s,
@@ -641,28 +604,6 @@ class PeerLinks:
             raise InvalidArgumentError(f"more than {MAX_PAYLOAD_FRAMES} payload frames")
         return frames
 
-    async def recv(self) -> PeerMessage:
-        """The next application message from any peer (in order per peer)."""
-        message = await self._inbox.get()
-        if not self._inbox.full():
-            if self._router is not None:
-                self._router.resume_reading()
-            if self._data is not None:
-                self._data.resume()
-        if message is None:
-            self._inbox.put_nowait(None)  # wake the next waiter too
-            raise DaemonShuttingDownError("peer links are closed")
-        return message
-
-    def __aiter__(self) -> PeerLinks:
-        return self
-
-    async def __anext__(self) -> PeerMessage:
-        try:
-            return await self.recv()
-        except DaemonShuttingDownError:
-            raise StopAsyncIteration from None
-
     async def close(self) -> None:
         """Stop every task and close every socket at once (linger 0); idempotent."""
         if self._closed:
@@ -693,9 +634,6 @@ class PeerLinks:
             self._router.close(closed)
         if self._context is not None:
             self._context.destroy(linger=0)
-        while not self._inbox.empty():
-            self._inbox.get_nowait()
-        self._inbox.put_nowait(None)
         self._notify()
 
     # -- sending --------------------------------------------------------------
@@ -813,32 +751,21 @@ class PeerLinks:
         self._deliver(message)
 
     def _deliver(self, message: PeerMessage) -> None:
-        """Hand an accepted application message to the callback or the inbox."""
+        """Hand an accepted application message to the events."""
         self.counters["received"] += 1
-        if self._on_message is not None:
-            self._on_message(message)
-            return
-        self._inbox.put_nowait(message)
-        if self._inbox.full():  # until recv() makes room
-            if self._router is not None:
-                self._router.pause_reading()
-            if self._data is not None:
-                self._data.pause()
+        self._events.message(message)
 
     def _stream_header(self, name: str, body: bytes) -> Message:
         """A data stream message's header, checked; raises ProtocolError and co."""
         header = decode_header(body, self._stream_kinds)
         if header["src"] != name:
             raise ProtocolError(f"'src' {header['src'][:80]!r} is not the stream's sender")
-        if self._validate is not None:
-            self._validate(header)
         return header
 
     def _on_stream_head(
         self, peer: str, name: str, body: bytes, sizes: list[int]
     ) -> Sequence[PayloadSink | None] | None:
-        """A stream message's header is in: ask `on_place` where its payloads go."""
-        assert self._on_place is not None
+        """A stream message's header is in: ask the events where its payloads go."""
         if sum(sizes) < self._place_min_bytes:
             return None
         try:
@@ -847,7 +774,7 @@ class PeerLinks:
             return None  # dropped, and counted, once the whole message is in
         # One stream per peer: its next message is this one, so decode it once.
         self._stream_heads[peer] = (body, header)
-        return self._on_place(peer, header, sizes)
+        return self._events.place(peer, header, sizes)
 
     def _on_stream_message(
         self, peer: str, name: str, body: bytes, payloads: list[memoryview | PayloadSink]
@@ -870,7 +797,7 @@ class PeerLinks:
 
     def _stream_broken(self, peer: str, why: str) -> None:
         if not self._closed:
-            self._call(self._on_stream_broken, peer, why)
+            self._call(self._events.stream_broken, peer, why)
 
     def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
         """Check one message from the ROUTER; count and drop it if it is bad."""
@@ -886,8 +813,6 @@ class PeerLinks:
             header = decode_header(frames[1].bytes, self._accepted)
             if header["src"].encode() != frames[0].bytes:
                 raise ProtocolError(f"'src' {header['src'][:80]!r} is not the sender's id")
-            if self._validate is not None and header["kind"] not in LINK_KINDS:
-                self._validate(header)
         except (ProtocolError, ValueError, TypeError) as exc:
             self._drop("malformed", peer, str(exc))
             return None
@@ -995,7 +920,7 @@ class PeerLinks:
             self._measure(link), name=f"peer-probe {link.name}"
         )
         self._notify()
-        self._call(self._on_peer_up, link.name)
+        self._call(self._events.peer_up, link.name)
 
     def _mark_lost(self, link: _Link) -> None:
         link.state = "lost"
@@ -1008,7 +933,7 @@ class PeerLinks:
             link.probe.cancel()
             link.probe = None
         self._notify()
-        self._call(self._on_peer_lost, link.name)
+        self._call(self._events.peer_lost, link.name)
 
     def _end_up_period(self, link: _Link, exc: Exception) -> None:
         """Wake whatever waits on the link: pending sends and probe answers."""
@@ -1025,9 +950,7 @@ class PeerLinks:
                 waiter.exception()
         link.pongs.clear()
 
-    def _call(self, callback: Callable[..., None] | None, peer: str, *args: Any) -> None:
-        if callback is None:
-            return
+    def _call(self, callback: Callable[..., None], peer: str, *args: Any) -> None:
         try:
             callback(peer, *args)
         except Exception:
