@@ -85,7 +85,6 @@ class DataPlane:
         self._senders: dict[str, StreamSender] = {}
         self._connecting: dict[str, asyncio.Task[None]] = {}
         self._receivers: set[StreamReceiver] = set()
-        self._paused = False
         self._closed = False
 
     def start(self) -> None:
@@ -213,8 +212,6 @@ class DataPlane:
             on_head=self._head if self._on_head is not None else None,
         )
         self._receivers.add(receiver)
-        if self._paused:
-            receiver.pause()
         # A connection that never says hello is closed, not kept.
         self._loop.call_later(self._connect_timeout_s, self._expire, receiver)
 
@@ -256,17 +253,6 @@ class DataPlane:
             self._on_event(counter, label, f"incoming data stream closed: {exc}")
             if receiver.peer is not None and not self._closed:
                 self._on_broken(receiver.peer, f"the data stream from it broke: {exc}")
-
-    def pause(self) -> None:
-        """Stop reading every incoming stream (the consumer's queue is full)."""
-        self._paused = True
-        for receiver in list(self._receivers):
-            receiver.pause()
-
-    def resume(self) -> None:
-        self._paused = False
-        for receiver in list(self._receivers):
-            receiver.resume()
 
     async def close(self, exc: Exception) -> None:
         """Close everything; waiting sends fail with `exc`."""

@@ -52,7 +52,6 @@ class LoopSocket:
             collections.deque()
         )
         self._scheduled = False
-        self._reading = True
         self._closed = False
         loop.add_reader(self._fd, self._service)
         # A fresh pipe counts its reader as awake, so the first messages raise no
@@ -113,7 +112,7 @@ class LoopSocket:
             events = int(self.sock.getsockopt(zmq.EVENTS))
         except zmq.ZMQError:
             return
-        if (events & zmq.POLLIN and self._reading) or (self._backlog and events & zmq.POLLOUT):
+        if events & zmq.POLLIN or (self._backlog and events & zmq.POLLOUT):
             self._schedule()
 
     def fail_backlog(self, error: Exception) -> None:
@@ -136,22 +135,6 @@ class LoopSocket:
 
     # -- receiving ------------------------------------------------------------
 
-    def pause_reading(self) -> None:
-        """Stop handing messages on (the consumer is full) until `resume_reading`.
-
-        The descriptor is unwatched meanwhile (it would signal over and over),
-        so use it only on a socket whose sends never wait in the backlog.
-        """
-        if self._reading and not self._closed:
-            self._reading = False
-            self._loop.remove_reader(self._fd)
-
-    def resume_reading(self) -> None:
-        if not self._reading and not self._closed:
-            self._reading = True
-            self._loop.add_reader(self._fd, self._service)
-            self._schedule()
-
     def _schedule(self) -> None:
         if not self._scheduled and not self._closed:
             self._scheduled = True
@@ -163,24 +146,23 @@ class LoopSocket:
         if self._closed:
             return
         self._flush()
-        if self._reading:
-            for _ in range(DRAIN_BATCH):
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError as exc:
-                    log.warning("receiving on %s failed: %s", self.name, exc)
-                    return
-                try:
-                    self._on_frames(frames)
-                except Exception:
-                    log.exception("handling a message received on %s failed", self.name)
-                if self._closed or not self._reading:
-                    return
-            else:
-                self._schedule()  # more may be waiting; let other callbacks run first
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:
+                log.warning("receiving on %s failed: %s", self.name, exc)
                 return
+            try:
+                self._on_frames(frames)
+            except Exception:
+                log.exception("handling a message received on %s failed", self.name)
+            if self._closed:
+                return
+        else:
+            self._schedule()  # more may be waiting; let other callbacks run first
+            return
         if self._backlog:
             self._recheck()  # the receive may have swallowed a "writable again" signal
 
@@ -191,7 +173,6 @@ class LoopSocket:
         if self._closed:
             return
         self._closed = True
-        if self._reading:
-            self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._fd)
         self.fail_backlog(error)
         self.sock.close(linger=0)

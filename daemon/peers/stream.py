@@ -236,7 +236,6 @@ class StreamReceiver:
         self._sinks: Sequence[PayloadSink | None] | None = None
         #: The sink the current payload goes to (None: `_target`).
         self._sink: PayloadSink | None = None
-        self._reading = True
         self.closed = False
         loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -245,24 +244,12 @@ class StreamReceiver:
         """True once part of a message is in: closing now loses it."""
         return not (self._stage == self._prefix and self._got == 0)
 
-    def pause(self) -> None:
-        """Stop reading (the consumer is full); the kernel's buffers then fill."""
-        if self._reading and not self.closed:
-            self._reading = False
-            self._loop.remove_reader(self.sock.fileno())
-
-    def resume(self) -> None:
-        if not self._reading and not self.closed:
-            self._reading = True
-            self._loop.add_reader(self.sock.fileno(), self._on_readable)
-
     def close(self, exc: Exception | None = None) -> None:
         """Close the connection and report it (once)."""
         if self.closed:
             return
         self.closed = True
-        if self._reading:
-            self._loop.remove_reader(self.sock.fileno())
+        self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
         self._on_closed(self, exc)
 
@@ -275,7 +262,7 @@ class StreamReceiver:
 
     def _read(self) -> None:
         budget = READ_BUDGET
-        while self._reading and not self.closed and budget > 0:
+        while not self.closed and budget > 0:
             sink = self._sink
             try:
                 if sink is None:
