@@ -16,7 +16,8 @@ from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.peers.events import PeerMessage
-from gradsync.daemon.peers.links import CurveConfig, PeerLinks
+from gradsync.daemon.peers.keys import CurveConfig
+from gradsync.daemon.peers.links import PeerLinks
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.protocol.peer import CONTROL_KINDS, MESSAGES, STREAM_KINDS
 

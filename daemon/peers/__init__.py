@@ -9,6 +9,7 @@ from gradsync.daemon.peers.endpoints import read_peers_file
 from gradsync.daemon.peers.events import PeerEvents, PeerMessage
 from gradsync.daemon.peers.keys import (
     Certificate,
+    CurveConfig,
     KeyFileError,
     load_authorized,
     load_authorized_certificates,
@@ -16,7 +17,6 @@ from gradsync.daemon.peers.keys import (
 )
 from gradsync.daemon.peers.links import (
     COUNTERS,
-    CurveConfig,
     PeerLinks,
     PeerState,
 )

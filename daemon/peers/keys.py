@@ -5,7 +5,7 @@ it: a `metadata` section of `name = "value"` lines, then a `curve` section with
 `public-key` and, in the secret file only, `secret-key` (Z85 text).  The
 metadata entry `endpoint` names the `tcp://HOST:PORT` the key's daemon listens
 on; that is how a daemon finds the server key of a peer it knows only by
-endpoint (see `gradsync.daemon.peers.links`).
+endpoint (`load_peer_keys`; see `gradsync.daemon.peers.links`).
 
 Loading is strict: a secret file readable by group or others, a key that is
 not 32 bytes of Z85, or a folder anyone may write to is refused at start.
@@ -14,12 +14,17 @@ not 32 bytes of Z85, or a folder anyone may write to is refused at start.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import stat
+from collections.abc import Mapping
 
 from zmq.utils import z85
 
 from gradsync.daemon.errors import ConfigError
+from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
+
+log = logging.getLogger("gradsync.daemon.peers")
 
 _KEY_CHARS = 40
 _MAX_CERT_BYTES = 64 * 1024
@@ -27,6 +32,25 @@ _MAX_CERT_BYTES = 64 * 1024
 
 class KeyFileError(ConfigError):
     """A key file or folder that cannot be used; the message names it and says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveConfig:
+    """This daemon's secret certificate and the folder of authorised public ones."""
+
+    secret_file: str
+    authorized_dir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerKeys:
+    """What the peer links need of the keys: ours, the authorised ones, each peer's."""
+
+    #: Our (public, secret) key, Z85.
+    secret: tuple[bytes, bytes]
+    authorized: set[bytes]
+    #: Per peer, in the order given, the server key its certificate records.
+    server_keys: dict[str, bytes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,3 +195,46 @@ def load_authorized_certificates(directory: str) -> list[Certificate]:
 def load_authorized(directory: str) -> set[bytes]:
     """The public keys (Z85 bytes) of every `*.key` certificate in `directory`."""
     return {cert.public_key for cert in load_authorized_certificates(directory)}
+
+
+def load_peer_keys(curve: CurveConfig, peers: Mapping[str, TcpEndpoint]) -> PeerKeys:
+    """Load our secret and the authorised keys; find each peer's server key.
+
+    The key of peer P is the one whose certificate records an endpoint that is
+    the same socket as P's; none, or several, is a `KeyFileError`.
+    """
+    secret = load_secret(curve.secret_file)
+    assert secret.secret_key is not None  # load_secret guarantees it
+    certs = load_authorized_certificates(curve.authorized_dir)
+    authorized = {cert.public_key for cert in certs}
+    if secret.public_key not in authorized:
+        log.warning(
+            "the public key of %s is not in %s: peers using the same authorized "
+            "folder will refuse this daemon", curve.secret_file, curve.authorized_dir,
+        )
+    recorded: list[tuple[TcpEndpoint, bytes, str]] = []
+    for cert in certs:
+        if cert.endpoint is None:
+            continue
+        try:
+            recorded.append((parse_tcp_endpoint(cert.endpoint), cert.public_key, cert.path))
+        except ValueError as exc:
+            raise KeyFileError(f"{cert.path}: bad 'endpoint' metadata: {exc}") from None
+    server_keys: dict[str, bytes] = {}
+    for name, endpoint in peers.items():
+        matches = {(key, path) for ep, key, path in recorded if same_endpoint(ep, endpoint)}
+        keys = {key for key, _ in matches}
+        if not keys:
+            raise KeyFileError(
+                f"no key in {curve.authorized_dir} records the endpoint of peer "
+                f"{name}: copy that daemon's NAME.key there, written by "
+                f"`gradsync keygen DIR --name NAME --endpoint {name}` (or add "
+                f"'endpoint = \"{name}\"' to the metadata section of its .key)"
+            )
+        if len(keys) > 1:
+            raise KeyFileError(
+                f"several keys in {curve.authorized_dir} record the endpoint of peer "
+                f"{name}: {', '.join(sorted(path for _, path in matches))}"
+            )
+        server_keys[name] = keys.pop()
+    return PeerKeys((secret.public_key, secret.secret_key), authorized, server_keys)

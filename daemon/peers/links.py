@@ -55,7 +55,7 @@ from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
 from gradsync.daemon.peers.events import PeerEvents, PeerMessage
-from gradsync.daemon.peers.keys import KeyFileError, load_authorized_certificates, load_secret
+from gradsync.daemon.peers.keys import CurveConfig, load_peer_keys
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
 from gradsync.daemon.peers.socket_io import LoopSocket
 from gradsync.daemon.peers.stream import PayloadSink, StreamSender, message_head
@@ -118,14 +118,6 @@ COUNTERS = (
     "stream_refused",  # incoming data streams closed: bad hello, wrong token, stranger
     "stream_failed",  # data streams that could not open or broke
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class CurveConfig:
-    """This daemon's secret certificate and the folder of authorised public ones."""
-
-    secret_file: str
-    authorized_dir: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -270,7 +262,14 @@ class PeerLinks:
         self._authorized: set[bytes] = set()
         self._peer_by_key: dict[bytes, str] = {}
         if curve is not None and self._links:
-            self._load_keys(curve)
+            keys = load_peer_keys(
+                curve, {name: link.endpoint for name, link in self._links.items()}
+            )
+            self._secret = keys.secret
+            self._authorized = keys.authorized
+            for name, key in keys.server_keys.items():
+                self._links[name].server_key = key
+                self._peer_by_key[key] = name
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._by_routing_id: dict[bytes, str | None] = {
             name.encode(): name for name in self._links
@@ -285,46 +284,6 @@ class PeerLinks:
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------
-
-    def _load_keys(self, curve: CurveConfig) -> None:
-        """Load our secret and the authorised keys; find each peer's server key."""
-        secret = load_secret(curve.secret_file)
-        assert secret.secret_key is not None  # load_secret guarantees it
-        self._secret = (secret.public_key, secret.secret_key)
-        certs = load_authorized_certificates(curve.authorized_dir)
-        self._authorized = {cert.public_key for cert in certs}
-        if secret.public_key not in self._authorized:
-            log.warning(
-                "the public key of %s is not in %s: peers using the same authorized "
-                "folder will refuse this daemon", curve.secret_file, curve.authorized_dir,
-            )
-        recorded: list[tuple[TcpEndpoint, bytes, str]] = []
-        for cert in certs:
-            if cert.endpoint is None:
-                continue
-            try:
-                recorded.append((parse_tcp_endpoint(cert.endpoint), cert.public_key, cert.path))
-            except ValueError as exc:
-                raise KeyFileError(f"{cert.path}: bad 'endpoint' metadata: {exc}") from None
-        for link in self._links.values():
-            matches = {
-                (key, path) for ep, key, path in recorded if same_endpoint(ep, link.endpoint)
-            }
-            keys = {key for key, _ in matches}
-            if not keys:
-                raise KeyFileError(
-                    f"no key in {curve.authorized_dir} records the endpoint of peer "
-                    f"{link.name}: copy that daemon's NAME.key there, written by "
-                    f"`gradsync keygen DIR --name NAME --endpoint {link.name}` (or add "
-                    f"'endpoint = \"{link.name}\"' to the metadata section of its .key)"
-                )
-            if len(keys) > 1:
-                raise KeyFileError(
-                    f"several keys in {curve.authorized_dir} record the endpoint of peer "
-                    f"{link.name}: {', '.join(sorted(path for _, path in matches))}"
-                )
-            link.server_key = keys.pop()
-            self._peer_by_key[link.server_key] = link.name
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         """Options every peer socket shares: heartbeats, limits, no linger."""
