@@ -19,42 +19,33 @@ Here each node only ever holds its own secret, a node is removed by deleting
 its public key, and a received message counts as from peer P only if the key
 the ZAP handler accepted (libzmq's User-Id) is the one recorded for P.
 
-Health.  ZMTP heartbeats run on every connection: a DEALER pings every
-`heartbeat_ivl_s` and drops the connection when nothing came back for
-`peer_timeout_s - heartbeat_ivl_s` after a ping, so a peer killed, stopped or
-cut off is noticed within `peer_timeout_s` (a killed one at once: its kernel
-closes the TCP connection).  A monitor on each DEALER turns handshake success
-into state `up` and disconnection into `lost`.  The heartbeats are answered
-by the peer's ZeroMQ I/O thread, so they prove that the peer's process and
-network are alive, not that its event loop is: per-step deadlines of the
-collectives cover a peer that is alive but stuck.
+Health.  ZMTP heartbeats, a monitor on each DEALER (handshake → `up`,
+disconnection → `lost`) and our own liveness pings notice a peer that dies or
+stops answering within `peer_timeout_s`: see `health.py`.  When a link comes
+up, its latency and bandwidth are measured (`link_stats`).
 
-When a link comes up, its latency and bandwidth are measured (`link_stats`).
-Besides ZeroMQ's heartbeats (invisible to us), each DEALER sends a small PING
-every `liveness_ivl_s` (at most one second) while its link is up, answered by
-the peer's router: `heard_age_s(peer)` is the time since anything last
-came from the peer, so it also shows a peer whose event loop has stopped.
+The daemon hears what happens through one `PeerEvents` object (`events.py`).
+The key files and the matching of peers to keys are in `keys.py`; the ZAP
+handler in `zap.py`; the plain-TCP data streams in `data_plane.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
 from gradsync.daemon.peers.events import PeerEvents, PeerMessage
+from gradsync.daemon.peers.health import DEALER_EVENTS, Link, LinkHealth, PeerState
 from gradsync.daemon.peers.keys import CurveConfig, load_peer_keys
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
 from gradsync.daemon.peers.socket_io import LoopSocket
@@ -80,31 +71,13 @@ from gradsync.protocol.peer import Probe
 
 log = logging.getLogger("gradsync.daemon.peers")
 
-PeerState = Literal["connecting", "up", "lost"]
 #: Anything exporting a C-contiguous buffer: bytes, memoryview, a numpy array.
 Payload = Any
 
 _ZAP_DOMAIN = "gradsync-peers"
-_RECONNECT_IVL_MS = 100
-_RECONNECT_IVL_MAX_MS = 1000
 #: Messages ZeroMQ queues per peer connection and direction.
 _PEER_QUEUE = 256
-_MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
 _MAX_WARNINGS = 1024
-_MAX_LIVENESS_IVL_S = 1.0
-_DEALER_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_MONITOR_STOPPED
-)
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 COUNTERS = (
     "sent",  # application messages sent
     "received",  # application messages accepted (handed to the events' `message`)
@@ -118,27 +91,6 @@ COUNTERS = (
     "stream_refused",  # incoming data streams closed: bad hello, wrong token, stranger
     "stream_failed",  # data streams that could not open or broke
 )
-
-
-@dataclasses.dataclass(eq=False)
-class _Link:
-    """Our side of the connection to one peer."""
-
-    name: str
-    endpoint: TcpEndpoint
-    server_key: bytes | None
-    dealer: LoopSocket | None = None
-    monitor: zmq.asyncio.Socket | None = None
-    state: PeerState = "connecting"
-    stats: LinkStats | None = None
-    #: Resolved when the current `up` period ends; replaced when the link comes up.
-    down: asyncio.Future[None] | None = None
-    pongs: dict[int, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
-    seq: Iterator[int] = dataclasses.field(default_factory=itertools.count)
-    tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
-    probe: asyncio.Task[None] | None = None
-    #: `time.monotonic()` when anything last arrived from the peer (message or pong).
-    last_heard: float | None = None
 
 
 def _find_self(
@@ -230,7 +182,7 @@ class PeerLinks:
         self.endpoint: str = me or listen
         if len(self.endpoint.encode()) > 255:
             raise ConfigError(f"endpoint {self.endpoint!r} is longer than 255 bytes")
-        self._links = {name: _Link(name, endpoint, None) for name, endpoint in others}
+        self._links = {name: Link(name, endpoint, None) for name, endpoint in others}
         if self._links and curve is None and not insecure:
             raise ConfigError(
                 "peer links need CURVE keys: pass --curve-secret FILE and "
@@ -249,7 +201,6 @@ class PeerLinks:
         self._accepted = self._kinds | {PING, BULK}
         self._peer_timeout_s = float(peer_timeout_s)
         self._heartbeat_ivl_s = float(heartbeat)
-        self._liveness_ivl_s = min(self._heartbeat_ivl_s, _MAX_LIVENESS_IVL_S)
         self._probe_rounds = probe_rounds
         self._probe_bytes = probe_bytes
         self._max_payload_bytes = max_payload_bytes
@@ -271,6 +222,11 @@ class PeerLinks:
                 self._links[name].server_key = key
                 self._peer_by_key[key] = name
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._health = LinkHealth(
+            self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self.counters,
+            warn_once=self._warn_once, on_up=self._link_up, on_lost=self._link_lost,
+            closed=lambda: self._closed,
+        )
         self._by_routing_id: dict[bytes, str | None] = {
             name.encode(): name for name in self._links
         }
@@ -286,25 +242,10 @@ class PeerLinks:
     # -- set-up ---------------------------------------------------------------
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
-        """Options every peer socket shares: heartbeats, limits, no linger."""
-        ivl_ms = max(1, round(self._heartbeat_ivl_s * 1000))
-        timeout_ms = max(1, round(self._peer_timeout_s * 1000) - ivl_ms)
+        """Options every peer socket shares: heartbeats (`health.py`), limits, no linger."""
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(100, ivl_ms + timeout_ms)))
-        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, round(self._peer_timeout_s * 1000)))
-        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
+        self._health.configure(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload_bytes)
-        # The kernel gives up on a connection whose data stays unacknowledged (a cut
-        # link) or whose keepalive probes go unanswered, within about the peer timeout.
-        idle_s = max(1, round(self._peer_timeout_s / 2))
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(idle_s / 3)))
-        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-        sock.setsockopt(zmq.TCP_MAXRT, max(1, round(self._peer_timeout_s * 1000)))
         # Explicit bounds on what ZeroMQ queues per connection (a full receive queue
         # stops reading the TCP socket; a full send queue leaves the rest in our backlog).
         sock.setsockopt(zmq.RCVHWM, _PEER_QUEUE)
@@ -381,7 +322,7 @@ class PeerLinks:
         self._data = plane
 
     def _connect(
-        self, loop: asyncio.AbstractEventLoop, link: _Link, sockets: zmq.Context[Any]
+        self, loop: asyncio.AbstractEventLoop, link: Link, sockets: zmq.Context[Any]
     ) -> None:
         assert self._context is not None
         dealer = sockets.socket(zmq.DEALER)
@@ -392,7 +333,7 @@ class PeerLinks:
             dealer.curve_publickey, dealer.curve_secretkey = self._secret
             dealer.curve_serverkey = link.server_key
         monitor_address = f"inproc://gradsync-monitor-{id(link):x}"
-        dealer.monitor(monitor_address, _DEALER_EVENTS)
+        dealer.monitor(monitor_address, DEALER_EVENTS)
         link.monitor = self._context.socket(zmq.PAIR)
         link.monitor.connect(monitor_address)
         dealer.connect(link.name)
@@ -401,8 +342,8 @@ class PeerLinks:
             f"the link to {link.name}",
         )
         link.tasks = [
-            loop.create_task(self._watch(link), name=f"peer-monitor {link.name}"),
-            loop.create_task(self._keep_alive(link), name=f"peer-liveness {link.name}"),
+            loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"),
+            loop.create_task(self._health.keep_alive(link), name=f"peer-liveness {link.name}"),
         ]
 
     async def __aenter__(self) -> PeerLinks:
@@ -443,8 +384,7 @@ class PeerLinks:
         Stays below `liveness_ivl_s` plus a round trip while the peer's event
         loop answers; grows while the peer is stopped, stuck or cut off.
         """
-        last = self._link(peer).last_heard
-        return None if last is None else time.monotonic() - last
+        return self._health.heard_age_s(self._link(peer))
 
     async def wait_up(
         self, timeout_s: float, peers: Iterable[str] | None = None, measured: bool = True
@@ -538,7 +478,7 @@ class PeerLinks:
         self.counters["sent"] += 1
         return sending
 
-    def _stream_for(self, link: _Link, header: Mapping[str, Any]) -> StreamSender | None:
+    def _stream_for(self, link: Link, header: Mapping[str, Any]) -> StreamSender | None:
         """The data stream a message of this kind takes to the link's peer, if any."""
         if self._data is None or header.get("kind") not in self._stream_kinds:
             return None
@@ -597,7 +537,7 @@ class PeerLinks:
 
     # -- sending --------------------------------------------------------------
 
-    def _link(self, peer: str) -> _Link:
+    def _link(self, peer: str) -> Link:
         try:
             return self._links[peer]
         except KeyError:
@@ -605,7 +545,7 @@ class PeerLinks:
                 f"{peer!r} is not a peer of {self.endpoint}; peers: {', '.join(self._links)}"
             ) from None
 
-    async def _send_frames(self, link: _Link, frames: list[Any], wait_sent: bool) -> None:
+    async def _send_frames(self, link: Link, frames: list[Any], wait_sent: bool) -> None:
         """Queue a message on the link's DEALER; give up if the link goes down."""
         if self._closed:
             raise DaemonShuttingDownError("peer links are closed")
@@ -630,7 +570,7 @@ class PeerLinks:
             if down.done():
                 self._raise_down(link, down)
 
-    def _raise_down(self, link: _Link, down: asyncio.Future[None]) -> None:
+    def _raise_down(self, link: Link, down: asyncio.Future[None]) -> None:
         exc = down.exception() if down.done() and not down.cancelled() else None
         if isinstance(exc, DaemonShuttingDownError):
             raise DaemonShuttingDownError(exc.message)
@@ -777,7 +717,7 @@ class PeerLinks:
             return None
         return PeerMessage(peer, header, frames[2:])
 
-    def _on_dealer_frames(self, link: _Link, frames: list[zmq.Frame]) -> None:
+    def _on_dealer_frames(self, link: Link, frames: list[zmq.Frame]) -> None:
         """An answer to one of our probes, back over the link's DEALER."""
         try:
             header = decode_header(frames[0].bytes, frozenset({PONG}))
@@ -794,85 +734,14 @@ class PeerLinks:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    # -- link health ------------------------------------------------------------
+    # -- link health (health.py) and ZAP refusals ---------------------------------
 
     def _rejected(self, address: str, reason: str) -> None:
         self.counters["rejected_keys"] += 1
         self._warn_once(f"zap:{address}", "refused a peer connection from %s: %s", address, reason)
 
-    async def _watch(self, link: _Link) -> None:
-        """Follow the DEALER's monitor events: handshake → up, disconnect → lost."""
-        assert link.monitor is not None
-        while True:
-            event = parse_monitor_message(await link.monitor.recv_multipart())
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._mark_up(link)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                if link.state == "up":
-                    self._mark_lost(link)
-            elif kind & _HANDSHAKE_FAILED:
-                self.counters["handshake_failed"] += 1
-                self._warn_once(
-                    f"handshake:{link.name}",
-                    "handshake with peer %s failed (%s): is our key in its authorized "
-                    "folder, and its key the one recorded for it in ours?",
-                    link.name, zmq.Event(kind).name,
-                )
-            elif kind == zmq.EVENT_MONITOR_STOPPED:
-                return
-
-    async def _keep_alive(self, link: _Link) -> None:
-        """Ping the peer every `liveness_ivl_s` while the link is up.
-
-        Sent without blocking (a ping that does not fit in the queue is skipped)
-        and answered by the peer's router; the answer only refreshes
-        `last_heard`, so no waiter is kept.
-        """
-        assert link.dealer is not None
-        last_tick = time.monotonic()
-        while True:
-            await asyncio.sleep(self._liveness_ivl_s)
-            now = time.monotonic()
-            # How long this daemon did not run beyond the sleep (SIGSTOP, a frozen VM):
-            # longer than the peer timeout, and the peer has given up on us, failing
-            # the collectives we share, whatever its messages still queued here say.
-            frozen_s = now - last_tick - self._liveness_ivl_s
-            last_tick = now
-            if link.state != "up":
-                continue
-            if frozen_s > self._peer_timeout_s:
-                log.warning("this daemon did not run for %.1fs (stopped?): peer %s has "
-                            "given up on it", frozen_s, link.name)
-                self._drop_link(link)
-                continue
-            # ZeroMQ's own heartbeats cannot get out behind a full send queue on a cut
-            # link: our pings' answers (and anything else the peer sends) are the test.
-            heard_s = now - link.last_heard if link.last_heard is not None else 0.0
-            if heard_s > self._peer_timeout_s:
-                log.warning("peer %s silent for %.1fs (peer timeout %gs)", link.name,
-                            heard_s, self._peer_timeout_s)
-                self._drop_link(link)
-                continue
-            header = encode_header(self.endpoint, Probe(PING, next(link.seq)).to_wire())
-            link.dealer.try_send([header])
-
-    def _drop_link(self, link: _Link) -> None:
-        """Declare a link lost ourselves, and connect afresh (it comes up again, and
-        its jobs can re-form, once the peer answers a new handshake)."""
-        self._mark_lost(link)
-        if link.dealer is not None and not self._closed:
-            with contextlib.suppress(zmq.ZMQError):
-                link.dealer.sock.disconnect(link.name)
-            link.dealer.sock.connect(link.name)
-
-    def _mark_up(self, link: _Link) -> None:
-        if link.state == "up":
-            return
-        link.state = "up"
-        link.last_heard = time.monotonic()  # the handshake came from the peer
-        link.down = asyncio.get_running_loop().create_future()
-        log.info("peer %s is up", link.name)
+    def _link_up(self, link: Link) -> None:
+        """The link just came up (`LinkHealth.mark_up`): measure it, tell the daemon."""
         if link.probe is not None:
             link.probe.cancel()
         link.probe = asyncio.get_running_loop().create_task(
@@ -881,12 +750,8 @@ class PeerLinks:
         self._notify()
         self._call(self._events.peer_up, link.name)
 
-    def _mark_lost(self, link: _Link) -> None:
-        link.state = "lost"
-        self.counters["peer_lost"] += 1
-        log.warning(
-            "peer %s lost: connection closed or silent for %gs", link.name, self._peer_timeout_s
-        )
+    def _link_lost(self, link: Link) -> None:
+        """The link was just lost (`LinkHealth.mark_lost`): fail what waits on it."""
         self._end_up_period(link, PeerLostError(f"peer {link.name} lost", {"peer": link.name}))
         if link.probe is not None:
             link.probe.cancel()
@@ -894,7 +759,7 @@ class PeerLinks:
         self._notify()
         self._call(self._events.peer_lost, link.name)
 
-    def _end_up_period(self, link: _Link, exc: Exception) -> None:
+    def _end_up_period(self, link: Link, exc: Exception) -> None:
         """Wake whatever waits on the link: pending sends and probe answers."""
         if link.dealer is not None:
             link.dealer.fail_backlog(exc)
@@ -921,7 +786,7 @@ class PeerLinks:
 
     # -- link measurement -------------------------------------------------------
 
-    async def _measure(self, link: _Link) -> None:
+    async def _measure(self, link: Link) -> None:
         """Measure latency and bandwidth of a link that just came up."""
         timeout_s = max(10.0, self._peer_timeout_s)
 

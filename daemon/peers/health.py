@@ -1,0 +1,223 @@
+"""Link health: noticing that a peer came up, died or stopped answering.
+
+ZMTP heartbeats run on every connection: a DEALER pings every
+`heartbeat_ivl_s` and drops the connection when nothing came back for
+`peer_timeout_s - heartbeat_ivl_s` after a ping, so a peer killed, stopped or
+cut off is noticed within `peer_timeout_s` (a killed one at once: its kernel
+closes the TCP connection).  A monitor on each DEALER turns handshake success
+into state `up` and disconnection into `lost`.  The heartbeats are answered
+by the peer's ZeroMQ I/O thread, so they prove that the peer's process and
+network are alive, not that its event loop is: per-step deadlines of the
+collectives cover a peer that is alive but stuck.
+
+Besides ZeroMQ's heartbeats (invisible to us), each DEALER sends a small PING
+every `liveness_ivl_s` (at most one second) while its link is up, answered by
+the peer's router: `heard_age_s` is the time since anything last came from
+the peer, so it also shows a peer whose event loop has stopped; a peer silent
+for longer than `peer_timeout_s` is dropped and connected afresh.
+
+`LinkHealth` owns these state changes of each `Link`; what a change means
+beyond the link's state (probes, waiting sends, the daemon's events) is the
+links' business, told through `on_up` and `on_lost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gradsync.daemon.peers.endpoints import TcpEndpoint
+from gradsync.daemon.peers.probe import LinkStats
+from gradsync.daemon.peers.socket_io import LoopSocket
+from gradsync.daemon.peers.wire import PING, encode_header
+from gradsync.protocol.peer import Probe
+
+log = logging.getLogger("gradsync.daemon.peers")
+
+PeerState = Literal["connecting", "up", "lost"]
+
+_RECONNECT_IVL_MS = 100
+_RECONNECT_IVL_MAX_MS = 1000
+_MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
+_MAX_LIVENESS_IVL_S = 1.0
+DEALER_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_MONITOR_STOPPED
+)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+@dataclasses.dataclass(eq=False)
+class Link:
+    """Our side of the connection to one peer."""
+
+    name: str
+    endpoint: TcpEndpoint
+    server_key: bytes | None
+    dealer: LoopSocket | None = None
+    monitor: zmq.asyncio.Socket | None = None
+    state: PeerState = "connecting"
+    stats: LinkStats | None = None
+    #: Resolved when the current `up` period ends; replaced when the link comes up.
+    down: asyncio.Future[None] | None = None
+    pongs: dict[int, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
+    seq: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+    tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
+    probe: asyncio.Task[None] | None = None
+    #: `time.monotonic()` when anything last arrived from the peer (message or pong).
+    last_heard: float | None = None
+
+
+class LinkHealth:
+    """Watches the links of one daemon: monitor events, liveness pings, up and lost."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        peer_timeout_s: float,
+        heartbeat_ivl_s: float,
+        counters: dict[str, int],
+        *,
+        warn_once: Callable[..., None],
+        on_up: Callable[[Link], None],
+        on_lost: Callable[[Link], None],
+        closed: Callable[[], bool],
+    ) -> None:
+        """`endpoint`: this daemon's name on the pings; `counters`: the links'
+        (`handshake_failed` and `peer_lost` are counted here); `on_up(link)` and
+        `on_lost(link)` follow each change of state; `closed()` says whether the
+        links are closing (no reconnecting then)."""
+        self._endpoint = endpoint
+        self._peer_timeout_s = peer_timeout_s
+        self._heartbeat_ivl_s = heartbeat_ivl_s
+        self._liveness_ivl_s = min(heartbeat_ivl_s, _MAX_LIVENESS_IVL_S)
+        self._counters = counters
+        self._warn_once = warn_once
+        self._on_up = on_up
+        self._on_lost = on_lost
+        self._closed = closed
+
+    def configure(self, sock: zmq.Socket[Any]) -> None:
+        """The options by which a peer socket notices a dead peer and comes back."""
+        ivl_ms = max(1, round(self._heartbeat_ivl_s * 1000))
+        timeout_ms = max(1, round(self._peer_timeout_s * 1000) - ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(100, ivl_ms + timeout_ms)))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, round(self._peer_timeout_s * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
+        # The kernel gives up on a connection whose data stays unacknowledged (a cut
+        # link) or whose keepalive probes go unanswered, within about the peer timeout.
+        idle_s = max(1, round(self._peer_timeout_s / 2))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(idle_s / 3)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        sock.setsockopt(zmq.TCP_MAXRT, max(1, round(self._peer_timeout_s * 1000)))
+
+    def heard_age_s(self, link: Link) -> float | None:
+        """Seconds since anything last came from the link's peer (None: nothing yet)."""
+        last = link.last_heard
+        return None if last is None else time.monotonic() - last
+
+    async def watch(self, link: Link) -> None:
+        """Follow the DEALER's monitor events: handshake → up, disconnect → lost."""
+        assert link.monitor is not None
+        while True:
+            event = parse_monitor_message(await link.monitor.recv_multipart())
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.mark_up(link)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if link.state == "up":
+                    self.mark_lost(link)
+            elif kind & _HANDSHAKE_FAILED:
+                self._counters["handshake_failed"] += 1
+                self._warn_once(
+                    f"handshake:{link.name}",
+                    "handshake with peer %s failed (%s): is our key in its authorized "
+                    "folder, and its key the one recorded for it in ours?",
+                    link.name, zmq.Event(kind).name,
+                )
+            elif kind == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    async def keep_alive(self, link: Link) -> None:
+        """Ping the peer every `liveness_ivl_s` while the link is up.
+
+        Sent without blocking (a ping that does not fit in the queue is skipped)
+        and answered by the peer's router; the answer only refreshes
+        `last_heard`, so no waiter is kept.
+        """
+        assert link.dealer is not None
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(self._liveness_ivl_s)
+            now = time.monotonic()
+            # How long this daemon did not run beyond the sleep (SIGSTOP, a frozen VM):
+            # longer than the peer timeout, and the peer has given up on us, failing
+            # the collectives we share, whatever its messages still queued here say.
+            frozen_s = now - last_tick - self._liveness_ivl_s
+            last_tick = now
+            if link.state != "up":
+                continue
+            if frozen_s > self._peer_timeout_s:
+                log.warning("this daemon did not run for %.1fs (stopped?): peer %s has "
+                            "given up on it", frozen_s, link.name)
+                self.drop_link(link)
+                continue
+            # ZeroMQ's own heartbeats cannot get out behind a full send queue on a cut
+            # link: our pings' answers (and anything else the peer sends) are the test.
+            heard_s = now - link.last_heard if link.last_heard is not None else 0.0
+            if heard_s > self._peer_timeout_s:
+                log.warning("peer %s silent for %.1fs (peer timeout %gs)", link.name,
+                            heard_s, self._peer_timeout_s)
+                self.drop_link(link)
+                continue
+            header = encode_header(self._endpoint, Probe(PING, next(link.seq)).to_wire())
+            link.dealer.try_send([header])
+
+    def drop_link(self, link: Link) -> None:
+        """Declare a link lost ourselves, and connect afresh (it comes up again, and
+        its jobs can re-form, once the peer answers a new handshake)."""
+        self.mark_lost(link)
+        if link.dealer is not None and not self._closed():
+            with contextlib.suppress(zmq.ZMQError):
+                link.dealer.sock.disconnect(link.name)
+            link.dealer.sock.connect(link.name)
+
+    def mark_up(self, link: Link) -> None:
+        if link.state == "up":
+            return
+        link.state = "up"
+        link.last_heard = time.monotonic()  # the handshake came from the peer
+        link.down = asyncio.get_running_loop().create_future()
+        log.info("peer %s is up", link.name)
+        self._on_up(link)
+
+    def mark_lost(self, link: Link) -> None:
+        link.state = "lost"
+        self._counters["peer_lost"] += 1
+        log.warning(
+            "peer %s lost: connection closed or silent for %gs", link.name, self._peer_timeout_s
+        )
+        self._on_lost(link)
