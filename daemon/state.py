@@ -55,6 +55,8 @@ class DaemonState:
         self.cluster: ClusterCounters | None = None
         #: The peer links' own counters (shown with a `links_` prefix).
         self.link_counters: Callable[[], Mapping[str, int]] = dict
+        #: Set once the daemon begins to stop: no new requests, no results.
+        self.shutting_down = False
 
     def counters(self) -> dict[str, int]:
         """Every counter, as `ping` and the statistics name them."""

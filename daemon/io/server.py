@@ -1,4 +1,4 @@
-"""Daemon lifecycle: claim the socket, serve, shut down cleanly on a signal.
+"""Daemon lifecycle (`Daemon`): claim the socket, serve, shut down cleanly on a signal.
 
 Start: sweep segments of dead daemons, take an exclusive `flock` beside the
 socket (a live daemon holds it: refuse; a dead one left it: take over), bind
@@ -94,45 +94,83 @@ def _bind_unix(path: str, group_access: bool = False) -> socket.socket:
     return sock
 
 
-async def serve(config: DaemonConfig) -> None:
-    """Run the daemon until SIGTERM or SIGINT."""
-    loop = asyncio.get_running_loop()
-    path = parse_ipc_endpoint(config.socket)
-    removed = sweep_dead_segments()
-    if removed:
-        log.info("removed %d segments left by dead daemons", len(removed))
-    use_peers = wants_peers(config)
-    endpoints = stats_endpoints(config.stats, config.socket)
-    stats_keys = stats_curve(config, endpoints[0]) if endpoints is not None else None
-    with claim_socket(path, config.group_access):
-        service = GradsyncService(DaemonState(config), loop)
-        peering = Peering(config, service) if use_peers else None
-        if peering is not None:
+#: How long a stopping daemon waits for reductions already on its threads.
+STOP_TIMEOUT_S = 20.0
+
+
+class Daemon:
+    """One gradsyncd: `await start()`, then `await serve()` until a signal (or
+    `request_stop()`), then `await stop(timeout_s)`; uvicorn's Server is the model.
+
+    `serve()` starts the daemon when it has not been started, and stops it
+    when told to.  Nothing here blocks the event loop: a stop fails what is in
+    flight at once (graceful), then waits up to `timeout_s` for reductions
+    already running on the thread pool, and leaves without them (forced).
+    """
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self._exits = contextlib.ExitStack()
+        self._stop = asyncio.Event()
+        self._started = False
+        self.service: GradsyncService | None = None
+        self._peering: Peering | None = None
+        self._server: asyncio.Server | None = None
+        self._stats_server: StatsServer | None = None
+        self._notifier: Notifier | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def request_stop(self) -> None:
+        """Make `serve()` return (what SIGTERM and SIGINT do)."""
+        self._stop.set()
+
+    async def start(self) -> None:
+        """Sweep, claim the socket, bind every endpoint, then say ready; raises
+        `StartupError` (leaving nothing bound) when an endpoint cannot be had."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._close_endpoints()
+            self._exits.close()
+            raise
+        self._started = True
+
+    async def _start(self) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+        path = parse_ipc_endpoint(config.socket)
+        removed = sweep_dead_segments()
+        if removed:
+            log.info("removed %d segments left by dead daemons", len(removed))
+        use_peers = wants_peers(config)
+        endpoints = stats_endpoints(config.stats, config.socket)
+        stats_keys = stats_curve(config, endpoints[0]) if endpoints is not None else None
+        self._exits.enter_context(claim_socket(path, config.group_access))
+        service = self.service = GradsyncService(DaemonState(config), loop)
+        if use_peers:
+            self._peering = Peering(config, service)
             try:
-                await peering.start()
+                await self._peering.start()
             except zmq.ZMQError as exc:
-                await peering.close()
                 raise StartupError(
                     f"cannot bind the peer endpoint {config.listen}: {exc}"
                 ) from None
-        server = await loop.create_unix_server(
+        self._server = await loop.create_unix_server(
             lambda: ClientSession(service), sock=_bind_unix(path, config.group_access)
         )
-        stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        stats_server = None
+            loop.add_signal_handler(signum, self._stop.set)
         if endpoints is None:
             log.warning("statistics endpoint disabled: %s.stats.pub would exceed the Unix "
                         "socket path limit; pass --stats", config.socket)
         else:
-            stats_server = StatsServer(
-                endpoints, service, peering.links if peering is not None else None, stats_keys
+            self._stats_server = StatsServer(
+                endpoints, service, self._peering.links if self._peering is not None else None,
+                stats_keys,
             )
             try:
-                await stats_server.start(config.group_access)
+                await self._stats_server.start(config.group_access)
             except zmq.ZMQError as exc:
-                await stats_server.close()
                 raise StartupError(
                     f"cannot bind the stats endpoint {endpoints[0]}: {exc}"
                 ) from None
@@ -144,27 +182,67 @@ async def serve(config: DaemonConfig) -> None:
             __version__, os.getpid(), path, config.threads,
             config.collective_timeout_s, config.max_shm_bytes,
         )
-        notifier = Notifier()
+        notifier = self._notifier = Notifier()
         # Sockets are bound and peers configured: clients can connect from now on.
         notifier.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={_status(service)}")
-        heartbeat = loop.create_task(_keep_systemd_informed(notifier, service))
-        stalls = loop.create_task(_watch_for_stalls(service))
-        await stop.wait()
-        notifier.notify("STOPPING=1", "STATUS=shutting down")
-        heartbeat.cancel()
-        stalls.cancel()
+        self._tasks = [loop.create_task(_keep_systemd_informed(notifier, service)),
+                       loop.create_task(_watch_for_stalls(service))]
+
+    async def serve(self) -> None:
+        """Run until told to stop, then stop."""
+        if not self._started:
+            await self.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.stop()
+
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Fail what is in flight, close every endpoint, unlink every segment."""
+        if not self._started:
+            return
+        self._started = False
+        if self._notifier is not None:
+            self._notifier.notify("STOPPING=1", "STATUS=shutting down")
+        for task in self._tasks:
+            task.cancel()
         log.info("shutting down: failing in-flight collectives, unlinking segments")
-        server.close()
-        if stats_server is not None:
-            await stats_server.close()
-        service.shut_down()
-        if peering is not None:
-            await peering.close()
-        await server.wait_closed()
+        assert self.service is not None
+        if self._server is not None:
+            self._server.close()
+        if self._stats_server is not None:
+            await self._stats_server.close()
+            self._stats_server = None
+        self.service.shut_down()
+        # Let running reductions finish, off the loop: an empty() buffer is never
+        # left half reduced, and the loop still flushes replies meanwhile.
+        if not await self.service.drain(timeout_s):
+            log.warning("reductions still running after %gs; exiting without them",
+                        timeout_s)
+        await self._close_endpoints()
         # Let the transports flush the error replies before the process exits.
         await asyncio.sleep(0)
-        notifier.close()
-    log.info("gradsyncd stopped")
+        if self._notifier is not None:
+            self._notifier.close()
+        self._exits.close()
+        log.info("gradsyncd stopped")
+
+    async def _close_endpoints(self) -> None:
+        if self._stats_server is not None:
+            await self._stats_server.close()
+            self._stats_server = None
+        if self._peering is not None:
+            await self._peering.close()
+            self._peering = None
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Run a daemon until SIGTERM or SIGINT."""
+    await Daemon(config).serve()
 
 
 def _status(service: GradsyncService) -> str:
@@ -180,7 +258,7 @@ async def _watch_for_stalls(service: GradsyncService) -> None:
     interval = min(1.0, service.config.stall_warn_s / 4)
     while True:
         await asyncio.sleep(interval)
-        service.report_stalls()
+        service.runs.report_stalls()
 
 
 async def _keep_systemd_informed(notifier: Notifier, service: GradsyncService) -> None:

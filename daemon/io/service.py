@@ -1,37 +1,35 @@
-"""The daemon's request handling: sessions, jobs, buffers and reductions.
+"""The daemon's request handlers: sessions, jobs, buffers, matching.
 
-`GradsyncService` owns the state; `session.py` feeds it decoded requests and
-`server.py` runs its lifecycle.  Everything here runs on the event loop except
-large reductions, which go to a thread pool.
+`GradsyncService` checks each decoded request (`session.py` feeds them in),
+keeps the sessions' jobs and segments, and matches what the local ranks
+submit, with each collective's deadline; a matched collective runs in
+`run/local.py`.  `server.py` runs the lifecycle.  Everything here runs on the
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gradsync.daemon.backends import Backend, Buffers, Slab
-from gradsync.daemon.backends.reduce import split_ranges
+from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
-from gradsync.daemon.core.membership import Formation
 from gradsync.daemon.core.plans import (
     KINDS,
     REDUCING,
     ROOTED,
-    Plan,
     chunk_count,
-    make_plan,
-    run_local,
 )
+from gradsync.daemon.run.local import LocalRuns
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
@@ -45,7 +43,6 @@ from gradsync.protocol.errors import (
     GradsyncError,
     InvalidArgumentError,
     JobError,
-    MismatchError,
     ProtocolError,
     ShmExhaustedError,
 )
@@ -77,19 +74,20 @@ class GradsyncService:
         )
         self.jobs = state.jobs
         self.sessions = state.sessions
-        self.running: set[asyncio.Task[None]] = set()
-        self.in_flight: dict[int, PendingCollective] = {}
-        self.shutting_down = False
         #: The multi-node side, when this daemon has peers (`join_cluster`).
         self.cluster: ClusterJobs | None = None
-        self.runner: CrossDaemonRunner | None = None
         self.stats = StatsRecorder()
         self.trace = TraceRecorder()
+        #: Where matched collectives run and are answered.
+        self.runs = LocalRuns(state, loop, self.buffers, self.executor, self.stats, self.trace)
+        #: Reduction work inline or on the pool (the inter-daemon phase uses it too).
+        self.run_call = self.runs.run_call
 
     def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         """Serve multi-node jobs too: membership through `cluster`, the
         inter-daemon phase through `runner`."""
-        self.cluster, self.runner = cluster, runner
+        self.cluster = cluster
+        self.runs.join_cluster(cluster, runner)
 
     # -- sessions -----------------------------------------------------------
 
@@ -109,7 +107,7 @@ class GradsyncService:
         was_broken = job.broken is not None
         failed = job.remove_member(session.rank, reason)
         for pending in failed:
-            self._fail(pending, job.broken or JobError(f"{job.describe()} broke"))
+            self.runs.fail(pending, job.broken or JobError(f"{job.describe()} broke"))
         if not was_broken and session.closed_cleanly and not failed:
             # A rank that said bye with nothing in flight: the job's normal end,
             # which the withdrawal tells the peers, so that they do not warn.
@@ -133,7 +131,7 @@ class GradsyncService:
         """Serve one validated request; every error becomes an error reply."""
         request_id = message["id"]
         try:
-            if self.shutting_down:
+            if self.state.shutting_down:
                 raise DaemonShuttingDownError("daemon shutting down")
             kind = message["kind"]
             if kind == "ping":
@@ -342,10 +340,7 @@ class GradsyncService:
         ready = self._submit(job, message["key"], submission)
         if ready is None:
             return
-        if job.multi_node:
-            self._start_multi_node(job, ready, op)
-        else:
-            self._start(job, ready, op)
+        self.runs.start_allreduce(job, ready, op)
 
     def _collective(self, session: ClientSession, message: Message) -> None:
         """broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all."""
@@ -388,65 +383,7 @@ class GradsyncService:
         ready = self._submit(job, message["key"], submission)
         if ready is None:
             return
-        self._spawn(ready, self._run_collective(job, ready, kind, op, root, chunk, dtype))
-
-    async def _run_collective(
-        self, job: Job, ready: PendingCollective, kind: str, op: ReduceOp | None,
-        root: int | None, chunk: int, dtype: np.dtype,
-    ) -> None:
-        order = sorted(ready.submissions)
-        nbytes = chunk * dtype.itemsize * job.world_size * max(1, len(order))
-        first = ready.submissions[order[0]].fingerprint
-        views = [ready.submissions[rank].view for rank in order]
-        views += [ready.submissions[rank].out for rank in order]
-
-        def by_rank(arrays: list[Any]) -> tuple[dict[int, Any], dict[int, Any]]:
-            """(inputs, outputs) by rank, from `views` or their host copies."""
-            return (dict(zip(order, arrays[: len(order)], strict=True)),
-                    dict(zip(order, arrays[len(order):], strict=True)))
-
-        async def here(arrays: list[Any]) -> None:
-            ins, outs = by_rank(arrays)
-            await self.run_call(
-                lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root), nbytes
-            )
-
-        async def across(arrays: list[Any]) -> None:
-            assert self.runner is not None
-            ins, outs = by_rank(arrays)
-
-            def plan_for(formation: Formation, me: int) -> Plan:
-                return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
-                                 job.world_size, chunk, op, root, dtype)
-
-            await self.runner.run_plan(
-                job, ready, op or ReduceOp.SUM,
-                first, plan_for,
-            )
-
-        try:
-            slabs, backend = self._backend(ready)
-            on_device = (
-                backend is not self.buffers.host
-                and len({slab.device for slab in slabs}) == 1
-                and not (op is not None and first.dtype == "bfloat16")
-            )
-            if chunk == 0:
-                pass  # nothing to move; every rank agreed on the fingerprint locally
-            elif on_device and not job.multi_node:
-                ins, outs = by_rank(views)
-                with backend.running(slabs):
-                    run_local(kind, ins, outs, job.world_size, chunk, op, root)
-            else:
-                # Host memory as it is; device slabs through host copies: between
-                # nodes (the links send host memory), across GPUs, and for bfloat16
-                # reductions, which cupy's kernels cannot express.
-                await self._staged(backend, slabs, views, dtype,
-                                   across if job.multi_node else here)
-        except Exception as exc:
-            self._collective_failed(job, ready, exc)
-            return
-        self._succeed(job, ready)
+        self.runs.start_collective(job, ready, kind, op, root, chunk, dtype)
 
     def _submit(self, job: Job, key: Any, submission: Submission) -> PendingCollective | None:
         """Match a submission; the collective once all local ranks are in and agree."""
@@ -469,7 +406,7 @@ class GradsyncService:
         mismatch = job.mismatch(ready)
         if mismatch is not None:
             log.warning("%s", mismatch.message)
-            self._fail(ready, mismatch)
+            self.runs.fail(ready, mismatch)
             return None
         return ready
 
@@ -506,251 +443,35 @@ class GradsyncService:
             )
         return slab.view(offset, count, dtype), slab
 
-    def _backend(self, ready: PendingCollective) -> tuple[list[Slab], Backend]:
-        """The slabs of a matched collective and their one backend.
-
-        Raises MismatchError when some local ranks pass host memory and others
-        device memory: the daemon cannot reduce across the two in one kernel.
-        """
-        order = sorted(ready.submissions)
-        slabs = [slab for rank in order for slab in ready.submissions[rank].slabs]
-        kinds = {slab.backend.kind for slab in slabs}
-        if len(kinds) > 1:
-            where = ", ".join(
-                f"rank {rank}: {'/'.join(s.backend.kind for s in ready.submissions[rank].slabs)}"
-                for rank in order if ready.submissions[rank].slabs
-            )
-            raise MismatchError(
-                f"key {ready.key!r} mixes host and device buffers ({where}); every local "
-                "rank must pass the same kind of memory"
-            )
-        return slabs, slabs[0].backend if slabs else self.buffers.host
-
-    async def _staged(
-        self, backend: Backend, slabs: list[Slab], views: list[Any], dtype: np.dtype,
-        run: Callable[[list[Any]], Coroutine[Any, Any, None]],
-    ) -> None:
-        """Run `run` over host copies of device views (the peer links send host memory)."""
-        if backend is self.buffers.host:
-            await run(views)
-            return
-        with backend.running(slabs):
-            pass  # the daemon's streams now wait for the clients' writes
-        hosts, copy_back = await self.loop.run_in_executor(
-            self.executor, backend.to_host, views, dtype
-        )
-        await run(hosts)
-        with backend.running(slabs):
-            copied = copy_back()  # queued, then the clients' done events after them
-        await self.loop.run_in_executor(self.executor, copied)
-
-    def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        """Run a matched collective: inline when small (or only queued, on a device),
-        else cut into ranges on the thread pool."""
-        order = sorted(ready.submissions)
-        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
-        dtype = ready.submissions[order[0]].fingerprint.dtype
-        try:
-            slabs, backend = self._backend(ready)
-        except MismatchError as exc:
-            self._fail(ready, exc)
-            return
-        if (backend.parallel_ranges and slots
-                and slots[0].nbytes * len(slots) > self.config.inline_reduce_bytes):
-            self._spawn(ready, self._reduce_on_pool(job, ready, op, slots, backend, dtype))
-            return
-        # A thread hand-off costs more than reducing a few hundred KiB here, and
-        # device kernels are only queued.
-        try:
-            with backend.running(slabs):
-                if slots:
-                    backend.reduce(slots, op, dtype, 0, slots[0].size)
-        except Exception as exc:  # a kernel failing is a bug; fail loudly, keep serving
-            self._kernel_failed(job, ready, exc)
-            return
-        self._succeed(job, ready)
-
-    def _spawn(self, ready: PendingCollective, work: Coroutine[Any, Any, None]) -> None:
-        """Run a collective's coroutine as a task the shutdown can find."""
-        self.in_flight[id(ready)] = ready
-        task = self.loop.create_task(work)
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
-        task.add_done_callback(lambda _: self.in_flight.pop(id(ready), None))
-
-    async def _reduce_on_pool(
-        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
-        backend: Backend, dtype: str,
-    ) -> None:
-        try:
-            parts = split_ranges(slots[0].size, slots[0].itemsize, self.config.threads)
-            await asyncio.gather(
-                *(
-                    self.loop.run_in_executor(
-                        self.executor, backend.reduce, slots, op, dtype, begin, end
-                    )
-                    for begin, end in parts
-                )
-            )
-        except Exception as exc:
-            self._kernel_failed(job, ready, exc)
-            return
-        self._succeed(job, ready)
-
-    def _start_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        self._spawn(ready, self._run_multi_node(job, ready, op))
-
-    async def _run_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        assert self.runner is not None
-        runner = self.runner
-        order = sorted(ready.submissions)
-        first = ready.submissions[order[0]].fingerprint
-        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
-
-        async def across(hosts: list[Any]) -> None:
-            await runner.run(
-                job, ready, op, hosts, first.count, first.algorithm, first,
-            )
-
-        try:
-            slabs, backend = self._backend(ready)
-            await self._staged(backend, slabs, slots, DTYPES[first.dtype], across)
-        except Exception as exc:
-            self._collective_failed(job, ready, exc)
-            return
-        self._succeed(job, ready)
-
-    def _collective_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
-        """Answer every member with the error; tell peer daemons of a multi-node job."""
-        if isinstance(exc, GradsyncError):
-            error = exc
-        else:
-            log.error("collective %r of %s failed", ready.key, job.describe(), exc_info=exc)
-            error = GradsyncError(f"key {ready.key!r} of {job.describe()} failed in the "
-                                  f"daemon: {exc}")
-        if job.multi_node and self.cluster is not None:
-            # Tell the other daemons, so their clients do not wait for the deadline.
-            self.cluster.abort(job, ready.key, error if isinstance(error, CollectiveError)
-                               else CollectiveError(error.message, error.details))
-        else:
-            job.remember_failure(ready.key, error)
-        self._fail(ready, error)
-
-    async def run_call(self, work: Callable[[], None], nbytes: int) -> None:
-        """Run `work` inline when it touches little memory, else on the thread pool."""
-        if nbytes <= self.config.inline_reduce_bytes:
-            work()
-        else:
-            await self.loop.run_in_executor(self.executor, work)
-
-    async def run_ranges(
-        self, kernel: Any, slots: list[np.ndarray], count: int, *extra: Any
-    ) -> None:
-        """Run `kernel(slots, start, stop, *extra)` over [0, count): inline or on the pool."""
-        if not slots or count == 0:
-            return
-        if slots[0].nbytes * len(slots) <= self.config.inline_reduce_bytes:
-            kernel(slots, 0, count, *extra)
-            return
-        parts = split_ranges(count, slots[0].itemsize, self.config.threads)
-        await asyncio.gather(
-            *(
-                self.loop.run_in_executor(self.executor, kernel, slots, begin, end, *extra)
-                for begin, end in parts
-            )
-        )
-
-    def _succeed(self, job: Job, ready: PendingCollective) -> None:
-        if self.shutting_down:
-            # The clients were already told; the result may not be complete everywhere.
-            self._fail(ready, DaemonShuttingDownError("daemon shutting down"))
-            return
-        job.completed += 1
-        now = time.monotonic()
-        self.state.requests.collectives += 1
-        first = ready.submissions[min(ready.submissions)]
-        itemsize = DTYPES[first.fingerprint.dtype].itemsize
-        if self.trace.active:
-            track = f"job {job.name}"
-            what = first.fingerprint.describe()
-            self.trace.add(track, "wait for local ranks", ready.first_seen, ready.matched_at,
-                           key=repr(ready.key), collective=what)
-            self.trace.add(track, f"{first.fingerprint.collective} (run)", ready.matched_at, now,
-                           key=repr(ready.key), collective=what)
-        self.stats.collective_done(
-            job.name, first.fingerprint.collective, first.fingerprint.algorithm,
-            first.fingerprint.count * itemsize, job.world_size, now - ready.first_seen,
-        )
-        for submission in ready.submissions.values():
-            submission.respond(None, {
-                "submitted": submission.submitted_at, "matched": ready.matched_at,
-                "completed": now,
-            })
-
-    def _kernel_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
-        log.error("reduction of key %r of %s failed", ready.key, job.describe(), exc_info=exc)
-        self._fail(ready, GradsyncError(f"reduction failed in the daemon: {exc}"))
-
     def _expire(self, job_name: str, key: Any) -> None:
         job = self.jobs.get(job_name)
         expired = job.expire(key) if job else None
         if expired is not None:
             pending, error = expired
             log.warning("%s", error.message)
-            self._fail(pending, error)
-
-    def _fail(self, pending: PendingCollective, error: GradsyncError) -> None:
-        if pending.timer is not None:
-            pending.timer.cancel()
-        self.state.requests.failed += 1
-        self.stats.collective_failed(pending.job_name or None, error.code)
-        for submission in pending.submissions.values():
-            submission.respond(error)
-
-    # -- stall reports ------------------------------------------------------
-
-    def report_stalls(self) -> None:
-        """Log, once per collective, one waiting longer than `stall_warn_s` and for whom."""
-        now = time.monotonic()
-        limit = self.config.stall_warn_s
-        for job in list(self.jobs.values()):
-            for pending in job.pending.values():
-                if not pending.stall_reported and now - pending.first_seen > limit:
-                    pending.stall_reported = True
-                    missing = sorted(set(job.members) - set(pending.submissions))
-                    absent = job.local_world_size - len(job.members)
-                    log.warning(
-                        "key %r of %s has waited %.0fs for ranks %s%s", pending.key,
-                        job.describe(), now - pending.first_seen, missing,
-                        f" ({absent} local ranks not connected)" if absent else "",
-                    )
-            for key, run in list(job.runs.items()):
-                ready = next((p for p in self.in_flight.values() if p.key == key
-                              and p.job_name == job.name), None)
-                if (ready is not None and not ready.stall_reported
-                        and now - ready.first_seen > limit and job.formation is not None):
-                    ready.stall_reported = True
-                    log.warning(
-                        "key %r of %s has waited %.0fs at step %d/%d of %s for peer daemons %s",
-                        key, job.describe(), now - ready.first_seen, run.step + 1, run.steps,
-                        run.algorithm, [job.formation.daemons[i] for i in run.waiting_for()],
-                    )
-
-    # -- shutdown -----------------------------------------------------------
+            self.runs.fail(pending, error)
 
     def shut_down(self) -> None:
         """Fail everything in flight, unlink every segment."""
-        self.shutting_down = True
+        self.state.shutting_down = True
         error = DaemonShuttingDownError("daemon shutting down")
         for job in list(self.jobs.values()):
             pendings = list(job.pending.values())
             job.pending.clear()
             for pending in pendings:
-                self._fail(pending, error)
-        for pending in list(self.in_flight.values()):
-            self._fail(pending, error)
+                self.runs.fail(pending, error)
+        self.runs.fail_in_flight(error)
         for session in list(self.sessions.values()):
             session.close()
         self.buffers.release_all()
-        # Let running reductions finish: an empty() buffer is never left half reduced.
-        self.executor.shutdown(wait=True, cancel_futures=False)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait (off the event loop) up to `timeout_s` for reductions already on the
+        thread pool; True if they all finished (queued ones run too: a buffer is
+        never left half reduced)."""
+        shutdown = functools.partial(self.executor.shutdown, wait=True, cancel_futures=False)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(shutdown), timeout_s)
+        except TimeoutError:
+            return False
+        return True
