@@ -27,6 +27,7 @@ from gradsync.client.cuda import (
 )
 from gradsync.client.environment import resolve_identity
 from gradsync.client.work import Work
+from gradsync.protocol.codec import is_integer
 from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype, dtype_name, parse_reduce_op
 from gradsync.protocol.errors import (
     CollectiveTimeoutError,
@@ -386,7 +387,7 @@ class Client:
     ) -> Work | None:
         self._check_open()
         if root is not None and not (
-            isinstance(root, int) and not isinstance(root, bool) and 0 <= root < self.world_size
+            is_integer(root) and 0 <= root < self.world_size
         ):
             raise InvalidArgumentError(
                 f"{kind}: root rank must be in [0, {self.world_size}), got {root!r}"
@@ -498,7 +499,7 @@ class Client:
         self._check_open()
         members = list(ranks)
         if not members or len(set(members)) != len(members) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size
+            is_integer(r) and 0 <= r < self.world_size
             for r in members
         ):
             raise InvalidArgumentError(

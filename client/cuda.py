@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gradsync.protocol.codec import Message
+from gradsync.protocol.codec import Message, is_integer
 from gradsync.protocol.dtypes import dtype_name
 from gradsync.protocol.errors import InvalidArgumentError
 
@@ -50,7 +50,7 @@ def is_device_array(array: Any) -> bool:
 
 def parse_device(device: Any) -> int:
     """A CUDA device ordinal from 3, "cuda", "cuda:3" or a torch.device."""
-    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+    if is_integer(device) and device >= 0:
         return device
     text = str(device)
     if text == "cuda":

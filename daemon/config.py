@@ -19,13 +19,13 @@ from gradsync.daemon.errors import ConfigError as ConfigError
 from gradsync.protocol.endpoint import (
     default_endpoint,
     ipc_endpoint,
+    parse_tcp_endpoint,
     stats_stream_endpoint,
 )
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
@@ -148,9 +148,11 @@ def _stats_endpoint(value: Any) -> str:
 
 
 def _tcp_endpoint(value: Any) -> str:
-    if not isinstance(value, str) or not _TCP.match(value):
-        raise ValueError(f"expected tcp://HOST:PORT, got {value!r}")
-    return value
+    try:
+        parse_tcp_endpoint(value)
+    except ValueError as exc:
+        raise ValueError(f"expected tcp://HOST:PORT: {exc}") from None
+    return str(value)
 
 
 def _endpoint_list(value: Any) -> tuple[str, ...]:

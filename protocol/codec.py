@@ -9,11 +9,22 @@ data lives in daemon-owned shared memory, so a frame larger than
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
 from gradsync.protocol.errors import ProtocolError
+
+
+def is_integer(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool: Python and msgpack both let True pass as 1, and no
+    count, rank, port or sequence number may be given as one."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> TypeGuard[int | float]:
+    """An int or a float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 MAX_FRAME_BYTES = 64 * 1024
 _LENGTH = struct.Struct("<I")

@@ -120,6 +120,14 @@ _BY_CODE: dict[str, type[GradsyncError]] = {
 }
 
 
+def as_collective_error(
+    error: GradsyncError, kind: type[CollectiveError] = CollectiveError
+) -> CollectiveError:
+    """`error` as a collective's failure: itself if it is one, else a `kind` with its
+    message and details (a job breaking, say, fails its collectives)."""
+    return error if isinstance(error, CollectiveError) else kind(error.message, error.details)
+
+
 def error_from_wire(code: str, message: str, details: dict[str, Any]) -> GradsyncError:
     """Rebuild the exception a daemon reported; unknown codes become the root type."""
     cls = _BY_CODE.get(code, GradsyncError)

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeGuard
 
+from gradsync.protocol.codec import is_integer, is_number
 from gradsync.protocol.errors import ProtocolError, VersionMismatchError
 
 #: Bumped on every incompatible change of a message below (the client wire's
@@ -41,25 +42,15 @@ MAX_SECONDS = 1e3
 Key = int | str
 
 
-def is_wire_int(value: Any) -> TypeGuard[int]:
-    """An integer as msgpack decodes one (bool is not)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_wire_number(value: Any) -> TypeGuard[int | float]:
-    """A number as msgpack decodes one (bool is not)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def is_seconds(value: Any) -> TypeGuard[int | float]:
     """A plausible duration on the wire: a number in [0, MAX_SECONDS)."""
-    return is_wire_number(value) and 0 <= value < MAX_SECONDS
+    return is_number(value) and 0 <= value < MAX_SECONDS
 
 
 def check_peer_version(header: Mapping[str, Any]) -> None:
     """Refuse a header of another peer protocol version, naming both."""
     version = header.get("v")
-    if not is_wire_int(version):
+    if not is_integer(version):
         raise ProtocolError("peer message lacks an integer protocol version 'v'")
     if version != PEER_PROTOCOL_VERSION:
         raise VersionMismatchError(
@@ -83,14 +74,14 @@ def _text(fields: Mapping[str, Any], name: str, kind: str) -> str:
 
 def _int(fields: Mapping[str, Any], name: str, kind: str) -> int:
     value = fields.get(name)
-    if not is_wire_int(value):
+    if not is_integer(value):
         raise ProtocolError(f"{kind}: {name!r} must be an integer")
     return value
 
 
 def _key(fields: Mapping[str, Any], kind: str) -> Key:
     value = fields.get("key")
-    if not (is_wire_int(value) or isinstance(value, str)):
+    if not (is_integer(value) or isinstance(value, str)):
         raise ProtocolError(f"{kind}: 'key' must be an integer or a string")
     return value
 
@@ -126,8 +117,8 @@ class Fingerprint:
         _need(isinstance(value, list) and len(value) == 6, "fingerprint",
               f"must be [collective, dtype, count, op, root, algorithm], got {_clip(value)}")
         collective, dtype, count, op, root, algorithm = value
-        _need(isinstance(collective, str) and isinstance(dtype, str) and is_wire_int(count)
-              and (op is None or isinstance(op, str)) and (root is None or is_wire_int(root))
+        _need(isinstance(collective, str) and isinstance(dtype, str) and is_integer(count)
+              and (op is None or isinstance(op, str)) and (root is None or is_integer(root))
               and (algorithm is None or isinstance(algorithm, str)), "fingerprint",
               f"fields of the wrong type: {_clip(value)}")
         return cls(collective, dtype, count, op, algorithm, root)
@@ -165,14 +156,14 @@ class Announce(WireMessage):
     def from_wire(cls, fields: Mapping[str, Any]) -> Announce:
         kind = cls.kind
         ranks, world = fields.get("ranks"), fields.get("world_size")
-        _need(isinstance(ranks, list) and all(is_wire_int(r) for r in ranks), kind,
+        _need(isinstance(ranks, list) and all(is_integer(r) for r in ranks), kind,
               "'ranks' must be a list of integers")
-        _need(is_wire_int(world) and world >= 1, kind, "'world_size' must be a positive integer")
+        _need(is_integer(world) and world >= 1, kind, "'world_size' must be a positive integer")
         assert isinstance(ranks, list) and isinstance(world, int)
         _need(bool(ranks) and all(0 <= r < world for r in ranks)
               and len(set(ranks)) == len(ranks), kind, "ranks out of range or repeated")
         alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
-        _need(is_wire_number(alpha) and is_wire_number(beta), kind,
+        _need(is_number(alpha) and is_number(beta), kind,
               "link costs must be numbers")
         return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
                    _int(fields, "boot", kind), world, tuple(sorted(ranks)),
@@ -283,7 +274,7 @@ class Costs(WireMessage):
         _need(is_seconds(alpha) and is_seconds(beta) and epoch >= 1, kind,
               "epoch must be positive, alpha and beta seconds in [0, 1000)")
         factor = fields.get("explore_factor")
-        _need(is_wire_number(factor) and 1 <= factor < 1e6, kind,
+        _need(is_number(factor) and 1 <= factor < 1e6, kind,
               f"explore_factor must be a number >= 1, got {_clip(factor)}")
         return cls(_text(fields, "job", kind), _int(fields, "gen", kind), epoch,
                    float(alpha), float(beta), _timings(fields.get("times")),  # type: ignore[arg-type]
@@ -297,7 +288,7 @@ def _timings(value: Any) -> dict[TimingGroup, float]:
     times: dict[TimingGroup, float] = {}
     for entry in value:
         _need(isinstance(entry, list) and len(entry) == 3 and entry[0] in ALGORITHM_NAMES
-              and is_wire_int(entry[1]) and entry[1] >= 0 and is_seconds(entry[2])
+              and is_integer(entry[1]) and entry[1] >= 0 and is_seconds(entry[2])
               and entry[2] > 0, "costs",
               f"each timing must be [algorithm, bytes >= 0, seconds in (0, 1000)], "
               f"got {_clip(entry)}")
@@ -359,7 +350,7 @@ class Probe:
         port, token = fields.get("data_port"), fields.get("data_token")
         if port is None and token is None:
             return cls(str(kind), seq)
-        _need(is_wire_int(port) and 0 < port < 65536 and isinstance(token, bytes)
+        _need(is_integer(port) and 0 < port < 65536 and isinstance(token, bytes)
               and 0 < len(token) < 256, str(kind),
               "'data_port' must be a port and 'data_token' 1 to 255 bytes")
         return cls(str(kind), seq, int(port), bytes(token))  # type: ignore[arg-type]

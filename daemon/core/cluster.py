@@ -39,6 +39,7 @@ from gradsync.protocol.errors import (
     PeerLostError,
     ProtocolError,
     RankLostError,
+    as_collective_error,
     error_from_wire,
 )
 from gradsync.protocol.peer import Abort, Announce, Slice, Withdraw
@@ -284,8 +285,7 @@ class ClusterJobs:
                 job.end_origin = (origin, reason)
                 job.ended_cleanly = clean
                 level = logging.INFO if clean else logging.WARNING
-            if not isinstance(error, CollectiveError):
-                error = RankLostError(error.message, error.details)
+            error = as_collective_error(error, RankLostError)
             job.gone.add(peer)
             self._break(job, error, fail_runs=False, level=level)
             for run in list(job.runs.values()):
@@ -305,9 +305,8 @@ class ClusterJobs:
             self.counters.stale_generation += 1
             return
         key = message.key
-        error = error_from_wire(message.code, message.message, message.details)
-        if not isinstance(error, CollectiveError):
-            error = CollectiveError(error.message, error.details)
+        error = as_collective_error(
+            error_from_wire(message.code, message.message, message.details))
         job.remember_failure(key, error)
         run = job.runs.get(key)
         if run is not None:

@@ -38,13 +38,13 @@ from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
 from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
 from gradsync.protocol.errors import (
-    CollectiveError,
     DaemonShuttingDownError,
     GradsyncError,
     InvalidArgumentError,
     JobError,
     ProtocolError,
     ShmExhaustedError,
+    as_collective_error,
 )
 from gradsync.protocol.peer import ALGORITHM_CHOICES, Fingerprint
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
@@ -115,8 +115,7 @@ class GradsyncService:
         if job.multi_node and self.cluster is not None and job.broken is not None:
             error = job.broken
             for key in list(job.runs):
-                self.cluster.abort(job, key, error if isinstance(error, CollectiveError)
-                                   else CollectiveError(error.message, error.details))
+                self.cluster.abort(job, key, as_collective_error(error))
             self.cluster.withdraw(job, error)
         level = logging.INFO if session.closed_cleanly else logging.WARNING
         log.log(level, "rank %d (pid %s) of %s %s", session.rank, session.pid,

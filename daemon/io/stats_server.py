@@ -34,7 +34,7 @@ from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.peers.keys import load_authorized, load_secret
 from gradsync.daemon.peers.zap import ZapHandler
 from gradsync.protocol import messages
-from gradsync.protocol.codec import MAX_FRAME_BYTES, decode_body
+from gradsync.protocol.codec import MAX_FRAME_BYTES, decode_body, is_number
 from gradsync.protocol.endpoint import MAX_SOCKET_PATH, stats_stream_endpoint
 from gradsync.protocol.errors import ProtocolError
 
@@ -197,8 +197,7 @@ class StatsServer:
     def _start_trace(self, route: bytes, request: dict[str, Any]) -> None:
         """Check a trace request and record in the background; one trace at a time."""
         seconds = request.get("seconds")
-        if (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
-                or not 0 < seconds <= MAX_TRACE_S):
+        if not is_number(seconds) or not 0 < seconds <= MAX_TRACE_S:
             raise ProtocolError(f"trace needs 0 < seconds <= {MAX_TRACE_S}")
         if self._tracing is not None and not self._tracing.done():
             raise ProtocolError("a trace is already recording; try again when it ends")

@@ -35,6 +35,7 @@ from gradsync.daemon.peers.stream import (
     StreamSender,
     encode_hello,
 )
+from gradsync.protocol.codec import is_integer
 
 log = logging.getLogger("gradsync.daemon.peers")
 
@@ -112,7 +113,7 @@ class DataPlane:
     def offer(self, peer: str, host: str, fields: dict[str, Any]) -> None:
         """A peer advertised its stream port: connect, unless already done or under way."""
         port, token = fields.get("data_port"), fields.get("data_token")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        if not is_integer(port) or not 0 < port < 65536:
             return
         if not isinstance(token, bytes) or not 0 < len(token) < 256:
             return

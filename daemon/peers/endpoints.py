@@ -9,53 +9,13 @@ by the addresses their hosts resolve to, not as strings.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ipaddress
 import socket
 
-WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::"})
+from gradsync.protocol.endpoint import WILDCARD_HOSTS, TcpEndpoint, parse_tcp_endpoint
 
-
-@dataclasses.dataclass(frozen=True)
-class TcpEndpoint:
-    """A parsed `tcp://HOST:PORT`; `host` is kept as written, without IPv6 brackets."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
-
-    @property
-    def is_wildcard(self) -> bool:
-        """True for `*`, `0.0.0.0` and `::`: a listen address, not one to connect to."""
-        return self.host in WILDCARD_HOSTS
-
-    @property
-    def is_ipv6(self) -> bool:
-        return ":" in self.host
-
-
-def parse_tcp_endpoint(text: str) -> TcpEndpoint:
-    """Parse `tcp://HOST:PORT` (IPv6 hosts in brackets); raise `ValueError` naming it."""
-    if not isinstance(text, str) or not text.startswith("tcp://"):
-        raise ValueError(f"peer endpoint {text!r} must look like tcp://HOST:PORT")
-    rest = text[len("tcp://") :]
-    if rest.startswith("["):
-        host, sep, port_text = rest[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"peer endpoint {text!r}: write IPv6 hosts as tcp://[ADDR]:PORT")
-    else:
-        host, sep, port_text = rest.rpartition(":")
-        if not sep or ":" in host:
-            raise ValueError(f"peer endpoint {text!r} must look like tcp://HOST:PORT")
-    if not host or any(c in host for c in "/;@ "):
-        raise ValueError(f"peer endpoint {text!r} has no usable host")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"peer endpoint {text!r} needs a port between 1 and 65535")
-    return TcpEndpoint(host, int(port_text))
-
+__all__ = ["WILDCARD_HOSTS", "TcpEndpoint", "is_local_address", "parse_tcp_endpoint",
+           "read_peers_file", "resolve_host", "same_endpoint"]
 
 def _normalise_ip(address: str) -> str:
     return str(ipaddress.ip_address(address.split("%", 1)[0]))

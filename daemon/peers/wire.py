@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body
+from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body, is_integer
 from gradsync.protocol.errors import InvalidArgumentError, ProtocolError
 from gradsync.protocol.peer import (
     BULK,
@@ -69,7 +69,7 @@ def encode_header(src: str, header: Mapping[str, Any]) -> bytes:
 
 def _int_field(message: Message, field: str) -> None:
     value = message.get(field)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_integer(value):
         raise ProtocolError(f"{message['kind']!r} message needs an integer {field!r}")
 
 

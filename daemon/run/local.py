@@ -32,10 +32,10 @@ from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol.dtypes import DTYPES, ReduceOp
 from gradsync.protocol.errors import (
-    CollectiveError,
     DaemonShuttingDownError,
     GradsyncError,
     MismatchError,
+    as_collective_error,
 )
 
 log = logging.getLogger("gradsync.daemon")
@@ -268,8 +268,7 @@ class LocalRuns:
                                   f"daemon: {exc}")
         if job.multi_node and self.cluster is not None:
             # Tell the other daemons, so their clients do not wait for the deadline.
-            self.cluster.abort(job, ready.key, error if isinstance(error, CollectiveError)
-                               else CollectiveError(error.message, error.details))
+            self.cluster.abort(job, ready.key, as_collective_error(error))
         else:
             job.remember_failure(ready.key, error)
         self.fail(ready, error)
