@@ -42,12 +42,16 @@ from gradsync.protocol.errors import (
     as_collective_error,
     error_from_wire,
 )
-from gradsync.protocol.peer import Abort, Announce, Slice, Withdraw
+from gradsync.protocol.peer import Abort, Announce, Key, Slice, Withdraw
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
     from gradsync.daemon.core.matching import Job
-    from gradsync.daemon.run.executor import ScheduleRun
+    from gradsync.daemon.run.executor import Placement, ScheduleRun
+
+#: A slice's payload as the links hand it on: a buffer (memoryview, bytes, a
+#: ZeroMQ frame's buffer) or, for a slice received in place, its placement.
+Frame = Any
 
 log = logging.getLogger("gradsync.daemon.cluster")
 
@@ -194,7 +198,7 @@ class ClusterJobs:
     # -- messages from peers ------------------------------------------------
 
     def on_message(
-        self, peer: str, header: dict[str, Any], frames: Sequence[Any], jobs: dict[str, Job]
+        self, peer: str, header: dict[str, Any], frames: Sequence[Frame], jobs: dict[str, Job]
     ) -> None:
         """Dispatch one peer message; malformed content is counted and dropped."""
         try:
@@ -333,7 +337,7 @@ class ClusterJobs:
 
     def place(
         self, peer: str, header: dict[str, Any], sizes: list[int], jobs: dict[str, Job]
-    ) -> list[Any] | None:
+    ) -> list[Placement] | None:
         """Where a slice's payload can go before it arrives (see `ScheduleRun.place`).
 
         Only a slice that `on_slice` would hand to a running collective's current
@@ -361,7 +365,7 @@ class ClusterJobs:
         self.counters.slices_placed += 1
         return [placement]
 
-    def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Any]) -> None:
+    def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
         formation = job.formation
         if formation is None:
             self._keep_early(job, peer, message, frames, None)
@@ -397,7 +401,7 @@ class ClusterJobs:
             ))
 
     def _keep_early(
-        self, job: Job, peer: str, message: Slice, frames: Sequence[Any], key: Any,
+        self, job: Job, peer: str, message: Slice, frames: Sequence[Frame], key: Key | None,
     ) -> None:
         """Keep a slice until its job forms (`key` None) or its collective starts here.
 
@@ -429,7 +433,7 @@ class ClusterJobs:
         else:
             job.early_by_key.setdefault(key, []).append((peer, message, frames))
 
-    def replay(self, job: Job, peer: str, message: Slice, frames: Sequence[Any]) -> None:
+    def replay(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
         """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
         try:
             self.on_slice(job, peer, message, frames)
@@ -437,12 +441,12 @@ class ClusterJobs:
             self.counters.malformed += 1
             log.warning("dropped an early slice of %s from %s: %s", job.describe(), peer, exc)
 
-    def _mismatch(self, job: Job, key: Any, run: Any, peer: str, message: Slice) -> None:
+    def _mismatch(self, job: Job, key: Key, run: ScheduleRun, peer: str, message: Slice) -> None:
         theirs = message.fp.describe()
         formation = job.formation
         assert formation is not None
         peer_ranks = list(formation.ranks_by_daemon[formation.index_of(peer)])
-        ours = run.fingerprint.describe()
+        ours = run.fingerprint.describe() if run.fingerprint is not None else "?"
         error = MismatchError(
             f"key {key!r} of {job.describe()}: ranks disagree: ranks {peer_ranks} (daemon "
             f"{peer}) sent {theirs}; ranks {sorted(job.members)} (daemon "
@@ -457,7 +461,7 @@ class ClusterJobs:
 
     # -- failures -----------------------------------------------------------
 
-    def abort(self, job: Job, key: Any, error: CollectiveError) -> None:
+    def abort(self, job: Job, key: Key, error: CollectiveError) -> None:
         """Fail one collective here and on every member daemon (once per key)."""
         already_known = key in job.failed
         job.remember_failure(key, error)
@@ -617,7 +621,7 @@ def fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) ->
         run.fail(error)
 
 
-def payload_bytes(slices: Sequence[tuple[str, Slice, Sequence[Any]]]) -> int:
+def payload_bytes(slices: Sequence[tuple[str, Slice, Sequence[Frame]]]) -> int:
     """Payload bytes of kept slices."""
     return sum(memoryview(frame).nbytes for _, _, frames in slices for frame in frames)
 

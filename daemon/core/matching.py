@@ -30,7 +30,8 @@ from gradsync.protocol.errors import (
 )
 from gradsync.protocol.peer import Fingerprint, Slice
 
-if TYPE_CHECKING:  # the run layer's type only: the core never calls into it
+if TYPE_CHECKING:  # other layers' types only: the core never calls into them
+    from gradsync.daemon.backends import Slab
     from gradsync.daemon.run.executor import ScheduleRun
 
 Key = int | str
@@ -53,7 +54,7 @@ class Submission:
     out: np.ndarray | None = None
     submitted_at: float = 0.0
     #: The slabs `view` and `out` lie in (their backend runs the kernels).
-    slabs: tuple[Any, ...] = ()
+    slabs: tuple[Slab, ...] = ()
 
 
 @dataclasses.dataclass
@@ -64,7 +65,7 @@ class PendingCollective:
     first_seen: float
     deadline_s: float
     submissions: dict[int, Submission] = dataclasses.field(default_factory=dict)
-    timer: Any = None  # an asyncio.TimerHandle, owned by the daemon
+    timer: asyncio.TimerHandle | None = None  # the deadline's, owned by the daemon
     matched_at: float = 0.0  # when the last local rank submitted
     job_name: str = ""
     stall_reported: bool = False

@@ -158,7 +158,7 @@ class ScheduleRun:
         #: (daemon index, future of the send) of every zero-copy slice sent.
         self.trackers: list[tuple[int, Any]] = []
         #: Slices of the current step being received in place.
-        self._placed: set[_Placement] = set()
+        self._placed: set[Placement] = set()
         self.bytes_sent = 0
         #: (start, end, peers it received from) of every finished step, for traces.
         self.step_times: list[tuple[float, float, list[int]]] = []
@@ -240,7 +240,7 @@ class ScheduleRun:
 
     def place(
         self, peer: int, step: int, transfer: int, offset: int, nbytes: int
-    ) -> _Placement | None:
+    ) -> Placement | None:
         """Where a slice of the current step can be received in place, or None.
 
         None (a later step, a bad address, a run that ended) sends the slice the
@@ -256,7 +256,7 @@ class ScheduleRun:
             return None
         begin = expected.start + offset
         target = self.buffer[begin : begin + count]
-        placement: _Placement = (
+        placement: Placement = (
             _ReducePlacement(expected, begin, target, self.op, self._chunks)
             if expected.reduce
             else _CopyPlacement(expected, begin, target)
@@ -272,7 +272,7 @@ class ScheduleRun:
         self._placed.clear()
 
     def _apply(self, peer: int, transfer: int, offset: int, payload: Any) -> None:
-        if isinstance(payload, _Placement):
+        if isinstance(payload, Placement):
             self._arrived(payload)
             return
         expected = self._expected.get((peer, transfer))
@@ -293,7 +293,7 @@ class ScheduleRun:
         if self._next:
             self._landed(begin, begin + data.size)
 
-    def _arrived(self, placement: _Placement) -> None:
+    def _arrived(self, placement: Placement) -> None:
         """A placed slice is all in: count it, as `_apply` does for the others."""
         if placement not in self._placed:
             raise ProtocolError("a placed slice arrived for a run that dropped it")
@@ -433,7 +433,7 @@ def _released(peer: int, sending: Any) -> bool:
     return tracker is None or bool(tracker.done)
 
 
-class _Placement:
+class Placement:
     """Where one placed slice of the current step goes as it arrives (a `PayloadSink`).
 
     Once `cancel`led (the run ended), the rest of the payload is read and
@@ -473,10 +473,10 @@ class _Placement:
 
 def is_placed(payload: Any) -> bool:
     """True for a payload that was received in place (see `ScheduleRun.place`)."""
-    return isinstance(payload, _Placement)
+    return isinstance(payload, Placement)
 
 
-class _CopyPlacement(_Placement):
+class _CopyPlacement(Placement):
     """A copy received straight into its place in the buffer."""
 
     def __init__(self, expected: _Expected, begin: int, target: np.ndarray) -> None:
@@ -495,7 +495,7 @@ class _CopyPlacement(_Placement):
         self._bytes = None
 
 
-class _ReducePlacement(_Placement):
+class _ReducePlacement(Placement):
     """A reduction received chunk by chunk and combined into the buffer per chunk."""
 
     def __init__(
