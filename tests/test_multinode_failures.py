@@ -489,38 +489,79 @@ def test_a_job_that_never_formed_fails_once_the_peer_for_its_missing_ranks_is_lo
     daemons[0].assert_alive()
 
 
+def curve_daemons(
+    start_daemon: StartDaemon, keys: Path, count: int
+) -> tuple[list[str], list[DaemonProcess]]:
+    """`count` daemons peered over 127.0.0.1 with CURVE keys (so no plain data streams)
+    and a short peer timeout."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    keys.mkdir(mode=0o700)
+    for index, endpoint in enumerate(endpoints):  # node<i>.key and node<i>.key_secret
+        keygen = ["keygen", str(keys), "--name", f"node{index}", "--endpoint", endpoint]
+        subprocess.run([sys.executable, "-m", "gradsync.client.cli", *keygen],
+                       check=True, capture_output=True, timeout=60)
+    daemons = [
+        start_daemon(*peer_args(i, endpoints, "--curve-secret", str(keys / f"node{i}.key_secret"),
+                                "--curve-authorized", str(keys),
+                                "--peer-timeout-s", str(PEER_TIMEOUT_S)))
+        for i in range(count)
+    ]
+    return endpoints, daemons
+
+
+def peer_state(daemon: DaemonProcess, peer: str) -> str:
+    return str(fetch_snapshot(daemon.endpoint + ".stats", 5.0)["peers"][peer]["state"])
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(150)
 def test_a_stopped_daemon_fails_its_ranks_as_soon_as_it_runs_again(
     start_daemon: StartDaemon, short_tmp: str
 ) -> None:
-    """Two daemons, one rank each, all-reducing in a loop; daemon B is SIGSTOPped until
-    its peer has failed the collective, then SIGCONTed: B's own rank gets PeerLostError
-    within seconds of B running again, not at its collective deadline (here 90 s)."""
-    _, daemons = insecure_daemons(start_daemon, 2)
-    markers = Path(short_tmp) / "markers"
-    markers.mkdir()
-    ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py",
-                         [str(4 * 1024 * 1024), str(markers)], job="frozen",
-                         env={"GRADSYNC_TIMEOUT_S": "90"})
-    try:
-        poll_until(lambda: len(list(markers.iterdir())) == 2, 60, "both ranks reducing")
-        daemons[1].process.send_signal(signal.SIGSTOP)
+    """Two daemons, one rank each, all-reducing in a loop; daemon B is SIGSTOPped, and
+    SIGCONTed the moment A has declared it lost (and failed the collective): B's own
+    rank gets PeerLostError within seconds of B running again, not at its deadline (90 s).
+
+    A's heartbeats give up after `peer timeout - heartbeat interval` of silence (1.5 s
+    here), its own connection to B first or the one B made to it first, by their timers'
+    phases.  When A's DEALER goes first, A fails the job, and its withdrawal is not sent
+    to a lost peer; B, continued before A's ROUTER drops B's connection, finds a link
+    that never broke, and nothing tells it the job is over.  B must notice by itself that
+    it did not run for long enough to be given up.  CURVE links: on insecure ones A also
+    closes the data streams, which always tells B.  Each round rolls the dice again."""
+    endpoints, daemons = curve_daemons(start_daemon, Path(short_tmp) / "keys", 2)
+    for round_ in range(4):
+        markers = Path(short_tmp) / f"markers-{round_}"
+        markers.mkdir()
+        poll_until(lambda: all(peer_state(d, e) == "up" for d, e in
+                               zip(daemons, reversed(endpoints), strict=True)),
+                   30, "the links up both ways")
+        ranks = spawn_spread(daemons, (1, 1), "multinode_hold.py",
+                             [str(64 * 1024), str(markers)], job=f"frozen-{round_}",
+                             env={"GRADSYNC_TIMEOUT_S": "90"})
+
+        def both_reducing(folder: Path = markers) -> bool:
+            return len(list(folder.iterdir())) == 2
+
         try:
-            (survivor,) = collect(ranks[:1], timeout_s=PEER_TIMEOUT_S + 30)
+            poll_until(both_reducing, 60, "both ranks reducing")
+            daemons[1].process.send_signal(signal.SIGSTOP)
+            try:
+                poll_until(lambda: peer_state(daemons[0], endpoints[1]) == "lost",
+                           PEER_TIMEOUT_S + 30, "A to give up on the stopped B")
+            finally:
+                daemons[1].process.send_signal(signal.SIGCONT)
+            resumed = time.monotonic()
+            survivor, stopped = collect(ranks, timeout_s=PEER_TIMEOUT_S + 15)
         finally:
-            daemons[1].process.send_signal(signal.SIGCONT)
-        resumed = time.monotonic()
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
         assert survivor.records()[-1]["error"] == "PeerLostError", survivor.stdout
-        (stopped,) = collect(ranks[1:], timeout_s=60)
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-                rank.wait()
-    outcome = stopped.records()[-1]
-    assert outcome["error"] == "PeerLostError", stopped.stdout + stopped.stderr
-    assert outcome["at"] - resumed < PEER_TIMEOUT_S + 15, outcome
+        outcome = stopped.records()[-1]
+        assert outcome["error"] == "PeerLostError", stopped.stdout + stopped.stderr
+        assert outcome["at"] - resumed < PEER_TIMEOUT_S + 15, outcome
     for daemon in daemons:
         daemon.assert_alive()
 

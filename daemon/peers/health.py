@@ -169,20 +169,25 @@ class LinkHealth:
         `last_heard`, so no waiter is kept.
         """
         assert link.dealer is not None
+        # A peer's heartbeats drop us after this much silence following one of their
+        # pings (and fail the collectives we share); never below two of our ticks.
+        given_up_s = max(self._peer_timeout_s - self._heartbeat_ivl_s, 2 * self._liveness_ivl_s)
         last_tick = time.monotonic()
         while True:
             await asyncio.sleep(self._liveness_ivl_s)
             now = time.monotonic()
-            # How long this daemon did not run beyond the sleep (SIGSTOP, a frozen VM):
-            # longer than the peer timeout, and the peer has given up on us, failing
-            # the collectives we share, whatever its messages still queued here say.
-            frozen_s = now - last_tick - self._liveness_ivl_s
+            # The longest this daemon may not have run (SIGSTOP, a frozen VM): since the
+            # last tick, not beyond the sleep, which would miss up to one sleep of it.
+            # Longer than a peer waits, and the peer may have given up on us, with the
+            # connection we made to it still standing (its own heartbeats' phase) and its
+            # messages queued here saying all is well: nothing else would tell us.
+            stalled_s = now - last_tick
             last_tick = now
             if link.state != "up":
                 continue
-            if frozen_s > self._peer_timeout_s:
-                log.warning("this daemon did not run for %.1fs (stopped?): peer %s has "
-                            "given up on it", frozen_s, link.name)
+            if stalled_s > given_up_s:
+                log.warning("this daemon did not run for up to %.1fs (stopped?): peer %s "
+                            "may have given up on it", stalled_s, link.name)
                 self.drop_link(link)
                 continue
             # ZeroMQ's own heartbeats cannot get out behind a full send queue on a cut
@@ -203,6 +208,14 @@ class LinkHealth:
         if link.dealer is not None and not self._closed():
             with contextlib.suppress(zmq.ZMQError):
                 link.dealer.sock.disconnect(link.name)
+            # Not at once: the peer's router must be rid of our old connection first.
+            # Without ROUTER_HANDOVER it refuses a newcomer under a routing id still in
+            # use, and keeps it, heartbeats and all: up for us, deaf to what we send.
+            asyncio.get_running_loop().call_later(
+                _RECONNECT_IVL_MAX_MS / 1000, self._connect_again, link)
+
+    def _connect_again(self, link: Link) -> None:
+        if link.dealer is not None and not self._closed():
             link.dealer.sock.connect(link.name)
 
     def mark_up(self, link: Link) -> None:
