@@ -236,7 +236,8 @@ def test_a_withdrawal_and_an_announcement_that_passed_each_other_are_told_apart(
             if kind == "announce":
                 header.update(world_size=2, ranks=[1], alpha_s=1e-4, beta_s_per_byte=1e-9)
             else:
-                header.update(reason="its ranks left", code="rank_lost")
+                header.update(reason="its ranks left", code="rank_lost", origin=ghost,
+                              clean=False)
             fake.send_multipart([encode_header(ghost, header)])
 
         start = counters(daemon)
