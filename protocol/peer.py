@@ -21,7 +21,7 @@ from gradsync.protocol.errors import ProtocolError, VersionMismatchError
 
 #: Bumped on every incompatible change of a message below (the client wire's
 #: PROTOCOL_VERSION is separate: protocol/version.py).
-PEER_PROTOCOL_VERSION = 1
+PEER_PROTOCOL_VERSION = 2
 
 #: The allreduce algorithms between daemons, named once for both wires.
 ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
@@ -328,18 +328,23 @@ class Probe:
     """A link probe (PING, or BULK with payload frames) or its answer (PONG).
 
     A PONG also tells where the answering daemon's data streams listen
-    (`data_port`, `data_token`), when it has them.
+    (`data_port`, `data_token`), when it has them, and on CURVE links the
+    public X25519 key of its offer to this peer (`data_key`, 32 bytes; see
+    daemon/peers/stream_crypto.py).
     """
 
     kind: str
     seq: int
     data_port: int | None = None
     data_token: bytes | None = None
+    data_key: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"kind": self.kind, "seq": self.seq}
         if self.data_port is not None:
             fields.update(data_port=self.data_port, data_token=self.data_token)
+            if self.data_key is not None:
+                fields["data_key"] = self.data_key
         return fields
 
     @classmethod
@@ -353,4 +358,8 @@ class Probe:
         _need(is_integer(port) and 0 < port < 65536 and isinstance(token, bytes)
               and 0 < len(token) < 256, str(kind),
               "'data_port' must be a port and 'data_token' 1 to 255 bytes")
-        return cls(str(kind), seq, int(port), bytes(token))  # type: ignore[arg-type]
+        key = fields.get("data_key")
+        _need(key is None or (isinstance(key, bytes) and len(key) == 32), str(kind),
+              "'data_key' must be 32 bytes")
+        return cls(str(kind), seq, int(port), bytes(token),  # type: ignore[arg-type]
+                   None if key is None else bytes(key))

@@ -1,7 +1,7 @@
 """Plain-TCP data streams of insecure peer links, over real sockets on 127.0.0.1.
 
-The stream kinds must take the streams once they are open (and only on
-`--insecure` links), arrive intact and in order, leave the caller's buffer
+The stream kinds must take the streams once they are open (sealed streams of
+CURVE links: test_sealed_streams.py), arrive intact and in order, leave the caller's buffer
 alone only once written, fail instead of hanging when the peer is lost, and
 refuse whatever is not a peer's stream, without disturbing the links.
 """
@@ -25,7 +25,7 @@ from cluster import free_ports
 from peer_events import Events
 from test_peer_links import FAST, READY_S, TESTS, poll, run
 
-from gradsync.daemon.peers import PeerLinks
+from gradsync.daemon.peers import CurveConfig, PeerLinks
 from gradsync.daemon.peers.stream import encode_hello, message_head
 from gradsync.protocol.errors import PeerLostError
 from gradsync.protocol.peer import PEER_PROTOCOL_VERSION
@@ -41,13 +41,16 @@ def endpoints(count: int) -> list[str]:
 
 
 async def start_streaming(
-    names: list[str], events: list[Events], **options: Any
+    names: list[str], events: list[Events], configs: list[CurveConfig] | None = None,
+    **options: Any,
 ) -> list[PeerLinks]:
-    """Insecure links with "chunk" on streams; returns once every stream is open."""
+    """Links with "chunk" on streams (insecure ones, or with `configs` CURVE ones and
+    sealed streams); returns once every stream is open."""
+    curve: list[CurveConfig | None] = [None] * len(names) if configs is None else [*configs]
     links = [
-        PeerLinks(name, names, events=inbox, insecure=True, kinds=KINDS, stream_kinds=STREAM,
-                  **{**FAST, **options})
-        for name, inbox in zip(names, events, strict=True)
+        PeerLinks(name, names, config, events=inbox, insecure=config is None, kinds=KINDS,
+                  stream_kinds=STREAM, **{**FAST, **options})
+        for name, config, inbox in zip(names, curve, events, strict=True)
     ]
     for link in links:
         await link.start()
@@ -252,7 +255,7 @@ def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
     run(main())
 
 
-def test_curve_or_no_stream_kinds_means_no_streams() -> None:
+def test_no_stream_kinds_means_no_streams() -> None:
     async def main() -> None:
         names = endpoints(2)
         plain = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS, **FAST)
@@ -360,7 +363,7 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
 CHILD = """
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[4])
-from gradsync.daemon.peers import PeerLinks
+from gradsync.daemon.peers import CurveConfig, PeerLinks
 from peer_events import Events
 
 async def main():

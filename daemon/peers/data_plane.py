@@ -1,12 +1,20 @@
-"""The data streams of one daemon's insecure peer links: listen, connect, route.
+"""The data streams of one daemon's peer links: listen, connect, route.
 
 Each daemon listens on an ephemeral TCP port on its peer address and
 advertises the port and a random token in its answers to link probes (the
 ZeroMQ link carries them).  A daemon that hears them opens one stream to that
 peer, says hello with its own endpoint name and the token, and from then on
-sends the stream kinds (the collectives' slices) over it.  The token only
-proves that the connecting side talked to this daemon over its ZeroMQ link;
-like the rest of `--insecure`, it is not authentication.
+sends the stream kinds (the collectives' slices) over it.  On insecure links
+the token only proves that the connecting side talked to this daemon over its
+ZeroMQ link; like the rest of `--insecure`, it is not authentication.
+
+On CURVE links (`sealed`) the advertisement is an offer made to one peer
+alone (a token and an X25519 key, over CURVE), the hello carries a key and a
+proof instead of the token, a hello that does not match the offer is refused
+and counted (`stream_auth_failed`), and everything after it is AES-256-GCM
+records (`stream_crypto.py`).  Each accepted hello uses its offer up: the peer
+gets a new one for its next stream.  A record that fails authentication ends
+its stream, is counted, and is reported like any break that lost data.
 
 A stream that breaks is dropped and reopened on the next advertisement; sends
 that were waiting on it fail, and `on_broken(peer, why)` reports the break of
@@ -29,11 +37,19 @@ from typing import Any
 
 from gradsync.daemon.peers.endpoints import TcpEndpoint
 from gradsync.daemon.peers.stream import (
+    MAGIC,
+    SEALED_MAGIC,
     PayloadSink,
     StreamError,
     StreamReceiver,
     StreamSender,
     encode_hello,
+)
+from gradsync.daemon.peers.stream_crypto import (
+    KEY_BYTES,
+    Offer,
+    StreamAuthError,
+    take_offer,
 )
 from gradsync.protocol.codec import is_integer
 
@@ -62,13 +78,15 @@ class DataPlane:
         on_head: Callable[
             [str, str, bytes, list[int]], Sequence[PayloadSink | None] | None
         ] | None = None,
+        sealed: bool = False,
     ) -> None:
         """`identify(name)` maps a hello's endpoint name to a peer (None: a stranger);
         `on_message(peer, name, header, payloads)` gets each received message;
         `on_head(peer, name, header, sizes)` may place its payloads (see
         `StreamReceiver`); `on_event(counter, peer, reason)` counts and reports
         refusals and breaks; `on_broken(peer, why)` is told of a break that may
-        have lost data (see the module docstring)."""
+        have lost data (see the module docstring).  `sealed`: streams are
+        encrypted and authenticated (CURVE links; see the module docstring)."""
         self._loop = loop
         self._listen = listen
         self._name = name
@@ -87,6 +105,9 @@ class DataPlane:
         self._connecting: dict[str, asyncio.Task[None]] = {}
         self._receivers: set[StreamReceiver] = set()
         self._closed = False
+        self.sealed = sealed
+        #: Sealed: per peer, the offer its next stream must match.
+        self._offers: dict[str, Offer] = {}
 
     def start(self) -> None:
         """Listen on an ephemeral port of the peer address; raises OSError if it cannot."""
@@ -106,6 +127,16 @@ class DataPlane:
         self.port = listener.getsockname()[1]
         self._loop.add_reader(listener.fileno(), self._accept)
 
+    def advert(self, peer: str) -> tuple[int, bytes, bytes | None]:
+        """What a probe answer to `peer` carries: port, token, and (sealed) the
+        public key of our offer to it."""
+        if not self.sealed:
+            return self.port, self.token, None
+        offer = self._offers.get(peer)
+        if offer is None:
+            offer = self._offers[peer] = Offer()
+        return self.port, offer.token, offer.public
+
     def sender(self, peer: str) -> StreamSender | None:
         """The open stream to `peer`, if any."""
         return self._senders.get(peer)
@@ -117,14 +148,20 @@ class DataPlane:
             return
         if not isinstance(token, bytes) or not 0 < len(token) < 256:
             return
+        key = fields.get("data_key")
+        if self.sealed and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
+            return  # no offer: an insecure peer
         if (self._closed or peer in self._senders or peer in self._connecting
                 or self._listener is None):
             return
         self._connecting[peer] = self._loop.create_task(
-            self._connect(peer, host, port, token), name=f"peer-stream {peer}"
+            self._connect(peer, host, port, token, key if self.sealed else None),
+            name=f"peer-stream {peer}",
         )
 
-    async def _connect(self, peer: str, host: str, port: int, token: bytes) -> None:
+    async def _connect(
+        self, peer: str, host: str, port: int, token: bytes, key: bytes | None
+    ) -> None:
         sock: socket.socket | None = None
         try:
             sock = await self._open(host, port)
@@ -132,13 +169,20 @@ class DataPlane:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             bound_dead_connection(sock, self._dead_after_s)
-            sender = StreamSender(sock, self._loop, self._broken, f"the stream to {peer}")
+            sealer = None
+            hello = encode_hello(self._name, token)
+            if key is not None:
+                secret, sealer = take_offer(self._name, token, key)
+                hello = encode_hello(self._name, secret, SEALED_MAGIC)
+            sender = StreamSender(sock, self._loop, self._broken, f"the stream to {peer}",
+                                  sealer)
             sock = None  # the sender owns it now
             self._senders[peer] = sender  # before the hello: a failing send unregisters it
-            sender.send(encode_hello(self._name, token), ())
+            sender.send(hello, (), plain=True)
             if not sender.closed:
-                log.info("data stream to %s open (port %d)", peer, port)
-        except (OSError, TimeoutError) as exc:
+                log.info("data stream to %s open (port %d%s)", peer, port,
+                         ", AES-256-GCM" if sealer is not None else ", plaintext")
+        except (OSError, TimeoutError, ValueError) as exc:
             self._on_event("stream_failed", peer, f"cannot open a data stream: {exc}")
         finally:
             if sock is not None:
@@ -182,6 +226,8 @@ class DataPlane:
         sender = self._senders.pop(peer, None)
         if sender is not None:
             sender.close(exc)
+        # A new link period, new keys: the old offer is forgotten.
+        self._offers.pop(peer, None)
         for receiver in list(self._receivers):
             if receiver.peer == peer:
                 receiver.close(None)
@@ -211,6 +257,7 @@ class DataPlane:
             on_hello=lambda name, token: self._hello(receiver, name, token),
             on_message=self._received, on_closed=self._stream_closed,
             on_head=self._head if self._on_head is not None else None,
+            magic=SEALED_MAGIC if self.sealed else MAGIC,
         )
         self._receivers.add(receiver)
         # A connection that never says hello is closed, not kept.
@@ -221,11 +268,17 @@ class DataPlane:
             receiver.close(StreamError(f"no hello within {self._connect_timeout_s:g}s"))
 
     def _hello(self, receiver: StreamReceiver, name: str, token: bytes) -> str:
-        if not secrets.compare_digest(token, self.token):
+        if not self.sealed and not secrets.compare_digest(token, self.token):
             raise StreamError(f"wrong token from {name[:80]!r}")
         peer = self._identify(name)
         if peer is None:
             raise StreamError(f"{name[:80]!r} is not one of our peers")
+        if self.sealed:
+            offer = self._offers.get(peer)
+            if offer is None:
+                raise StreamAuthError(f"no offer was made to {name[:80]!r}")
+            receiver.open_records(offer.accept(name, token))  # raises StreamAuthError
+            self._offers[peer] = Offer()  # this one is used up
         for other in list(self._receivers):
             if other is not receiver and other.peer == peer:
                 # The peer reconnected: its old stream is dead (and lost data if cut short).
@@ -251,9 +304,13 @@ class DataPlane:
         if exc is not None:
             label = receiver.peer or "a stranger"
             counter = "stream_refused" if receiver.peer is None else "stream_failed"
+            if isinstance(exc, StreamAuthError):
+                counter = "stream_auth_failed"
             self._on_event(counter, label, f"incoming data stream closed: {exc}")
             if receiver.peer is not None and not self._closed:
-                self._on_broken(receiver.peer, f"the data stream from it broke: {exc}")
+                why = ("failed authentication" if isinstance(exc, StreamAuthError)
+                       else "broke")
+                self._on_broken(receiver.peer, f"the data stream from it {why}: {exc}")
 
     async def close(self, exc: Exception) -> None:
         """Close everything; waiting sends fail with `exc`."""

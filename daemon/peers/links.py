@@ -26,7 +26,8 @@ up, its latency and bandwidth are measured (`link_stats`).
 
 The daemon hears what happens through one `PeerEvents` object (`events.py`).
 The key files and the matching of peers to keys are in `keys.py`; the ZAP
-handler in `zap.py`; the plain-TCP data streams in `data_plane.py`.
+handler in `zap.py`; the data streams in `data_plane.py` (sealed on CURVE links:
+`stream_crypto.py`).
 """
 
 from __future__ import annotations
@@ -86,10 +87,13 @@ COUNTERS = (
     "rejected_keys",  # CURVE handshakes refused by the ZAP handler
     "handshake_failed",  # our DEALER's handshake with a peer failed
     "peer_lost",  # up → lost transitions
-    "stream_sent",  # application messages sent over a plain-TCP data stream
+    "stream_sent",  # application messages sent over a data stream
     "stream_received",  # ... and accepted from one
+    "stream_encrypted_sent",  # of those, sent over an AES-256-GCM stream (CURVE links)
+    "stream_encrypted_received",  # ... and accepted from one
     "stream_refused",  # incoming data streams closed: bad hello, wrong token, stranger
     "stream_failed",  # data streams that could not open or broke
+    "stream_auth_failed",  # sealed streams refused: a hello or record failed authentication
 )
 
 
@@ -145,12 +149,12 @@ class PeerLinks:
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
-        `kinds` are the application message kinds accepted from peers; on
-        `insecure` links, those of `stream_kinds` go over plain-TCP data streams
-        once they are open (see `stream.py`).  `events` hears of each accepted
-        message, of links that come up or are lost and of broken data streams,
-        and may place a stream message's payloads before they arrive (only
-        messages of at least `place_min_bytes`).
+        `kinds` are the application message kinds accepted from peers; those
+        of `stream_kinds` go over TCP data streams once they are open (see
+        `stream.py`): plaintext on `insecure` links, AES-256-GCM on CURVE ones.
+        `events` hears of each accepted message, of links that come up or are
+        lost and of broken data streams, and may place a stream message's
+        payloads before they arrive (only messages of at least `place_min_bytes`).
         Raises `ConfigError` (`KeyFileError` for key files) with a message
         naming the setting when something cannot work.
         """
@@ -292,7 +296,7 @@ class PeerLinks:
             await self.close()
             raise ConfigError(f"cannot listen for peers on {self._listen}: {exc}") from None
         self._router = LoopSocket(router, loop, self._on_router_frames, "the peer router")
-        if self.insecure and self._stream_kinds:
+        if self._stream_kinds:
             self._start_data_plane(loop)
         for link in self._links.values():
             self._connect(loop, link, sockets)
@@ -313,6 +317,7 @@ class PeerLinks:
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
             connect_timeout_s=max(5.0, self._peer_timeout_s),
             dead_after_s=self._peer_timeout_s,
+            sealed=not self.insecure,
         )
         try:
             plane.start()
@@ -472,6 +477,8 @@ class PeerLinks:
                                   frames[1:])
             self.counters["sent"] += 1
             self.counters["stream_sent"] += 1
+            if stream.sealed:
+                self.counters["stream_encrypted_sent"] += 1
             # Done (with None: no tracker to wait for) once the kernel has it all.
             return cast("asyncio.Future[zmq.MessageTracker | None]", written)
         sending: asyncio.Future[zmq.MessageTracker | None] = link.dealer.send(frames, track)
@@ -642,7 +649,9 @@ class PeerLinks:
             assert self._router is not None
             answer = Probe(PONG, message.header["seq"])
             if self._data is not None:
-                answer = Probe(PONG, answer.seq, self._data.port, self._data.token)
+                # Over CURVE the answer reaches this peer alone, encrypted: it carries
+                # our offer of a sealed stream to it (stream_crypto.py).
+                answer = Probe(PONG, answer.seq, *self._data.advert(message.peer))
             pong = encode_header(self.endpoint, answer.to_wire())
             # A probe answer that does not fit is dropped, never waited for.
             self._router.try_send([frames[0], pong])
@@ -688,6 +697,8 @@ class PeerLinks:
             return
         self._links[peer].last_heard = time.monotonic()
         self.counters["stream_received"] += 1
+        if self._data is not None and self._data.sealed:
+            self.counters["stream_encrypted_received"] += 1
         self._deliver(PeerMessage(peer, header, list(payloads)))
 
     def _on_stream_event(self, counter: str, peer: str, reason: str) -> None:
