@@ -73,3 +73,17 @@ def run_spread(
         f"--- daemon {d.endpoint} log:\n{d.log()[-3000:]}" for d in daemons
     ))
     return results
+
+
+def curve_args(folder: Path, endpoints: Sequence[str]) -> list[list[str]]:
+    """Keys for daemons at `endpoints` (`gradsync keygen`, one folder holding every
+    public key): each daemon's CURVE flags."""
+    import sys
+
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for index, endpoint in enumerate(endpoints):  # node<i>.key and node<i>.key_secret
+        keygen = ["keygen", str(folder), "--name", f"node{index}", "--endpoint", endpoint]
+        subprocess.run([sys.executable, "-m", "gradsync.client.cli", *keygen],
+                       check=True, capture_output=True, timeout=60)
+    return [["--curve-secret", str(folder / f"node{index}.key_secret"),
+             "--curve-authorized", str(folder)] for index in range(len(endpoints))]

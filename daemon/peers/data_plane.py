@@ -180,8 +180,8 @@ class DataPlane:
             self._senders[peer] = sender  # before the hello: a failing send unregisters it
             sender.send(hello, (), plain=True)
             if not sender.closed:
-                log.info("data stream to %s open (port %d%s)", peer, port,
-                         ", AES-256-GCM" if sealer is not None else ", plaintext")
+                log.info("data stream to %s open (port %d), %s", peer, port,
+                         "AES-256-GCM" if sealer is not None else "plaintext")
         except (OSError, TimeoutError, ValueError) as exc:
             self._on_event("stream_failed", peer, f"cannot open a data stream: {exc}")
         finally:
