@@ -9,9 +9,11 @@ daemon, and measures float32 sum allreduce with `ring`, `tree`, `rhd`, `star`
 and `auto` side by side (the algorithms take turns at each size); then torch
 gloo with one process per node over the same network, and raw pyzmq TCP
 throughput between the same addresses (one way, and a ring exchange).  On
-127.0.0.1 with M = 2 it also times `ring` at 16 MiB over CURVE-encrypted links
-against --insecure ones.  `auto`'s choices, and the link costs it priced each
-size with, are read from every daemon's statistics before it stops.  Prints
+127.0.0.1 it also times `ring` at 16 and 64 MiB over CURVE links (sealed data
+streams) against --insecure ones for every M, beside gloo at the same sizes,
+and records the raw AEAD throughput per core (benchmarks/aead.py) of the same
+run.  `auto`'s choices, and the link costs it priced each size with, are read
+from every daemon's statistics before it stops.  Prints
 the tables; with --out, writes them as the "interdaemon" section of
 RESULTS.md (the rest of the file is kept).  Run from the repository root;
 the ranks run `python -m benchmarks.rank_worker` (and `benchmarks.raw_zmq`).
@@ -59,7 +61,7 @@ from benchmarks.rank_worker import result_path
 from benchmarks.report import ContenderRun, load_rank_files, merge_ranks
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, MIB, 16 * MIB, 64 * MIB)
-CURVE_SIZE = 16 * MIB
+CURVE_SIZES = (16 * MIB, 64 * MIB)
 PLACEMENTS = ("loopback", "netns", "shaped")
 
 
@@ -427,15 +429,15 @@ def run_group(
         if settings.raw:
             log(f"{title}: raw pyzmq ...")
             group.raw = run_raw(topo, settings, out_dir)
-        if settings.curve and placement == "loopback" and nproc == 2:
+        if settings.curve and placement == "loopback":
             curve_policy = dataclasses.replace(
                 settings.policy, budget_s=2 * settings.policy.budget_s,
                 min_samples=max(10, settings.policy.min_samples),
             )
             for label, curve in (("gradsync-insecure", False), ("gradsync-curve", True)):
-                log(f"{title}: ring at {format_size(CURVE_SIZE)}, {label} ...")
+                log(f"{title}: ring at {', '.join(map(format_size, CURVE_SIZES))}, {label} ...")
                 runs, info = run_gradsync(
-                    topo, settings, out_dir, algorithms=("ring",), sizes=(CURVE_SIZE,),
+                    topo, settings, out_dir, algorithms=("ring",), sizes=CURVE_SIZES,
                     label=label, policy=curve_policy, curve=curve,
                 )
                 group.curve_runs += runs
@@ -527,6 +529,12 @@ def _main(argv: Sequence[str] | None) -> int:
         notes.append("torch gloo skipped: torch is not installed (pip install torch)")
     info = machine.describe()
     load_average = machine.load_average()
+    aead_rows: list[tuple[str, int, float, float]] = []
+    if settings.curve and "loopback" in placements:
+        from benchmarks import aead
+
+        log("raw AEAD throughput, one core ...")
+        aead_rows = aead.measure_aead(sizes=(1 << 20,), budget_s=0.3)
     run_dir = tempfile.mkdtemp(prefix="gsb-inter-", dir="/tmp")
     log(f"sizes {', '.join(format_size(s) for s in settings.sizes)}; M = {settings.nprocs}; "
         f"placements {', '.join(placements)}; scratch {run_dir}")
@@ -549,9 +557,10 @@ def _main(argv: Sequence[str] | None) -> int:
         load_average=load_average,
         settings_text=_settings_text(settings),
         notes=notes,
+        aead_rows=aead_rows,
     )
     selected = report_mod.select_groups(groups)
-    print(report_mod.console(selected, settings.sizes, settings.algorithms))
+    print(report_mod.console(selected, settings.sizes, settings.algorithms, aead_rows))
     if args.out:
         from benchmarks import results_file
 

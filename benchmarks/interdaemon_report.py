@@ -65,6 +65,8 @@ class RunDescription:
     load_average: str
     settings_text: str
     notes: list[str]
+    #: (method, record bytes, encrypt GB/s, decrypt GB/s), one core (benchmarks/aead.py).
+    aead_rows: list[tuple[str, int, float, float]] = dataclasses.field(default_factory=list)
 
 
 def select_groups(groups: Sequence[Group]) -> list[Group]:
@@ -311,31 +313,57 @@ def _worst_auto(
 
 
 def curve_table(groups: Sequence[Group]) -> str | None:
+    """Ring over CURVE links against --insecure ones and gloo, per M and size."""
     rows = []
     for group in groups:
         by_key = {run.key: run for run in group.curve_runs}
-        for key, title in CURVE_CONTENDERS:
-            run = by_key.get(key)
-            if run is None:
-                continue
-            cell = next(iter(run.cells.values()), None)
-            if cell is None or not cell.correct:
-                rows.append(f"| {title} | {run.status} {run.note} | — | — | — | — |")
-                continue
-            busy = f"{cell.cores_busy:.2f}" if cell.cores_busy is not None else "—"
-            daemons = f"{cell.daemon_cores:.2f}" if cell.daemon_cores is not None else "—"
-            rows.append(
-                f"| {title} | {format_time(cell.time_s)} | {format_bw(cell.busbw)} | "
-                f"{format_time(cell.p10_s)} to {format_time(cell.p90_s)} | {busy} | {daemons} |"
-            )
+        gloo = next((run for run in group.runs if run.key == "gloo"), None)
+        insecure = by_key.get(CURVE_CONTENDERS[0][0])
+        sizes = sorted({n for run in group.curve_runs for n in run.cells})
+        for nbytes in sizes:
+            for key, title in CURVE_CONTENDERS:
+                run = by_key.get(key)
+                if run is None:
+                    continue
+                cell = run.cells.get(nbytes)
+                where = f"| {group.nproc} | {format_size(nbytes)} | {title}"
+                if cell is None or not cell.correct:
+                    rows.append(f"{where} | {run.status} {run.note} | — | — | — | — | — |")
+                    continue
+                busy = f"{cell.cores_busy:.2f}" if cell.cores_busy is not None else "—"
+                daemons = f"{cell.daemon_cores:.2f}" if cell.daemon_cores is not None else "—"
+                ratios = []
+                for base in (insecure, gloo):
+                    other = base.cells.get(nbytes) if base is not None else None
+                    ratios.append(f"{cell.busbw / other.busbw:.2f}x" if other is not None
+                                  and other.correct and other.busbw > 0 else "—")
+                rows.append(
+                    f"{where} | {format_time(cell.time_s)} | {format_bw(cell.busbw)} | "
+                    f"{ratios[0]} | {ratios[1]} | {busy} | {daemons} |"
+                )
+            gloo_cell = gloo.cells.get(nbytes) if gloo is not None else None
+            if gloo_cell is not None and gloo_cell.correct:
+                rows.append(f"| {group.nproc} | {format_size(nbytes)} | torch gloo | "
+                            f"{format_time(gloo_cell.time_s)} | {format_bw(gloo_cell.busbw)} | "
+                            "— | 1.00x | — | — |")
     if not rows:
         return None
     return "\n".join([
-        "| peer links | ring, 16 MiB, M=2: time | busbw GB/s | per-op p10 to p90 | "
+        "| M | size | ring over | time | busbw GB/s | vs --insecure | vs gloo | "
         "CPU cores busy | of which daemons |",
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
         *rows,
     ])
+
+
+def aead_table(rows: Sequence[tuple[str, int, float, float]]) -> str | None:
+    """The raw AEAD throughput of the run, one core."""
+    if not rows:
+        return None
+    lines = ["| method (one core) | record | encrypt GB/s | decrypt GB/s |", "|---|---:|---:|---:|"]
+    lines += [f"| {method} | {format_size(size)} | {enc:.2f} | {dec:.2f} |"
+              for method, size, enc, dec in rows]
+    return "\n".join(lines)
 
 
 def load_table(all_groups: Sequence[Group], selected: Sequence[Group]) -> str:
@@ -380,7 +408,10 @@ def _sorted_runs(group: Group) -> list[ContenderRun]:
     return sorted(group.runs, key=lambda run: order.get(run.key, len(order)))
 
 
-def console(groups: Sequence[Group], sizes: Sequence[int], algorithms: Sequence[str]) -> str:
+def console(
+    groups: Sequence[Group], sizes: Sequence[int], algorithms: Sequence[str],
+    aead_rows: Sequence[tuple[str, int, float, float]] = (),
+) -> str:
     out = ["", "### Headline: busbw GB/s", "", headline(groups, sizes, algorithms), ""]
     for group in groups:
         out += [f"### {PLACEMENT_TITLES[group.placement]}, M = {group.nproc}", "",
@@ -389,6 +420,9 @@ def console(groups: Sequence[Group], sizes: Sequence[int], algorithms: Sequence[
     table = curve_table(groups)
     if table:
         out += ["### Encryption", "", table, ""]
+    aead = aead_table(aead_rows)
+    if aead:
+        out += [aead, ""]
     out += ["### Targets", "", *target_lines(groups, sizes), ""]
     return "\n".join(out)
 
@@ -459,11 +493,12 @@ def render(
         "fastest measured runs. Here the fixed algorithms' own runs in the same job feed "
         "those timings, so auto rarely needs to explore; a job running only auto times each "
         "contender itself, an epoch at a time (tests/test_multinode.py).\n"
-        "- Encryption: on 127.0.0.1, M = 2, two fresh daemon pairs back to back, one with "
+        "- Encryption: on 127.0.0.1, two fresh clusters back to back, one with "
         "`--insecure`, one with CURVE keys from `gradsync keygen` (`--curve-secret`, "
-        "`--curve-authorized`), ring at 16 MiB only. With `--insecure` the slices take "
-        "the plain-TCP data streams; with CURVE everything stays on ZeroMQ, so the "
-        "difference is encryption plus transport.\n"
+        "`--curve-authorized`), ring at 16 and 64 MiB, for every M. Both take the "
+        "data streams: plaintext with `--insecure`, AES-256-GCM records with CURVE "
+        "(keys agreed over CURVE), so the difference is the encryption; gloo's row is "
+        "the same group's gloo run. The AEAD rows: one core, the same run.\n"
     )
     for line in run.notes:
         add(f"- Note: {line}")
@@ -482,8 +517,12 @@ def render(
     add("")
     table = curve_table(groups)
     if table:
-        add("## Encryption cost (CURVE vs --insecure)\n")
+        add("## Encryption cost (CURVE vs --insecure vs gloo)\n")
         add(table)
+        add("")
+    aead = aead_table(run.aead_rows)
+    if aead:
+        add(aead)
         add("")
     issues = failures(all_groups)
     if issues:
