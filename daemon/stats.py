@@ -177,14 +177,15 @@ class StatsRecorder:
                 for nbytes, auto in stats.auto.items()
             }
         if job is not None:
+            formation = job.across.formation
             entry.update({
                 "world_size": job.world_size,
                 "local_world_size": job.local_world_size,
                 "members": {str(rank): {"pid": m.pid, "state": "connected"}
                             for rank, m in sorted(job.members.items())},
                 "broken": job.broken.message if job.broken else None,
-                "generation": job.formation.generation if job.formation else None,
-                "daemons": list(job.formation.daemons) if job.formation else None,
+                "generation": formation.generation if formation else None,
+                "daemons": list(formation.daemons) if formation else None,
                 "in_flight": [
                     {"key": pending.key, "age_s": now - pending.first_seen,
                      "waiting_for_ranks": sorted(set(job.members) - set(pending.submissions))}
@@ -192,9 +193,9 @@ class StatsRecorder:
                 ] + [
                     {"key": key, "step": run.step + 1, "steps": run.steps,
                      "algorithm": run.algorithm,
-                     "waiting_for_peers": [job.formation.daemons[i] for i in run.waiting_for()]
-                     if job.formation else []}
-                    for key, run in job.runs.items()
+                     "waiting_for_peers": [formation.daemons[i] for i in run.waiting_for()]
+                     if formation else []}
+                    for key, run in job.across.runs.items()
                 ],
             })
         return entry

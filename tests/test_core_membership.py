@@ -95,11 +95,11 @@ def test_a_job_forms_once_the_peer_announces_and_tells_it_our_share(
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     assert transport.kinds() == ["announce", "announce"]  # to every listed peer
-    assert wire.from_wire(transport.sent[0][1]) == job.announcement.message()  # type: ignore[union-attr]
-    assert job.formation is None
+    assert wire.from_wire(transport.sent[0][1]) == job.across.announcement.message()  # type: ignore[union-attr]
+    assert job.across.formation is None
     cluster.on_message(PEER, announce(5), (), jobs)
-    assert job.formation is not None and job.formation.daemons == (HERE, PEER)
-    assert job.formed.result() is job.formation
+    assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
+    assert job.across.formed.result() is job.across.formation
 
 
 def test_a_withdrawal_that_overtook_its_announcement_drops_the_announcement(
@@ -112,10 +112,10 @@ def test_a_withdrawal_that_overtook_its_announcement_drops_the_announcement(
     cluster.on_message(PEER, withdraw(5), (), jobs)
     cluster.on_message(PEER, announce(5), (), jobs)
     assert cluster.counters.stale_membership == 1
-    assert job.formation is None and job.broken is None
+    assert job.across.formation is None and job.broken is None
     # The peer's ranks come back: a newer incarnation of the same boot forms.
     cluster.on_message(PEER, announce(6), (), jobs)
-    assert job.formation is not None
+    assert job.across.formation is not None
 
 
 def test_an_old_withdrawal_arriving_after_a_newer_announcement_is_dropped(
@@ -124,10 +124,10 @@ def test_an_old_withdrawal_arriving_after_a_newer_announcement_is_dropped(
     cluster, _, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     cluster.on_message(PEER, announce(7), (), jobs)
-    formation = job.formation
+    formation = job.across.formation
     cluster.on_message(PEER, withdraw(6), (), jobs)
     assert cluster.counters.stale_membership == 1
-    assert job.formation is formation and job.broken is None
+    assert job.across.formation is formation and job.broken is None
 
 
 def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
@@ -139,7 +139,7 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     cluster.on_message(PEER, announce(900), (), jobs)
-    assert job.formation is not None
+    assert job.across.formation is not None
     cluster.on_message(PEER, announce(3, boot=BOOT + 1), (), jobs)
     assert cluster.counters.stale_membership == 0
     assert isinstance(job.broken, PeerLostError)
@@ -150,24 +150,24 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
 def _star_run(job: Job, transport: FakeTransport, loop: asyncio.AbstractEventLoop,
               buffer: np.ndarray) -> ScheduleRun:
     """The root's side (daemon 0) of a star allreduce over the job's formation."""
-    assert job.formation is not None
+    assert job.across.formation is not None
     schedule = ALGORITHMS["star"](0, 2, buffer.size)
     fingerprint = wire.Fingerprint("allreduce", "float32", buffer.size, "sum", "star")
 
     def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
-        return transport.send(job.formation.daemons[peer], header, (payload,))  # type: ignore[union-attr]
+        return transport.send(job.across.formation.daemons[peer], header, (payload,))  # type: ignore[union-attr]
 
     run = ScheduleRun(schedule, buffer, ReduceOp.SUM, send, 1 << 20, loop,
                       fingerprint=fingerprint, algorithm="star")
-    job.runs[0] = run
+    job.across.runs[0] = run
     run.start()
     return run
 
 
 def _slice_from_peer(job: Job, data: np.ndarray) -> dict[str, Any]:
-    assert job.formation is not None
+    assert job.across.formation is not None
     fingerprint = wire.Fingerprint("allreduce", "float32", data.size, "sum", "star")
-    return wire.Slice(job.name, job.formation.generation, 0, fingerprint, 0, 0, 0).to_wire()
+    return wire.Slice(job.name, job.across.formation.generation, 0, fingerprint, 0, 0, 0).to_wire()
 
 
 def test_a_peer_leaving_after_its_last_slices_does_not_fail_the_collective(
@@ -183,7 +183,7 @@ def test_a_peer_leaving_after_its_last_slices_does_not_fail_the_collective(
     run = _star_run(job, transport, loop, ours)
     cluster.on_message(PEER, _slice_from_peer(job, theirs), (theirs.tobytes(),), jobs)
     cluster.on_message(PEER, withdraw(5, clean=True), (), jobs)
-    assert isinstance(job.broken, RankLostError) and job.ended_cleanly
+    assert isinstance(job.broken, RankLostError) and job.across.ended_cleanly
     assert run.done.done() and run.done.exception() is None
     np.testing.assert_array_equal(ours, np.full(8, 3.0, np.float32))
 
@@ -208,20 +208,21 @@ def test_slices_before_the_job_forms_are_kept_and_replayed(
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     theirs = np.full(8, 2.0, np.float32)
-    announcements = {HERE: job.announcement,
+    announcements = {HERE: job.across.announcement,
                      PEER: Announcement.heard(PEER, wire.Announce.from_wire(announce(5)))}
     formation = form(announcements, 2)  # type: ignore[arg-type]
     assert formation is not None
     early = wire.Slice(job.name, formation.generation, 0,
                        wire.Fingerprint("allreduce", "float32", 8, "sum", "star"), 0, 0, 0)
     cluster.on_message(PEER, early.to_wire(), (theirs.tobytes(),), jobs)
-    assert job.early_bytes == theirs.nbytes and job.formation is None
+    assert job.across.early_bytes == theirs.nbytes and job.across.formation is None
     cluster.on_message(PEER, announce(5), (), jobs)
-    assert job.formation == formation
-    assert list(job.early_by_key) == [0] and not job.early_slices  # now waits for key 0
+    assert job.across.formation == formation
+    # Now it waits for its collective (key 0) to start here.
+    assert list(job.across.early_by_key) == [0] and not job.across.early_slices
     ours = np.full(8, 1.0, np.float32)
     run = _star_run(job, transport, loop, ours)
-    for peer_name, message, frames in job.early_by_key.pop(0):
+    for peer_name, message, frames in job.across.early_by_key.pop(0):
         cluster.on_slice(job, peer_name, message, frames)
     assert run.done.done() and run.done.exception() is None
     np.testing.assert_array_equal(ours, np.full(8, 3.0, np.float32))
@@ -235,6 +236,6 @@ def test_malformed_and_unknown_messages_are_counted_not_raised(
     cluster.on_message(PEER, {**announce(5), "ranks": [1, 1]}, (), jobs)
     cluster.on_message(PEER, {"kind": "withdraw", "job": "train"}, (), jobs)
     cluster.on_message(PEER, {"kind": "rumour", "job": "train"}, (), jobs)
-    assert cluster.counters.malformed == 3 and job.formation is None
+    assert cluster.counters.malformed == 3 and job.across.formation is None
     cluster.on_message(PEER, announce(5, name="other"), (), jobs)  # no such job here
     assert cluster.counters.malformed == 3 and "other" in cluster.remote

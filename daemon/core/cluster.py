@@ -127,12 +127,12 @@ class ClusterJobs:
     def local_complete(self, job: Job) -> None:
         """All local ranks joined: announce this daemon's share to every peer."""
         costs = self.transport.link_costs() or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
-        job.incarnation = new_incarnation()
-        job.announcement = Announcement(
-            self.transport.endpoint, job.name, job.incarnation, BOOT, job.world_size,
+        job.across.incarnation = new_incarnation()
+        job.across.announcement = Announcement(
+            self.transport.endpoint, job.name, job.across.incarnation, BOOT, job.world_size,
             tuple(sorted(job.members)), costs[0], costs[1],
         )
-        announce = job.announcement.message().to_wire()
+        announce = job.across.announcement.message().to_wire()
         for peer in self.transport.peers():
             self.transport.send(peer, announce)
         self._try_form(job)
@@ -142,8 +142,8 @@ class ClusterJobs:
         """A link (re)connected: tell it about every job we hold."""
         self.lost.discard(peer)
         for job in list(jobs.values()):
-            if job.announcement is not None and job.broken is None:
-                self.transport.send(peer, job.announcement.message().to_wire())
+            if job.across.announcement is not None and job.broken is None:
+                self.transport.send(peer, job.across.announcement.message().to_wire())
                 self._try_form(job)  # it may have waited for this very link
 
     def withdraw(self, job: Job, error: GradsyncError) -> None:
@@ -152,20 +152,22 @@ class ClusterJobs:
         The reason travels with its error code, so a peer's clients see the
         cause (a rank lost, a peer lost) rather than a generic failure.
         """
-        if job.announcement is None or job.withdrawn:
+        if job.across.announcement is None or job.across.withdrawn:
             return
-        job.withdrawn = True
-        origin, reason = job.end_origin or (self.transport.endpoint, error.message)
-        withdraw = Withdraw(job.name, job.incarnation, BOOT, reason, error.code, origin,
-                            job.ended_cleanly).to_wire()
+        job.across.withdrawn = True
+        origin, reason = job.across.end_origin or (self.transport.endpoint, error.message)
+        withdraw = Withdraw(job.name, job.across.incarnation, BOOT, reason, error.code, origin,
+                            job.across.ended_cleanly).to_wire()
         for peer in self.transport.peers():
             self.transport.send(peer, withdraw)
 
     def _try_form(self, job: Job) -> None:
-        if job.formation is not None or job.announcement is None or job.broken is not None:
+        across = job.across
+        ours = across.announcement
+        if across.formation is not None or ours is None or job.broken is not None:
             return
         announcements = dict(self.remote.get(job.name, {}))
-        announcements[self.transport.endpoint] = job.announcement
+        announcements[self.transport.endpoint] = ours
         problem = conflicts(announcements, job.world_size)
         if problem is not None:
             log.warning("%s cannot form yet: %s", job.describe(), problem)
@@ -180,18 +182,18 @@ class ClusterJobs:
             # job forms once this daemon can send to every member (see peer_up).
             log.debug("%s waits for links to %s before forming", job.describe(), down)
             return
-        job.formation = formation
+        job.across.formation = formation
         log.info(
             "%s formed across %d daemons (generation %x): %s", job.describe(),
             len(formation.daemons), formation.generation, ", ".join(formation.daemons),
         )
         if self.stats is not None:
             self.stats.job_formed(job.name, formation.alpha_s, formation.beta_s_per_byte)
-        if not job.formed.done():
-            job.formed.set_result(formation)
-        early = job.early_slices
-        job.early_slices = []
-        job.early_bytes -= payload_bytes(early)
+        if not job.across.formed.done():
+            job.across.formed.set_result(formation)
+        early = job.across.early_slices
+        job.across.early_slices = []
+        job.across.early_bytes -= payload_bytes(early)
         for peer, message, frames in early:
             self.replay(job, peer, message, frames)
 
@@ -240,7 +242,7 @@ class ClusterJobs:
         if (previous is not None
                 and (previous.boot, previous.incarnation)
                 != (announcement.boot, announcement.incarnation)
-                and job.formation is not None and peer in job.formation.daemons):
+                and job.across.formation is not None and peer in job.across.formation.daemons):
             self._break(job, PeerLostError(
                 f"peer daemon {peer} re-created {job.describe()} (its ranks restarted); "
                 "this generation cannot continue",
@@ -273,7 +275,8 @@ class ClusterJobs:
             del table[peer]
             if not table:
                 del self.remote[name]
-        if job is not None and job.formation is not None and peer in job.formation.daemons:
+        formation = job.across.formation if job is not None else None
+        if job is not None and formation is not None and peer in formation.daemons:
             level = logging.DEBUG
             if job.broken is not None:
                 # Already ended here, and logged why: most often this is the peer's
@@ -286,13 +289,13 @@ class ClusterJobs:
                     code, f"{job.describe()} on peer daemon {origin}: {reason}",
                     {"job": name, "peer": origin},
                 )
-                job.end_origin = (origin, reason)
-                job.ended_cleanly = clean
+                job.across.end_origin = (origin, reason)
+                job.across.ended_cleanly = clean
                 level = logging.INFO if clean else logging.WARNING
             error = as_collective_error(error, RankLostError)
-            job.gone.add(peer)
+            job.across.gone.add(peer)
             self._break(job, error, fail_runs=False, level=level)
-            for run in list(job.runs.values()):
+            for run in list(job.across.runs.values()):
                 fail_if_waiting_on_gone(job, run, error)
 
     def _remember_withdrawal(self, name: str, peer: str, boot: int, incarnation: int) -> None:
@@ -305,14 +308,15 @@ class ClusterJobs:
             self.withdrawn.popitem(last=False)
 
     def _on_abort(self, peer: str, message: Abort, job: Job | None) -> None:
-        if job is None or job.formation is None or message.gen != job.formation.generation:
+        formation = job.across.formation if job is not None else None
+        if job is None or formation is None or message.gen != formation.generation:
             self.counters.stale_generation += 1
             return
         key = message.key
         error = as_collective_error(
             error_from_wire(message.code, message.message, message.details))
         job.remember_failure(key, error)
-        run = job.runs.get(key)
+        run = job.across.runs.get(key)
         if run is not None:
             run.fail(error)
 
@@ -322,18 +326,18 @@ class ClusterJobs:
         if job is None:
             self.counters.dropped_unknown_job += 1
             return
-        formation = job.formation
+        formation = job.across.formation
         if formation is not None and generation != formation.generation:
             self.counters.stale_generation += 1
             return
         if formation is not None and peer not in formation.daemons:
             raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
         # Before this daemon formed the job, keep them: the generation decides later.
-        job.costs.add(generation, epoch, peer, Offer(
+        job.across.costs.add(generation, epoch, peer, Offer(
             Costs(message.alpha_s, message.beta_s_per_byte), message.times,
             message.explore_factor))
         if formation is not None:
-            job.costs.notify(generation, epoch, formation.daemons)
+            job.across.costs.notify(generation, epoch, formation.daemons)
 
     def place(
         self, peer: str, header: dict[str, Any], sizes: list[int], jobs: dict[str, Job]
@@ -351,10 +355,10 @@ class ClusterJobs:
         except ProtocolError:
             return None
         job = jobs.get(message.job)
-        formation = job.formation if job is not None else None
+        formation = job.across.formation if job is not None else None
         if job is None or formation is None or message.gen != formation.generation:
             return None
-        run = job.runs.get(message.key)
+        run = job.across.runs.get(message.key)
         if (run is None or message.key in job.failed or peer not in formation.daemons
                 or message.fp != run.fingerprint):
             return None
@@ -366,7 +370,7 @@ class ClusterJobs:
         return [placement]
 
     def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
-        formation = job.formation
+        formation = job.across.formation
         if formation is None:
             self._keep_early(job, peer, message, frames, None)
             return
@@ -379,7 +383,7 @@ class ClusterJobs:
         key = message.key
         if key in job.failed:
             return  # that collective already failed here; its stragglers are moot
-        run = job.runs.get(key)
+        run = job.across.runs.get(key)
         if run is None:
             if is_placed(frames[0]):
                 return  # placed while its collective ran here; that one has ended since
@@ -414,12 +418,12 @@ class ClusterJobs:
             return  # nothing of this generation will run any more
         nbytes = payload_bytes([(peer, message, frames)])
         limit = self.config.max_shm_bytes
-        if job.early_bytes + nbytes > limit:
+        if job.across.early_bytes + nbytes > limit:
             self.counters.early_refused += 1
-            held = job.early_bytes
-            job.early_slices.clear()
-            job.early_by_key.clear()
-            job.early_bytes = 0
+            held = job.across.early_bytes
+            job.across.early_slices.clear()
+            job.across.early_by_key.clear()
+            job.across.early_bytes = 0
             self._break(job, CollectiveError(
                 f"peer daemon {peer} sent {held + nbytes} bytes of slices for collectives "
                 f"of {job.describe()} not started on {self.transport.endpoint}, more than "
@@ -427,11 +431,11 @@ class ClusterJobs:
                 {"job": job.name, "peer": peer, "limit": limit},
             ))
             return
-        job.early_bytes += nbytes
+        job.across.early_bytes += nbytes
         if key is None:
-            job.early_slices.append((peer, message, frames))
+            job.across.early_slices.append((peer, message, frames))
         else:
-            job.early_by_key.setdefault(key, []).append((peer, message, frames))
+            job.across.early_by_key.setdefault(key, []).append((peer, message, frames))
 
     def replay(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
         """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
@@ -443,7 +447,7 @@ class ClusterJobs:
 
     def _mismatch(self, job: Job, key: Key, run: ScheduleRun, peer: str, message: Slice) -> None:
         theirs = message.fp.describe()
-        formation = job.formation
+        formation = job.across.formation
         assert formation is not None
         peer_ranks = list(formation.ranks_by_daemon[formation.index_of(peer)])
         ours = run.fingerprint.describe() if run.fingerprint is not None else "?"
@@ -465,11 +469,11 @@ class ClusterJobs:
         """Fail one collective here and on every member daemon (once per key)."""
         already_known = key in job.failed
         job.remember_failure(key, error)
-        job.early_bytes -= payload_bytes(job.early_by_key.pop(key, []))  # now useless
-        run = job.runs.get(key)
+        job.across.early_bytes -= payload_bytes(job.across.early_by_key.pop(key, []))  # now useless
+        run = job.across.runs.get(key)
         if run is not None:
             run.fail(error)
-        formation = job.formation
+        formation = job.across.formation
         if formation is None or already_known:
             return
         abort = Abort(job.name, formation.generation, key, error.code, error.message,
@@ -500,7 +504,8 @@ class ClusterJobs:
         when every peer that has not announced the job is lost: no daemon is left
         to hold them.  Waiting ranks get PeerLostError now, not the job's deadline.
         """
-        if job.formation is not None or job.announcement is None or job.broken is not None:
+        across = job.across
+        if across.formation is not None or across.announcement is None or job.broken is not None:
             return
         table = self.remote.get(job.name, {})
         missing = ranks_not_announced(table, job)
@@ -530,13 +535,13 @@ class ClusterJobs:
 
     def _break_jobs_with(self, peer: str, jobs: dict[str, Job], what: str) -> None:
         for job in list(jobs.values()):
-            if job.formation is None or peer not in job.formation.daemons:
+            if job.across.formation is None or peer not in job.across.formation.daemons:
                 continue
             steps = ", ".join(
                 f"key {key!r} at step {run.step + 1}/{run.steps} of {run.algorithm}"
-                for key, run in job.runs.items()
+                for key, run in job.across.runs.items()
             ) or "between collectives"
-            job.gone.add(peer)
+            job.across.gone.add(peer)
             self._break(job, PeerLostError(
                 f"peer daemon {peer} of {job.describe()} {what}; {steps}",
                 {"job": job.name, "peer": peer},
@@ -556,23 +561,23 @@ class ClusterJobs:
         if job.broken is None:
             job.broken = error
         log.log(level, "%s", error.message)
-        job.costs.fail(error)
+        job.across.costs.fail(error)
         if fail_runs:
-            for run in list(job.runs.values()):
+            for run in list(job.across.runs.values()):
                 run.fail(error)
-        if not job.formed.done():
-            job.formed.set_exception(error)
-            job.formed.exception()  # mark retrieved: nobody may be waiting
+        if not job.across.formed.done():
+            job.across.formed.set_exception(error)
+            job.across.formed.exception()  # mark retrieved: nobody may be waiting
         for pending in list(job.pending.values()):
             job.pending.pop(pending.key, None)
             for submission in pending.submissions.values():
                 submission.respond(error)
-        if fail_runs or not job.runs:
+        if fail_runs or not job.across.runs:
             self.withdraw(job, error)
-        elif job.withdrawal is None:
+        elif job.across.withdrawal is None:
             # The collectives still running here may send slices their peers need
             # yet: the withdrawal follows them, once they end (see `_on_withdraw`).
-            job.withdrawal = error
+            job.across.withdrawal = error
 
     # -- the auto policy, per collective -----------------------------------
 
@@ -616,8 +621,8 @@ class ClusterJobs:
 def fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) -> None:
     """A run that still needs data from a member daemon that left or was lost
     cannot finish; one that already holds everything from them can."""
-    assert job.formation is not None
-    if any(run.needs_from(job.formation.index_of(gone)) for gone in job.gone):
+    assert job.across.formation is not None
+    if any(run.needs_from(job.across.formation.index_of(gone)) for gone in job.across.gone):
         run.fail(error)
 
 

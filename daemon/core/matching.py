@@ -14,12 +14,11 @@ import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradsync.daemon.core.cost_epochs import CostEpochs
-from gradsync.daemon.core.membership import Announcement, Formation
+from gradsync.daemon.core.cluster_job import ClusterJob
 from gradsync.protocol.errors import (
     CollectiveTimeoutError,
     GradsyncError,
@@ -28,11 +27,10 @@ from gradsync.protocol.errors import (
     MismatchError,
     RankLostError,
 )
-from gradsync.protocol.peer import Fingerprint, Slice
+from gradsync.protocol.peer import Fingerprint
 
 if TYPE_CHECKING:  # other layers' types only: the core never calls into them
     from gradsync.daemon.backends import Slab
-    from gradsync.daemon.run.executor import ScheduleRun
 
 Key = int | str
 
@@ -99,29 +97,8 @@ class Job:
         self.failed: OrderedDict[Key, GradsyncError] = OrderedDict()
         self.broken: GradsyncError | None = None
         self.completed = 0
-        # Multi-node state, used by `cluster.py` when world_size > local_world_size.
-        self.incarnation = 0
-        self.announcement: Announcement | None = None
-        self.withdrawn = False
-        #: Why this daemon withdraws once its running collectives end (`ClusterJobs._break`).
-        self.withdrawal: GradsyncError | None = None
-        #: The job ended normally: its ranks left after their last collective (a rank
-        #: said `bye`, here or on a peer).  Its end is then news, not a warning.
-        self.ended_cleanly = False
-        #: (daemon, reason) of the peer's withdrawal that ended the job here; passed on
-        #: as it came, so that daemons further on name where the end began.
-        self.end_origin: tuple[str, str] | None = None
-        self.formation: Formation | None = None
-        self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
-        self.runs: dict[Key, ScheduleRun] = {}
-        self.early_slices: list[tuple[str, Slice, Any]] = []
-        self.early_by_key: dict[Key, list[tuple[str, Slice, Any]]] = {}
-        #: Payload bytes held in `early_slices` and `early_by_key`.
-        self.early_bytes = 0
-        #: Member daemons that withdrew or were lost since the job formed.
-        self.gone: set[str] = set()
-        #: `auto`'s link costs as the members agree on them, epoch by epoch.
-        self.costs = CostEpochs()
+        #: Its state across daemons (used when world_size > local_world_size).
+        self.across = ClusterJob(loop)
 
     @property
     def multi_node(self) -> bool:

@@ -111,10 +111,10 @@ class GradsyncService:
         if not was_broken and session.closed_cleanly and not failed:
             # A rank that said bye with nothing in flight: the job's normal end,
             # which the withdrawal tells the peers, so that they do not warn.
-            job.ended_cleanly = True
+            job.across.ended_cleanly = True
         if job.multi_node and self.cluster is not None and job.broken is not None:
             error = job.broken
-            for key in list(job.runs):
+            for key in list(job.across.runs):
                 self.cluster.abort(job, key, as_collective_error(error))
             self.cluster.withdraw(job, error)
         level = logging.INFO if session.closed_cleanly else logging.WARNING

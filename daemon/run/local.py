@@ -351,14 +351,14 @@ class LocalRuns:
                         job.describe(), now - pending.first_seen, missing,
                         f" ({absent} local ranks not connected)" if absent else "",
                     )
-            for key, run in list(job.runs.items()):
+            for key, run in list(job.across.runs.items()):
                 ready = next((p for p in self.in_flight.values() if p.key == key
                               and p.job_name == job.name), None)
                 if (ready is not None and not ready.stall_reported
-                        and now - ready.first_seen > limit and job.formation is not None):
+                        and now - ready.first_seen > limit and job.across.formation is not None):
                     ready.stall_reported = True
                     log.warning(
                         "key %r of %s has waited %.0fs at step %d/%d of %s for peer daemons %s",
                         key, job.describe(), now - ready.first_seen, run.step + 1, run.steps,
-                        run.algorithm, [job.formation.daemons[i] for i in run.waiting_for()],
+                        run.algorithm, [job.across.formation.daemons[i] for i in run.waiting_for()],
                     )

@@ -87,7 +87,7 @@ class CrossDaemonRunner:
         def plan_for(formation: Formation, me: int) -> Plan:
             epoch = epoch_of(ready.key)
             # run_plan has waited for this epoch's agreement where auto needs one.
-            agreement = job.costs.agreed(formation.generation, epoch, formation.daemons) if (
+            agreement = job.across.costs.agreed(formation.generation, epoch, formation.daemons) if (
                 epoch > 0 and auto) else None
             algorithm = self.cluster.choose_algorithm(
                 requested_algorithm, formation, nbytes, job.name, epoch, agreement,
@@ -134,11 +134,11 @@ class CrossDaemonRunner:
         members agreed for this key's epoch (for `auto`).
         """
         deadline = ready.first_seen + ready.deadline_s
-        formation = job.formation
+        formation = job.across.formation
         if formation is None:
             try:
                 formation = await asyncio.wait_for(
-                    asyncio.shield(job.formed), max(0.0, deadline - time.monotonic())
+                    asyncio.shield(job.across.formed), max(0.0, deadline - time.monotonic())
                 )
             except TimeoutError:
                 missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job)
@@ -177,16 +177,16 @@ class CrossDaemonRunner:
             ] if plan.agree_first else [],
             chunks=self.chunks,
         )
-        job.runs[ready.key] = run
+        job.across.runs[ready.key] = run
         data_phase = time.monotonic()
         try:
             await self._with_job_context(job, ready.key, run, self._drive(
                 job, ready, run, formation, algorithm, deadline))
         finally:
-            job.runs.pop(ready.key, None)
+            job.across.runs.pop(ready.key, None)
             run.release()
-            if job.withdrawal is not None and not job.runs:
-                self.cluster.withdraw(job, job.withdrawal)
+            if job.across.withdrawal is not None and not job.across.runs:
+                self.cluster.withdraw(job, job.across.withdrawal)
         if plan.timed is not None and len(formation.daemons) > 1:
             self.meter.record(len(formation.daemons), plan.timed,
                               time.monotonic() - data_phase, plan.modelled)
@@ -204,17 +204,17 @@ class CrossDaemonRunner:
     def _offer_costs(self, job: Job, formation: Formation, epoch: int) -> None:
         """Send this daemon's figures for `epoch` to every member, once."""
         daemons = formation.daemons
-        if epoch < 1 or len(daemons) < 2 or not job.costs.first_offer(formation.generation, epoch):
+        epochs = job.across.costs
+        if epoch < 1 or len(daemons) < 2 or not epochs.first_offer(formation.generation, epoch):
             return
         # What the members agreed last is the best guess for what these timings
         # cannot tell (see CostMeter.fit), better than the start-up probes.
-        prior = job.costs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
+        prior = epochs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
         own = self.meter.fit(len(daemons), prior) or prior
         times = dict(list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:])
         factor = self.config.auto_explore_factor
-        job.costs.add(formation.generation, epoch, self.transport.endpoint,
-                      Offer(own, times, factor))
-        job.costs.notify(formation.generation, epoch, daemons)
+        epochs.add(formation.generation, epoch, self.transport.endpoint, Offer(own, times, factor))
+        epochs.notify(formation.generation, epoch, daemons)
         log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
                   epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
         costs = peer_wire.Costs(job.name, formation.generation, epoch, own.alpha_s,
@@ -231,21 +231,21 @@ class CrossDaemonRunner:
         if epoch < 1 or len(formation.daemons) < 2:
             return formation
         generation, daemons = formation.generation, formation.daemons
-        agreement = job.costs.agreed(generation, epoch, daemons)
+        agreement = job.across.costs.agreed(generation, epoch, daemons)
         if agreement is None:
             self._offer_costs(job, formation, epoch)
-            agreement = job.costs.agreed(generation, epoch, daemons)
+            agreement = job.across.costs.agreed(generation, epoch, daemons)
         if agreement is None:
             if job.broken is not None:
                 raise job.broken
             try:
                 agreement = await asyncio.wait_for(
-                    asyncio.shield(job.costs.waiter(generation, epoch)),
+                    asyncio.shield(job.across.costs.waiter(generation, epoch)),
                     max(0.0, deadline - time.monotonic()),
                 )
             except TimeoutError:
-                job.costs.forget_waiter(generation, epoch)
-                missing = job.costs.missing(generation, epoch, daemons)
+                job.across.costs.forget_waiter(generation, epoch)
+                missing = job.across.costs.missing(generation, epoch, daemons)
                 raise CollectiveTimeoutError(
                     f"key {ready.key!r} of {job.describe()} timed out after "
                     f"{ready.deadline_s:g}s waiting for the link costs of epoch {epoch} "
@@ -281,8 +281,8 @@ class CrossDaemonRunner:
     ) -> None:
         """Start the schedule, feed it what came early, wait until done and sent."""
         run.start()
-        early = job.early_by_key.pop(ready.key, [])
-        job.early_bytes -= payload_bytes(early)
+        early = job.across.early_by_key.pop(ready.key, [])
+        job.across.early_bytes -= payload_bytes(early)
         for peer, message, frames in early:
             self.cluster.replay(job, peer, message, frames)
         if job.broken is not None:  # it broke while this run's task was queued
