@@ -39,10 +39,11 @@ class FakeTransport:
         self._peers = list(peers)
         self.sent: list[tuple[str, dict[str, Any], tuple[Any, ...]]] = []
 
+    @property
     def peers(self) -> Sequence[str]:
         return self._peers
 
-    def send(self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
+    def post(self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
              zero_copy: bool = False) -> Any:
         self.sent.append((peer, header, tuple(payloads)))
         return None
@@ -66,7 +67,10 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, dict[str, Job]]:
     transport = FakeTransport(HERE, [HERE, PEER])
-    return ClusterJobs(DaemonConfig(), transport), transport, {}
+    jobs: dict[str, Job] = {}
+    cluster = ClusterJobs(DaemonConfig(), jobs)
+    cluster.connect(transport)
+    return cluster, transport, jobs
 
 
 def local_job(cluster: ClusterJobs, jobs: dict[str, Job], loop: asyncio.AbstractEventLoop,
@@ -97,7 +101,7 @@ def test_a_job_forms_once_the_peer_announces_and_tells_it_our_share(
     assert transport.kinds() == ["announce", "announce"]  # to every listed peer
     assert wire.from_wire(transport.sent[0][1]) == job.across.announcement.message()  # type: ignore[union-attr]
     assert job.across.formation is None
-    cluster.on_message(PEER, announce(5), (), jobs)
+    cluster.on_message(PEER, announce(5), ())
     assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
     assert job.across.formed.result() is job.across.formation
 
@@ -109,12 +113,12 @@ def test_a_withdrawal_that_overtook_its_announcement_drops_the_announcement(
     job ended before we even heard it begin, so it must not form here."""
     cluster, _, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, withdraw(5), (), jobs)
-    cluster.on_message(PEER, announce(5), (), jobs)
+    cluster.on_message(PEER, withdraw(5), ())
+    cluster.on_message(PEER, announce(5), ())
     assert cluster.counters.stale_membership == 1
     assert job.across.formation is None and job.broken is None
     # The peer's ranks come back: a newer incarnation of the same boot forms.
-    cluster.on_message(PEER, announce(6), (), jobs)
+    cluster.on_message(PEER, announce(6), ())
     assert job.across.formation is not None
 
 
@@ -123,9 +127,9 @@ def test_an_old_withdrawal_arriving_after_a_newer_announcement_is_dropped(
 ) -> None:
     cluster, _, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, announce(7), (), jobs)
+    cluster.on_message(PEER, announce(7), ())
     formation = job.across.formation
-    cluster.on_message(PEER, withdraw(6), (), jobs)
+    cluster.on_message(PEER, withdraw(6), ())
     assert cluster.counters.stale_membership == 1
     assert job.across.formation is formation and job.broken is None
 
@@ -138,9 +142,9 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
     the formed generation cannot go on with ranks that restarted."""
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, announce(900), (), jobs)
+    cluster.on_message(PEER, announce(900), ())
     assert job.across.formation is not None
-    cluster.on_message(PEER, announce(3, boot=BOOT + 1), (), jobs)
+    cluster.on_message(PEER, announce(3, boot=BOOT + 1), ())
     assert cluster.counters.stale_membership == 0
     assert isinstance(job.broken, PeerLostError)
     assert PEER in job.broken.message and "re-created" in job.broken.message
@@ -155,7 +159,7 @@ def _star_run(job: Job, transport: FakeTransport, loop: asyncio.AbstractEventLoo
     fingerprint = wire.Fingerprint("allreduce", "float32", buffer.size, "sum", "star")
 
     def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
-        return transport.send(job.across.formation.daemons[peer], header, (payload,))  # type: ignore[union-attr]
+        return transport.post(job.across.formation.daemons[peer], header, (payload,))  # type: ignore[union-attr]
 
     run = ScheduleRun(schedule, buffer, ReduceOp.SUM, send, 1 << 20, loop,
                       fingerprint=fingerprint, algorithm="star")
@@ -178,11 +182,11 @@ def test_a_peer_leaving_after_its_last_slices_does_not_fail_the_collective(
     from it, so it completes; the job then ends quietly."""
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, announce(5), (), jobs)
+    cluster.on_message(PEER, announce(5), ())
     ours, theirs = np.full(8, 1.0, np.float32), np.full(8, 2.0, np.float32)
     run = _star_run(job, transport, loop, ours)
-    cluster.on_message(PEER, _slice_from_peer(job, theirs), (theirs.tobytes(),), jobs)
-    cluster.on_message(PEER, withdraw(5, clean=True), (), jobs)
+    cluster.on_message(PEER, _slice_from_peer(job, theirs), (theirs.tobytes(),))
+    cluster.on_message(PEER, withdraw(5, clean=True), ())
     assert isinstance(job.broken, RankLostError) and job.across.ended_cleanly
     assert run.done.done() and run.done.exception() is None
     np.testing.assert_array_equal(ours, np.full(8, 3.0, np.float32))
@@ -193,9 +197,9 @@ def test_a_peer_leaving_before_its_slices_fails_the_collective_naming_it(
 ) -> None:
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, announce(5), (), jobs)
+    cluster.on_message(PEER, announce(5), ())
     run = _star_run(job, transport, loop, np.full(8, 1.0, np.float32))
-    cluster.on_message(PEER, withdraw(5), (), jobs)
+    cluster.on_message(PEER, withdraw(5), ())
     error = run.done.exception()
     assert isinstance(error, RankLostError) and PEER in error.message, error
 
@@ -214,9 +218,9 @@ def test_slices_before_the_job_forms_are_kept_and_replayed(
     assert formation is not None
     early = wire.Slice(job.name, formation.generation, 0,
                        wire.Fingerprint("allreduce", "float32", 8, "sum", "star"), 0, 0, 0)
-    cluster.on_message(PEER, early.to_wire(), (theirs.tobytes(),), jobs)
+    cluster.on_message(PEER, early.to_wire(), (theirs.tobytes(),))
     assert job.across.early_bytes == theirs.nbytes and job.across.formation is None
-    cluster.on_message(PEER, announce(5), (), jobs)
+    cluster.on_message(PEER, announce(5), ())
     assert job.across.formation == formation
     # Now it waits for its collective (key 0) to start here.
     assert list(job.across.early_by_key) == [0] and not job.across.early_slices
@@ -233,9 +237,9 @@ def test_malformed_and_unknown_messages_are_counted_not_raised(
 ) -> None:
     cluster, _, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, {**announce(5), "ranks": [1, 1]}, (), jobs)
-    cluster.on_message(PEER, {"kind": "withdraw", "job": "train"}, (), jobs)
-    cluster.on_message(PEER, {"kind": "rumour", "job": "train"}, (), jobs)
+    cluster.on_message(PEER, {**announce(5), "ranks": [1, 1]}, ())
+    cluster.on_message(PEER, {"kind": "withdraw", "job": "train"}, ())
+    cluster.on_message(PEER, {"kind": "rumour", "job": "train"}, ())
     assert cluster.counters.malformed == 3 and job.across.formation is None
-    cluster.on_message(PEER, announce(5, name="other"), (), jobs)  # no such job here
+    cluster.on_message(PEER, announce(5, name="other"), ())  # no such job here
     assert cluster.counters.malformed == 3 and "other" in cluster.remote

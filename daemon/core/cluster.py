@@ -1,4 +1,4 @@
-"""Multi-node jobs: membership across daemons and the inter-daemon phase.
+"""Multi-node jobs: membership across daemons, the peers' messages, failures.
 
 The service hands a collective here once all local ranks have submitted it.
 This module reduces the local slots into the first one, waits until the job is
@@ -47,6 +47,7 @@ from gradsync.protocol.peer import Abort, Announce, Key, Slice, Withdraw
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
     from gradsync.daemon.core.matching import Job
+    from gradsync.daemon.peers.events import PeerMessage
     from gradsync.daemon.run.executor import Placement, ScheduleRun
 
 #: A slice's payload as the links hand it on: a buffer (memoryview, bytes, a
@@ -68,13 +69,14 @@ DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
 
 
 class PeerTransport(Protocol):
-    """What the cluster needs from the peer links."""
+    """What the cluster needs from the peer links (`PeerLinks` is one)."""
 
     endpoint: str
 
+    @property
     def peers(self) -> Sequence[str]: ...
 
-    def send(
+    def post(
         self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
         zero_copy: bool = False,
     ) -> Any: ...
@@ -82,6 +84,26 @@ class PeerTransport(Protocol):
     def link_costs(self) -> tuple[float, float] | None: ...
 
     def is_up(self, peer: str) -> bool: ...
+
+
+class _NotConnected:
+    """The transport of a `ClusterJobs` not yet connected to its links."""
+
+    endpoint = ""
+    peers: tuple[str, ...] = ()
+
+    def post(self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
+             zero_copy: bool = False) -> Any:
+        raise RuntimeError("ClusterJobs.connect() was not called")
+
+    def link_costs(self) -> tuple[float, float] | None:
+        return None
+
+    def is_up(self, peer: str) -> bool:
+        return False
+
+
+_NOT_CONNECTED = _NotConnected()
 
 
 @dataclasses.dataclass
@@ -107,13 +129,14 @@ class ClusterJobs:
     def __init__(
         self,
         config: DaemonConfig,
-        transport: PeerTransport,
+        jobs: dict[str, Job],
         stats: StatsRecorder | None = None,
     ) -> None:
         self.config = config
-        self.transport = transport
-        self.counters = ClusterCounters()
+        #: The daemon's jobs (DaemonState.jobs), as the request handlers keep them.
+        self.jobs = jobs
         self.stats = stats
+        self.counters = ClusterCounters()
         self.remote: dict[str, dict[str, Announcement]] = {}
         #: (job, peer) -> (boot, newest incarnation) that peer withdrew, oldest first.
         self.withdrawn: collections.OrderedDict[tuple[str, str], tuple[int, int]] = (
@@ -121,6 +144,18 @@ class ClusterJobs:
         )
         #: Peers whose link went down (after being up) and has not come back.
         self.lost: set[str] = set()
+        self.transport: PeerTransport = _NOT_CONNECTED
+
+    def connect(self, transport: PeerTransport) -> None:
+        """Send through `transport` (the peer links, which report to this object:
+        it is their `PeerEvents`, see daemon/peers/events.py)."""
+        self.transport = transport
+
+    # -- PeerEvents: the links report here, from the event loop ---------------
+
+    def message(self, message: PeerMessage) -> None:
+        """An accepted peer message."""
+        self.on_message(message.peer, message.header, message.payloads)
 
     # -- membership ---------------------------------------------------------
 
@@ -133,17 +168,17 @@ class ClusterJobs:
             tuple(sorted(job.members)), costs[0], costs[1],
         )
         announce = job.across.announcement.message().to_wire()
-        for peer in self.transport.peers():
-            self.transport.send(peer, announce)
+        for peer in self.transport.peers:
+            self.transport.post(peer, announce)
         self._try_form(job)
         self._fail_if_unformable(job)
 
-    def peer_up(self, peer: str, jobs: dict[str, Job]) -> None:
+    def peer_up(self, peer: str) -> None:
         """A link (re)connected: tell it about every job we hold."""
         self.lost.discard(peer)
-        for job in list(jobs.values()):
+        for job in list(self.jobs.values()):
             if job.across.announcement is not None and job.broken is None:
-                self.transport.send(peer, job.across.announcement.message().to_wire())
+                self.transport.post(peer, job.across.announcement.message().to_wire())
                 self._try_form(job)  # it may have waited for this very link
 
     def withdraw(self, job: Job, error: GradsyncError) -> None:
@@ -158,8 +193,8 @@ class ClusterJobs:
         origin, reason = job.across.end_origin or (self.transport.endpoint, error.message)
         withdraw = Withdraw(job.name, job.across.incarnation, BOOT, reason, error.code, origin,
                             job.across.ended_cleanly).to_wire()
-        for peer in self.transport.peers():
-            self.transport.send(peer, withdraw)
+        for peer in self.transport.peers:
+            self.transport.post(peer, withdraw)
 
     def _try_form(self, job: Job) -> None:
         across = job.across
@@ -200,12 +235,12 @@ class ClusterJobs:
     # -- messages from peers ------------------------------------------------
 
     def on_message(
-        self, peer: str, header: dict[str, Any], frames: Sequence[Frame], jobs: dict[str, Job]
+        self, peer: str, header: dict[str, Any], frames: Sequence[Frame]
     ) -> None:
         """Dispatch one peer message; malformed content is counted and dropped."""
         try:
             message = peer_wire.from_wire(header)
-            job = jobs.get(message.job)
+            job = self.jobs.get(message.job)
             if isinstance(message, Announce):
                 self._on_announce(peer, message, job)
             elif isinstance(message, Withdraw):
@@ -340,21 +375,30 @@ class ClusterJobs:
             job.across.costs.notify(generation, epoch, formation.daemons)
 
     def place(
-        self, peer: str, header: dict[str, Any], sizes: list[int], jobs: dict[str, Job]
+        self, peer: str, header: dict[str, Any], sizes: list[int]
     ) -> list[Placement] | None:
         """Where a slice's payload can go before it arrives (see `ScheduleRun.place`).
 
         Only a slice that `on_slice` would hand to a running collective's current
         step is placed; everything else (and everything odd) arrives the usual
-        way and is judged there.
+        way and is judged there.  Never raises (the links call it mid-stream).
         """
+        try:
+            return self._placement(peer, header, sizes)
+        except Exception:
+            log.exception("placing a slice from %s failed; it arrives the usual way", peer)
+            return None
+
+    def _placement(
+        self, peer: str, header: dict[str, Any], sizes: list[int]
+    ) -> list[Placement] | None:
         if header.get("kind") != Slice.kind or len(sizes) != 1:
             return None
         try:
             message = Slice.from_wire(header)
         except ProtocolError:
             return None
-        job = jobs.get(message.job)
+        job = self.jobs.get(message.job)
         formation = job.across.formation if job is not None else None
         if job is None or formation is None or message.gen != formation.generation:
             return None
@@ -480,9 +524,9 @@ class ClusterJobs:
                       error.details).to_wire()
         for peer in formation.daemons:
             if peer != self.transport.endpoint:
-                self.transport.send(peer, abort)
+                self.transport.post(peer, abort)
 
-    def peer_lost(self, peer: str, jobs: dict[str, Job], why: str) -> None:
+    def peer_lost(self, peer: str) -> None:
         """Fail every collective of every job that spans the lost peer, and of every
         job still forming that counted on it for missing ranks."""
         self.lost.add(peer)
@@ -492,8 +536,10 @@ class ClusterJobs:
                 held_ranks.add(name)
             if not table:
                 del self.remote[name]
-        self._break_jobs_with(peer, jobs, f"was lost ({why})")
-        for job in list(jobs.values()):
+        why = (f"its connection closed or it was silent for "
+               f"{self.config.peer_timeout_s:g}s")
+        self._break_jobs_with(peer, f"was lost ({why})")
+        for job in list(self.jobs.values()):
             self._fail_if_unformable(job, peer if job.name in held_ranks else None, why)
 
     def _fail_if_unformable(self, job: Job, announced: str | None = None,
@@ -511,7 +557,7 @@ class ClusterJobs:
         missing = ranks_not_announced(table, job)
         if not missing:
             return
-        others = [p for p in self.transport.peers() if p != self.transport.endpoint]
+        others = [p for p in self.transport.peers if p != self.transport.endpoint]
         if announced is not None:
             gone = [announced]
         elif not others or any(p not in self.lost and p not in table for p in others):
@@ -525,16 +571,16 @@ class ClusterJobs:
             {"job": job.name, "peer": gone[0], "missing": missing},
         ))
 
-    def stream_broken(self, peer: str, jobs: dict[str, Job], why: str) -> None:
+    def stream_broken(self, peer: str, why: str) -> None:
         """A data stream with `peer` broke and may have lost slices, of running
         collectives or of ones not started here yet: the jobs spanning it end
         their generation as on a lost peer, here and on every member, instead
         of waiting for their deadlines.  The link itself is up: a new stream
         opens, and the job can form again."""
-        self._break_jobs_with(peer, jobs, f"lost slices ({why})")
+        self._break_jobs_with(peer, f"lost slices ({why})")
 
-    def _break_jobs_with(self, peer: str, jobs: dict[str, Job], what: str) -> None:
-        for job in list(jobs.values()):
+    def _break_jobs_with(self, peer: str, what: str) -> None:
+        for job in list(self.jobs.values()):
             if job.across.formation is None or peer not in job.across.formation.daemons:
                 continue
             steps = ", ".join(

@@ -175,7 +175,7 @@ class GradsyncService:
             "shm_attached": self.buffers.attached,
             "segments": len(self.buffers),
             # Whether multi-node jobs can form here (gradsync launch --nnodes asks).
-            "peers": len(self.cluster.transport.peers()) if self.cluster is not None else 0,
+            "peers": len(self.cluster.transport.peers) if self.cluster is not None else 0,
         }
 
     def _hello(self, session: ClientSession, message: Message) -> None:

@@ -165,7 +165,7 @@ class CrossDaemonRunner:
         def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
             if self.stats is not None:
                 self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload))
-            return self.transport.send(
+            return self.transport.post(
                 formation.daemons[peer], {**base, **header}, (payload,), zero_copy
             )
 
@@ -221,7 +221,7 @@ class CrossDaemonRunner:
                                 own.beta_s_per_byte, times, factor).to_wire()
         for peer in daemons:
             if peer != self.transport.endpoint:
-                self.transport.send(peer, costs)
+                self.transport.post(peer, costs)
 
     async def _with_agreed_costs(
         self, job: Job, formation: Formation, ready: PendingCollective, deadline: float,
