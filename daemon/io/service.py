@@ -389,13 +389,14 @@ class GradsyncService:
         ready = job.submit(key, submission)
         if ready is None:
             pending = job.pending[key]
-            # The earliest deadline any submitter asked for wins.
-            now = time.monotonic()
-            deadline = now + submission.timeout_s
-            if pending.timer is None or deadline < pending.first_seen + pending.deadline_s:
+            # The earliest deadline any submitter asked for wins.  The first one's
+            # counts from its submission: exactly its timeout_s, which errors quote.
+            waited = time.monotonic() - pending.first_seen if pending.timer else 0.0
+            deadline_s = waited + submission.timeout_s
+            if pending.timer is None or deadline_s < pending.deadline_s:
                 if pending.timer is not None:
                     pending.timer.cancel()
-                pending.deadline_s = deadline - pending.first_seen
+                pending.deadline_s = deadline_s
                 pending.timer = self.loop.call_later(
                     submission.timeout_s, self._expire, job.name, key
                 )
