@@ -60,16 +60,23 @@ def check_peer_version(header: Mapping[str, Any]) -> None:
         )
 
 
-def _need(condition: bool, kind: str, what: str) -> None:
+_NOTHING = object()
+
+
+def _need(condition: bool, kind: str, what: str, shown: Any = _NOTHING) -> None:
+    """Refuse a message unless `condition`; `shown` (clipped) ends the reason.  The
+    text is only built on failure: these checks run for every slice."""
     if not condition:
-        raise ProtocolError(f"{kind}: {what}")
+        got = "" if shown is _NOTHING else f", got {_clip(shown)}"
+        raise ProtocolError(f"{kind}: {what}{got}")
 
 
 def _text(fields: Mapping[str, Any], name: str, kind: str) -> str:
     """A string field (the header's size limit bounds its length)."""
     value = fields.get(name)
-    _need(isinstance(value, str), kind, f"{name!r} must be a string")
-    return str(value)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{kind}: {name!r} must be a string")
+    return value
 
 
 def _int(fields: Mapping[str, Any], name: str, kind: str) -> int:
@@ -115,12 +122,12 @@ class Fingerprint:
     @classmethod
     def from_wire(cls, value: Any) -> Fingerprint:
         _need(isinstance(value, list) and len(value) == 6, "fingerprint",
-              f"must be [collective, dtype, count, op, root, algorithm], got {_clip(value)}")
+              "must be [collective, dtype, count, op, root, algorithm]", value)
         collective, dtype, count, op, root, algorithm = value
         _need(isinstance(collective, str) and isinstance(dtype, str) and is_integer(count)
               and (op is None or isinstance(op, str)) and (root is None or is_integer(root))
               and (algorithm is None or isinstance(algorithm, str)), "fingerprint",
-              f"fields of the wrong type: {_clip(value)}")
+              "fields of the wrong type", value)
         return cls(collective, dtype, count, op, algorithm, root)
 
 
@@ -275,7 +282,7 @@ class Costs(WireMessage):
               "epoch must be positive, alpha and beta seconds in [0, 1000)")
         factor = fields.get("explore_factor")
         _need(is_number(factor) and 1 <= factor < 1e6, kind,
-              f"explore_factor must be a number >= 1, got {_clip(factor)}")
+              "explore_factor must be a number >= 1", factor)
         return cls(_text(fields, "job", kind), _int(fields, "gen", kind), epoch,
                    float(alpha), float(beta), _timings(fields.get("times")),  # type: ignore[arg-type]
                    float(factor))  # type: ignore[arg-type]
@@ -290,8 +297,7 @@ def _timings(value: Any) -> dict[TimingGroup, float]:
         _need(isinstance(entry, list) and len(entry) == 3 and entry[0] in ALGORITHM_NAMES
               and is_integer(entry[1]) and entry[1] >= 0 and is_seconds(entry[2])
               and entry[2] > 0, "costs",
-              f"each timing must be [algorithm, bytes >= 0, seconds in (0, 1000)], "
-              f"got {_clip(entry)}")
+              "each timing must be [algorithm, bytes >= 0, seconds in (0, 1000)]", entry)
         times[(entry[0], entry[1])] = float(entry[2])
     return times
 
@@ -350,7 +356,7 @@ class Probe:
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Probe:
         kind = fields.get("kind")
-        _need(kind in LINK_KINDS, "probe", f"unknown link kind {_clip(kind)}")
+        _need(kind in LINK_KINDS, "probe", "unknown link kind", kind)
         seq = _int(fields, "seq", str(kind))
         port, token = fields.get("data_port"), fields.get("data_token")
         if port is None and token is None:
