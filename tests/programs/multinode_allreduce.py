@@ -1,4 +1,8 @@
-"""Rank program: allreduce across daemons for every algorithm, against numpy."""
+"""Rank program: allreduce across daemons for every algorithm, against numpy.
+
+Arguments (all optional, comma-separated): algorithms, dtypes, ops; each
+defaults to all of them.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +19,15 @@ DTYPES = ["float32", "int32", "bfloat16", "float64"]
 COUNTS = [0, 1, 7, 1000, 300_001]
 def main() -> int:
     algorithms = sys.argv[1].split(",") if len(sys.argv) > 1 else ALGORITHMS
+    dtypes = sys.argv[2].split(",") if len(sys.argv) > 2 else DTYPES
+    ops = sys.argv[3].split(",") if len(sys.argv) > 3 else OPS
     failures = checked = 0
     with Client() as client:
         world = client.world_size
         case = 0
         for algorithm in algorithms:
-            for dtype in DTYPES:
-                for op in OPS:
+            for dtype in dtypes:
+                for op in ops:
                     if not op_applies(op, dtype):
                         continue
                     for count in COUNTS:
