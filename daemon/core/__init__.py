@@ -1,8 +1,12 @@
 """The daemon's decisions, with no sockets and no event loop of their own.
 
-Matching of submissions (`matching.py`), membership and generations across
-daemons (`membership.py`, `cluster.py`), the `auto` policy (`auto.py`) and its
-per-epoch cost agreement (`cost_epochs.py`), and the plans that say how a
-collective runs (`plans.py`).  `io/` and `peers/` call in; nothing here calls
-back up.
+Matching of submissions (`matching.py`); what a job is across daemons
+(`cluster_job.py`), membership and generations (`membership.py`); the cluster
+jobs (`cluster.py`: the peers' messages, early slices, failures — the peer
+links' events land here, and it sends through them as its transport); the
+`auto` policy (`auto.py`) and its per-epoch cost agreement (`cost_epochs.py`);
+the plans that say how a collective runs (`plans.py`).  `io/` and `peers/`
+call in; nothing here calls back up.  The one asyncio thing kept is futures
+(a job's formation, an epoch's agreement), created on the loop they are given
+and awaited only by `run/`; tests drive the core with a loop that never runs.
 """
