@@ -99,7 +99,7 @@ def test_a_job_forms_once_the_peer_announces_and_tells_it_our_share(
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     assert transport.kinds() == ["announce", "announce"]  # to every listed peer
-    assert wire.from_wire(transport.sent[0][1]) == job.across.announcement.message()  # type: ignore[union-attr]
+    assert wire.from_wire(transport.sent[0][1]) == job.across.announcement.share  # type: ignore[union-attr]
     assert job.across.formation is None
     cluster.on_message(PEER, announce(5), ())
     assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
@@ -213,7 +213,7 @@ def test_slices_before_the_job_forms_are_kept_and_replayed(
     job = local_job(cluster, jobs, loop)
     theirs = np.full(8, 2.0, np.float32)
     announcements = {HERE: job.across.announcement,
-                     PEER: Announcement.heard(PEER, wire.Announce.from_wire(announce(5)))}
+                     PEER: Announcement(PEER, wire.Announce.from_wire(announce(5)))}
     formation = form(announcements, 2)  # type: ignore[arg-type]
     assert formation is not None
     early = wire.Slice(job.name, formation.generation, 0,

@@ -414,12 +414,12 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         (rank,) = spawn_spread([daemon], (1,), "multinode_finish.py", [str(count), "1", "star"],
                                job=job, env={"WORLD_SIZE": "3", "GRADSYNC_TIMEOUT_S": "60"})
         ours = ghosts.wait_for(leaving, "announce", 30)
-        announced = {endpoint: Announcement.heard(endpoint, Announce.from_wire(ours))}
+        announced = {endpoint: Announcement(endpoint, Announce.from_wire(ours))}
         for index, ghost in enumerate((leaving, staying), start=1):
             fields = {"job": job, "incarnation": 100 + index, "boot": 7, "world_size": 3,
                       "ranks": [index], "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
             ghosts.send(ghost, {"kind": "announce", **fields})
-            announced[ghost] = Announcement.heard(ghost, Announce.from_wire(fields))
+            announced[ghost] = Announcement(ghost, Announce.from_wire(fields))
         formation = form(announced, 3)
         assert formation is not None and formation.daemons[0] == endpoint  # the root
 

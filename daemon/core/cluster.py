@@ -163,11 +163,11 @@ class ClusterJobs:
         """All local ranks joined: announce this daemon's share to every peer."""
         costs = self.transport.link_costs() or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
         job.across.incarnation = new_incarnation()
-        job.across.announcement = Announcement(
-            self.transport.endpoint, job.name, job.across.incarnation, BOOT, job.world_size,
-            tuple(sorted(job.members)), costs[0], costs[1],
-        )
-        announce = job.across.announcement.message().to_wire()
+        job.across.announcement = Announcement(self.transport.endpoint, Announce(
+            job.name, job.across.incarnation, BOOT, job.world_size, tuple(sorted(job.members)),
+            costs[0], costs[1],
+        ))
+        announce = job.across.announcement.share.to_wire()
         for peer in self.transport.peers:
             self.transport.post(peer, announce)
         self._try_form(job)
@@ -178,7 +178,7 @@ class ClusterJobs:
         self.lost.discard(peer)
         for job in list(self.jobs.values()):
             if job.across.announcement is not None and job.broken is None:
-                self.transport.post(peer, job.across.announcement.message().to_wire())
+                self.transport.post(peer, job.across.announcement.share.to_wire())
                 self._try_form(job)  # it may have waited for this very link
 
     def withdraw(self, job: Job, error: GradsyncError) -> None:
@@ -263,20 +263,19 @@ class ClusterJobs:
             log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
     def _on_announce(self, peer: str, message: Announce, job: Job | None) -> None:
-        announcement = Announcement.heard(peer, message)
-        withdrawn = self.withdrawn.get((announcement.job, peer))
-        if (withdrawn is not None and withdrawn[0] == announcement.boot
-                and withdrawn[1] >= announcement.incarnation):
+        withdrawn = self.withdrawn.get((message.job, peer))
+        if (withdrawn is not None and withdrawn[0] == message.boot
+                and withdrawn[1] >= message.incarnation):
             self.counters.stale_membership += 1  # its withdrawal overtook it
             return
-        table = self.remote.setdefault(announcement.job, {})
+        table = self.remote.setdefault(message.job, {})
         previous = table.get(peer)
-        table[peer] = announcement
+        table[peer] = Announcement(peer, message)
         if job is None:
             return
         if (previous is not None
-                and (previous.boot, previous.incarnation)
-                != (announcement.boot, announcement.incarnation)
+                and (previous.share.boot, previous.share.incarnation)
+                != (message.boot, message.incarnation)
                 and job.across.formation is not None and peer in job.across.formation.daemons):
             self._break(job, PeerLostError(
                 f"peer daemon {peer} re-created {job.describe()} (its ranks restarted); "
@@ -302,7 +301,7 @@ class ClusterJobs:
         origin, clean = message.origin, message.clean
         table = self.remote.get(name, {})
         held = table.get(peer)
-        if held is not None and held.boot == boot and held.incarnation > incarnation:
+        if held is not None and held.share.boot == boot and held.share.incarnation > incarnation:
             self.counters.stale_membership += 1
             return
         self._remember_withdrawal(name, peer, boot, incarnation)
@@ -680,6 +679,6 @@ def payload_bytes(slices: Sequence[tuple[str, Slice, Sequence[Frame]]]) -> int:
 def ranks_not_announced(remote: dict[str, Announcement], job: Job) -> list[int]:
     held = set(job.members)
     for announcement in remote.values():
-        held |= set(announcement.ranks)
+        held |= set(announcement.share.ranks)
     return sorted(set(range(job.world_size)) - held)
 

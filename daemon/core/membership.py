@@ -42,28 +42,11 @@ def new_incarnation() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Announcement:
-    """One daemon's share of a job."""
+    """One daemon's share of a job: the announce message it sent (or will send), and
+    which daemon that is (the links name the sender; the message does not)."""
 
     daemon: str
-    job: str
-    incarnation: int
-    #: The `BOOT` of the daemon that made it: incarnations compare within one.
-    boot: int
-    world_size: int
-    ranks: tuple[int, ...]
-    alpha_s: float
-    beta_s_per_byte: float
-
-    def message(self) -> Announce:
-        """What this daemon tells its peers."""
-        return Announce(self.job, self.incarnation, self.boot, self.world_size, self.ranks,
-                        self.alpha_s, self.beta_s_per_byte)
-
-    @classmethod
-    def heard(cls, daemon: str, message: Announce) -> Announcement:
-        """A peer's share, as its (already checked) announce message says."""
-        return cls(daemon, message.job, message.incarnation, message.boot,
-                   message.world_size, message.ranks, message.alpha_s, message.beta_s_per_byte)
+    share: Announce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,28 +65,28 @@ class Formation:
 
 def form(announcements: dict[str, Announcement], world_size: int) -> Formation | None:
     """The formation if the announcements cover ranks 0..world_size-1 exactly once."""
-    if any(a.world_size != world_size for a in announcements.values()):
+    if any(a.share.world_size != world_size for a in announcements.values()):
         return None
     covered: set[int] = set()
     for announcement in announcements.values():
-        if covered & set(announcement.ranks):
+        if covered & set(announcement.share.ranks):
             return None
-        covered |= set(announcement.ranks)
+        covered |= set(announcement.share.ranks)
     if covered != set(range(world_size)):
         return None
-    ordered = sorted(announcements.values(), key=lambda a: a.ranks[0])
+    ordered = sorted(announcements.values(), key=lambda a: a.share.ranks[0])
     digest = hashlib.blake2b(digest_size=8)
     for announcement in ordered:
         digest.update(
-            f"{announcement.daemon}|{announcement.boot}|{announcement.incarnation};".encode())
+            f"{announcement.daemon}|{announcement.share.boot}|{announcement.share.incarnation};".encode())
     return Formation(
         daemons=tuple(a.daemon for a in ordered),
-        ranks_by_daemon=tuple(a.ranks for a in ordered),
+        ranks_by_daemon=tuple(a.share.ranks for a in ordered),
         generation=int.from_bytes(digest.digest(), "big") >> 1,
         # Every daemon derives the same figures from the same announcements: the
         # median, so one daemon's probe taken under start-up load does not decide.
-        alpha_s=statistics.median(a.alpha_s for a in ordered),
-        beta_s_per_byte=statistics.median(a.beta_s_per_byte for a in ordered),
+        alpha_s=statistics.median(a.share.alpha_s for a in ordered),
+        beta_s_per_byte=statistics.median(a.share.beta_s_per_byte for a in ordered),
     )
 
 
@@ -111,12 +94,12 @@ def conflicts(announcements: dict[str, Announcement], world_size: int) -> str | 
     """Why these announcements can never form a job (overlap, sizes), or None."""
     owners: dict[int, str] = {}
     for announcement in announcements.values():
-        if announcement.world_size != world_size:
+        if announcement.share.world_size != world_size:
             return (
-                f"daemon {announcement.daemon} says world_size={announcement.world_size}, "
+                f"daemon {announcement.daemon} says world_size={announcement.share.world_size}, "
                 f"this daemon's clients say {world_size}"
             )
-        for rank in announcement.ranks:
+        for rank in announcement.share.ranks:
             if rank in owners:
                 return f"rank {rank} is held by both {owners[rank]} and {announcement.daemon}"
             owners[rank] = announcement.daemon
