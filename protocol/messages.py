@@ -9,6 +9,7 @@ daemon.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gradsync.protocol.codec import Message, decode_body
@@ -125,16 +126,18 @@ def _check_fields(
             )
 
 
-def check_version(message: dict[str, Any]) -> None:
-    """Refuse a map without an integer `v`, or with another protocol version."""
+def check_version(
+    message: Mapping[str, Any], ours: int = PROTOCOL_VERSION, wire: str = "protocol"
+) -> None:
+    """Refuse a map without an integer `v`, or with another version than `ours` of
+    the `wire` (the client protocol, or the daemons' own: protocol/peer.py)."""
     version = message.get("v")
     if not _type_ok(version, (int,)):
-        raise ProtocolError("message lacks an integer protocol version 'v'")
-    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"message lacks an integer {wire} version 'v'")
+    if version != ours:
         raise VersionMismatchError(
-            f"protocol version mismatch: peer speaks v{version}, "
-            f"this side speaks v{PROTOCOL_VERSION}",
-            {"peer_version": version, "our_version": PROTOCOL_VERSION},
+            f"{wire} version mismatch: peer speaks v{version}, this side speaks v{ours}",
+            {"peer_version": version, "our_version": ours},
         )
 
 

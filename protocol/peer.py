@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeGuard
 
 from gradsync.protocol.codec import is_integer, is_number
-from gradsync.protocol.errors import ProtocolError, VersionMismatchError
+from gradsync.protocol.errors import ProtocolError
+from gradsync.protocol.messages import check_version
 
 #: Bumped on every incompatible change of a message below (the client wire's
 #: PROTOCOL_VERSION is separate: protocol/version.py).
@@ -49,15 +50,7 @@ def is_seconds(value: Any) -> TypeGuard[int | float]:
 
 def check_peer_version(header: Mapping[str, Any]) -> None:
     """Refuse a header of another peer protocol version, naming both."""
-    version = header.get("v")
-    if not is_integer(version):
-        raise ProtocolError("peer message lacks an integer protocol version 'v'")
-    if version != PEER_PROTOCOL_VERSION:
-        raise VersionMismatchError(
-            f"peer protocol version mismatch: the peer speaks v{version}, "
-            f"this daemon speaks v{PEER_PROTOCOL_VERSION}",
-            {"peer_version": version, "our_version": PEER_PROTOCOL_VERSION},
-        )
+    check_version(header, PEER_PROTOCOL_VERSION, "peer protocol")
 
 
 _NOTHING = object()
