@@ -22,7 +22,11 @@ from gradsync.protocol.messages import check_version
 
 #: Bumped on every incompatible change of a message below (the client wire's
 #: PROTOCOL_VERSION is separate: protocol/version.py).
-PEER_PROTOCOL_VERSION = 2
+PEER_PROTOCOL_VERSION = 3
+
+#: The AEAD ciphers of sealed data streams (daemon/peers/stream_crypto.py), by
+#: their wire names; a stream's hello gives its cipher's index here.
+STREAM_CIPHERS: tuple[str, ...] = ("aes-256-gcm", "chacha20-poly1305")
 
 #: The allreduce algorithms between daemons, named once for both wires.
 ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
@@ -327,9 +331,10 @@ class Probe:
     """A link probe (PING, or BULK with payload frames) or its answer (PONG).
 
     A PONG also tells where the answering daemon's data streams listen
-    (`data_port`, `data_token`), when it has them, and on CURVE links the
-    public X25519 key of its offer to this peer (`data_key`, 32 bytes; see
-    daemon/peers/stream_crypto.py).
+    (`data_port`, `data_token`), when it has them, and on CURVE links its offer
+    to this peer: the public X25519 key (`data_key`, 32 bytes) and the cipher
+    it runs fast (`data_cipher`, one of STREAM_CIPHERS); see
+    daemon/peers/stream_crypto.py.
     """
 
     kind: str
@@ -337,13 +342,14 @@ class Probe:
     data_port: int | None = None
     data_token: bytes | None = None
     data_key: bytes | None = None
+    data_cipher: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"kind": self.kind, "seq": self.seq}
         if self.data_port is not None:
             fields.update(data_port=self.data_port, data_token=self.data_token)
             if self.data_key is not None:
-                fields["data_key"] = self.data_key
+                fields.update(data_key=self.data_key, data_cipher=self.data_cipher)
         return fields
 
     @classmethod
@@ -357,8 +363,10 @@ class Probe:
         _need(is_integer(port) and 0 < port < 65536 and isinstance(token, bytes)
               and 0 < len(token) < 256, str(kind),
               "'data_port' must be a port and 'data_token' 1 to 255 bytes")
-        key = fields.get("data_key")
+        key, cipher = fields.get("data_key"), fields.get("data_cipher")
         _need(key is None or (isinstance(key, bytes) and len(key) == 32), str(kind),
               "'data_key' must be 32 bytes")
+        _need((key is None and cipher is None) or (key is not None and cipher in STREAM_CIPHERS),
+              str(kind), "'data_cipher' must come with 'data_key' and name a stream cipher", cipher)
         return cls(str(kind), seq, int(port), bytes(token),  # type: ignore[arg-type]
-                   None if key is None else bytes(key))
+                   None if key is None else bytes(key), cipher)

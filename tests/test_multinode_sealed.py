@@ -3,8 +3,8 @@
 Every algorithm, a few dtypes and ops, sizes from 0 to 300,001 elements against
 numpy (multinode_allreduce.py; test_multinode.py runs the whole matrix, whose
 reductions do not depend on the streams), 2 and 3 daemons; the counters must
-show the data went over AES-256-GCM streams rather than ZeroMQ, read into
-place, with nothing refused or failed.
+show the data went over sealed streams rather than ZeroMQ, read into place,
+with nothing refused or failed, and the log names this CPU's cipher.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from cluster import curve_args, free_ports, peer_args, run_spread
 
 from conftest import DaemonProcess
 from gradsync.client.ping import query
+from gradsync.daemon.peers.stream_crypto import CIPHER_TITLES, fast_cipher
 
 StartDaemon = Callable[..., DaemonProcess]
 
@@ -46,4 +47,4 @@ def test_curve_daemons_match_numpy_over_sealed_streams(
         assert counters["links_stream_auth_failed"] == counters["links_stream_failed"] == 0
         assert counters["links_stream_refused"] == counters["links_malformed"] == 0
         assert counters["slices_placed"] > 0
-        assert "AES-256-GCM" in daemon.log()
+        assert f"), {CIPHER_TITLES[fast_cipher()]}" in daemon.log()

@@ -103,13 +103,17 @@ def test_unknown_kinds_and_link_probes() -> None:
         peer.from_wire({"kind": "rumour", "job": "job"})
     pong = peer.Probe(peer.PONG, 3, 41000, b"t" * 16)
     assert peer.Probe.from_wire(pong.to_wire()) == pong
-    offer = peer.Probe(peer.PONG, 3, 41000, b"t" * 16, b"k" * 32)  # a CURVE link's offer
+    offer = peer.Probe(peer.PONG, 3, 41000, b"t" * 16, b"k" * 32,  # a CURVE link's offer
+                       "chacha20-poly1305")
     assert peer.Probe.from_wire(offer.to_wire()) == offer
     assert peer.Probe.from_wire({"kind": peer.PING, "seq": 1}) == peer.Probe(peer.PING, 1)
     for bad in ({"kind": peer.PONG, "seq": "1"}, {"kind": "chunk", "seq": 1},
                 {"kind": peer.PONG, "seq": 1, "data_port": 0, "data_token": b"t"},
                 {"kind": peer.PONG, "seq": 1, "data_port": 80, "data_token": ""},
-                {**offer.to_wire(), "data_key": b"k" * 31}):
+                {**offer.to_wire(), "data_key": b"k" * 31},
+                {**offer.to_wire(), "data_cipher": "aes-128-gcm"},
+                {**offer.to_wire(), "data_cipher": None},
+                {**pong.to_wire(), "data_cipher": "aes-256-gcm"}):
         with pytest.raises(ProtocolError):
             peer.Probe.from_wire(bad)
 

@@ -1,11 +1,13 @@
-"""Sealed data streams of CURVE links (AES-256-GCM, keys agreed over CURVE), on 127.0.0.1.
+"""Sealed data streams of CURVE links (AEAD, keys agreed over CURVE), on 127.0.0.1.
 
 With CURVE keys the stream kinds take data streams as on insecure links, but
 sealed: they arrive intact (placed or not) and the counters say they went
-encrypted.  A man in the middle (a relay on 127.0.0.1 between two data
-planes) sees no plaintext; a byte it flips, a record it plays twice, a
-recorded stream played again and a hello from someone without the offer are
-refused and counted, and nothing that failed authentication reaches a sink.
+encrypted.  The cipher is AES-256-GCM where both ends run it fast, else
+ChaCha20-Poly1305 (forced here through the data planes' `cipher`).  A man in
+the middle (a relay on 127.0.0.1 between two data planes) sees no plaintext; a
+byte it flips, a record it plays twice, a recorded stream played again and a
+hello from someone without the offer are refused and counted, and nothing that
+failed authentication reaches a sink.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +31,15 @@ from gradsync.daemon.peers import CurveConfig, PeerLinks
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import parse_tcp_endpoint
 from gradsync.daemon.peers.stream import SEALED_MAGIC, PayloadSink, encode_hello, message_head
-from gradsync.daemon.peers.stream_crypto import HELLO_SECRET_BYTES, LENGTH, TAG_BYTES
+from gradsync.daemon.peers.stream_crypto import (
+    AES_GCM,
+    CHACHA,
+    HELLO_SECRET_BYTES,
+    LENGTH,
+    TAG_BYTES,
+    has_aes_instructions,
+    take_offer,
+)
 from gradsync.daemon.peers.wire import encode_header
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,7 +175,8 @@ class Relay:
 class Plane:
     """One side of the man-in-the-middle tests: a sealed data plane and what it heard."""
 
-    def __init__(self, name: str, peer: str, place: Callable[..., Any] | None = None) -> None:
+    def __init__(self, name: str, peer: str, place: Callable[..., Any] | None = None,
+                 cipher: str = AES_GCM) -> None:
         self.name = name
         self.messages: list[tuple[dict[str, Any], list[Any]]] = []
         self.counted: list[tuple[str, str]] = []
@@ -177,6 +189,7 @@ class Plane:
             on_event=lambda counter, who, why: self.counted.append((counter, who)),
             on_broken=lambda who, why: self.broken.append((who, why)),
             on_head=place, limits=(1 << 20, 64, 1 << 30), connect_timeout_s=5.0, sealed=True,
+            cipher=cipher,
         )
         self.plane.start()
 
@@ -191,15 +204,17 @@ def hello_size(name: str) -> int:
 async def through_relay(
     alter: Callable[[int, bytes], list[bytes]] | None = None,
     place: Callable[..., Any] | None = None,
+    ciphers: tuple[str, str] = (AES_GCM, AES_GCM),
 ) -> tuple[Plane, Plane, Relay]:
-    """Plane a opens its sealed stream to plane b through a relay; returns (a, b, relay)."""
+    """Plane a opens its sealed stream to plane b through a relay; returns (a, b, relay).
+    `ciphers`: the ones a and b run fast."""
     name_a, name_b = endpoints(2)
-    a, b = Plane(name_a, name_b), Plane(name_b, name_a, place)
-    port, token, key = b.plane.advert(name_a)
-    relay = Relay(port, hello_size(name_a), *(() if alter is None else (alter,)))
+    a, b = Plane(name_a, name_b, cipher=ciphers[0]), Plane(name_b, name_a, place, ciphers[1])
+    advert = b.plane.advert(name_a)
+    relay = Relay(advert["data_port"], hello_size(name_a),
+                  *(() if alter is None else (alter,)))
     await relay.start()
-    a.plane.offer(name_b, "127.0.0.1", {"data_port": relay.port, "data_token": token,
-                                        "data_key": key})
+    a.plane.offer(name_b, "127.0.0.1", {**advert, "data_port": relay.port})
     await poll(lambda: a.plane.sender(name_b) is not None, READY_S, "a's stream to open")
     return a, b, relay
 
@@ -234,8 +249,7 @@ def test_a_captured_stream_holds_none_of_the_plaintext() -> None:
             for start in range(0, data.nbytes - 32, 65_521):
                 assert raw[start : start + 32] not in capture
             assert b"chunk" not in capture and a.name.encode() in capture  # the hello's name
-            _, token, _ = b.plane.advert(a.name)
-            assert token not in capture
+            assert b.plane.advert(a.name)["data_token"] not in capture
             assert a.count("stream_auth_failed") == b.count("stream_auth_failed") == 0
         finally:
             await close_planes(a, b, relay)
@@ -243,7 +257,74 @@ def test_a_captured_stream_holds_none_of_the_plaintext() -> None:
     run(main())
 
 
-def test_a_flipped_byte_fails_the_stream_naming_the_peer_and_writes_nothing() -> None:
+@pytest.mark.parametrize(("fast", "chosen"), [
+    ((AES_GCM, AES_GCM), AES_GCM), ((AES_GCM, CHACHA), CHACHA), ((CHACHA, AES_GCM), CHACHA),
+    ((CHACHA, CHACHA), CHACHA),
+], ids=["both-aes", "receiver-chacha", "sender-chacha", "both-chacha"])
+def test_the_cipher_is_aes_only_where_both_ends_run_it_fast(
+    fast: tuple[str, str], chosen: str
+) -> None:
+    """Each offer names the cipher its daemon runs fast; the stream is AES-256-GCM
+    only where both name it, and its data arrives intact with either cipher."""
+    async def main() -> None:
+        a, b, relay = await through_relay(ciphers=fast)
+        try:
+            assert b.plane.advert(a.name)["data_cipher"] == fast[1]
+            sender = a.plane.sender(b.name)
+            assert sender is not None and sender.cipher == chosen
+            data = np.frombuffer(os.urandom(1 << 20), np.uint8)
+            await send(a, b, 0, data)
+            await poll(lambda: len(b.messages) == 1, READY_S, "the message")
+            assert bytes(b.messages[0][1][0]) == data.tobytes()
+            assert data.tobytes()[:64] not in bytes(relay.capture)
+            assert b.count("stream_auth_failed") == 0
+        finally:
+            await close_planes(a, b, relay)
+
+    run(main())
+
+
+def test_aes_instructions_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    """x86 names them among its flags, ARMv8 among its features; no file: none."""
+    cases = {"flags\t\t: fpu sse2 aes avx2\n": True, "flags\t\t: fpu sse2 avx2\n": False,
+             "Features\t: fp asimd aes pmull sha1\n": True, "processor\t: 0\n": False}
+    for index, (text, expected) in enumerate(cases.items()):
+        path = tmp_path / f"cpuinfo{index}"
+        path.write_text("processor\t: 0\n" + text)
+        assert has_aes_instructions(str(path)) is expected, text
+    assert not has_aes_instructions(str(tmp_path / "missing"))
+
+
+def test_aes_against_an_offer_that_did_not_allow_it_is_refused() -> None:
+    """A hello that chose AES-256-GCM from an offer naming ChaCha20-Poly1305 (say,
+    altered on the way, or a peer not following the rule) is refused and counted,
+    even with the right proof."""
+    async def main() -> None:
+        name_a, name_b = endpoints(2)
+        b = Plane(name_b, name_a, cipher=CHACHA)
+        try:
+            advert = b.plane.advert(name_a)
+            secret, _ = take_offer(name_a, advert["data_token"], advert["data_key"], AES_GCM)
+            hello = encode_hello(name_a, secret, SEALED_MAGIC)
+            assert await asyncio.to_thread(raw_connect, advert["data_port"], hello)
+            await poll(lambda: b.count("stream_auth_failed") == 1, READY_S, "the refusal")
+            # The same offer, with the cipher it allows: accepted.
+            secret, _ = take_offer(name_a, advert["data_token"], advert["data_key"], CHACHA)
+            with socket.create_connection(("127.0.0.1", advert["data_port"])) as sock:
+                sock.sendall(encode_hello(name_a, secret, SEALED_MAGIC))
+                await poll(lambda: b.plane.advert(name_a)["data_key"] != advert["data_key"],
+                           READY_S, "the offer to be used up")
+            assert b.count("stream_auth_failed") == 1
+        finally:
+            await close_planes(b)
+
+    run(main())
+
+
+@pytest.mark.parametrize("cipher", [AES_GCM, CHACHA])
+def test_a_flipped_byte_fails_the_stream_naming_the_peer_and_writes_nothing(
+    cipher: str,
+) -> None:
     """The relay flips one ciphertext byte of the payload's first record: the
     receiver counts it, reports the stream broken naming the sender, and the
     placed sink is never written; a new stream then carries data again."""
@@ -262,8 +343,10 @@ def test_a_flipped_byte_fails_the_stream_naming_the_peer_and_writes_nothing() ->
         return [bytes(changed)]
 
     async def main() -> None:
-        a, b, relay = await through_relay(flip, place)
+        a, b, relay = await through_relay(flip, place, (cipher, cipher))
         try:
+            sender = a.plane.sender(b.name)
+            assert sender is not None and sender.cipher == cipher
             data = np.full(2 << 20, 7, np.uint8)
             send(a, b, 0, data)
             await poll(lambda: b.broken, READY_S, "b to report the broken stream")
@@ -273,9 +356,7 @@ def test_a_flipped_byte_fails_the_stream_naming_the_peer_and_writes_nothing() ->
             assert not any(sinks[0].data)  # nothing reached the sink
             await poll(lambda: a.plane.sender(b.name) is None, READY_S, "a to see it close")
             # b keeps serving: a fresh offer, a direct stream, the data arrives.
-            port, token, key = b.plane.advert(a.name)
-            a.plane.offer(b.name, "127.0.0.1", {"data_port": port, "data_token": token,
-                                                "data_key": key})
+            a.plane.offer(b.name, "127.0.0.1", b.plane.advert(a.name))
             await poll(lambda: a.plane.sender(b.name) is not None, READY_S, "a new stream")
             await send(a, b, 1, data)
             await poll(lambda: b.messages, READY_S, "the message over the new stream")
@@ -327,7 +408,8 @@ def test_a_replayed_stream_and_a_hello_without_the_offer_are_refused() -> None:
             data = np.arange(1 << 16, dtype=np.uint8)
             await send(a, b, 0, data)
             await poll(lambda: len(b.messages) == 1, READY_S, "the message")
-            port, token, _ = b.plane.advert(a.name)
+            advert = b.plane.advert(a.name)
+            port, token = advert["data_port"], advert["data_token"]
             recorded = bytes(relay.capture)
             stranger = encode_hello(a.name, os.urandom(HELLO_SECRET_BYTES), SEALED_MAGIC)
             for attempt in (recorded, stranger, encode_hello(a.name, token)):

@@ -8,13 +8,15 @@ sends the stream kinds (the collectives' slices) over it.  On insecure links
 the token only proves that the connecting side talked to this daemon over its
 ZeroMQ link; like the rest of `--insecure`, it is not authentication.
 
-On CURVE links (`sealed`) the advertisement is an offer made to one peer
-alone (a token and an X25519 key, over CURVE), the hello carries a key and a
-proof instead of the token, a hello that does not match the offer is refused
-and counted (`stream_auth_failed`), and everything after it is AES-256-GCM
-records (`stream_crypto.py`).  Each accepted hello uses its offer up: the peer
-gets a new one for its next stream.  A record that fails authentication ends
-its stream, is counted, and is reported like any break that lost data.
+On CURVE links (`sealed`) the advertisement is an offer made to one peer alone
+(a token, an X25519 key and a cipher, over CURVE), the hello carries a key and a proof
+instead of the token, a hello that does not match the offer is refused and
+counted (`stream_auth_failed`), and everything after it is AEAD records
+(`stream_crypto.py`): AES-256-GCM where both daemons' CPUs have AES
+instructions, ChaCha20-Poly1305 where either lacks them.  Each accepted hello
+uses its offer up: the peer gets a new one for its next stream.  A record that
+fails authentication ends its stream, is counted, and is reported like any
+break that lost data.
 
 A stream that breaks is dropped and reopened on the next advertisement; sends
 that were waiting on it fail, and `on_broken(peer, why)` reports the break of
@@ -46,9 +48,12 @@ from gradsync.daemon.peers.stream import (
     encode_hello,
 )
 from gradsync.daemon.peers.stream_crypto import (
+    CIPHER_TITLES,
     KEY_BYTES,
     Offer,
     StreamAuthError,
+    choose_cipher,
+    fast_cipher,
     take_offer,
 )
 from gradsync.protocol.codec import is_integer
@@ -79,6 +84,7 @@ class DataPlane:
             [str, str, bytes, list[int]], Sequence[PayloadSink | None] | None
         ] | None = None,
         sealed: bool = False,
+        cipher: str | None = None,
     ) -> None:
         """`identify(name)` maps a hello's endpoint name to a peer (None: a stranger);
         `on_message(peer, name, header, payloads)` gets each received message;
@@ -86,7 +92,9 @@ class DataPlane:
         `StreamReceiver`); `on_event(counter, peer, reason)` counts and reports
         refusals and breaks; `on_broken(peer, why)` is told of a break that may
         have lost data (see the module docstring).  `sealed`: streams are
-        encrypted and authenticated (CURVE links; see the module docstring)."""
+        encrypted and authenticated (CURVE links; see the module docstring);
+        `cipher` is the one this daemon runs fast, which its offers name (one of
+        STREAM_CIPHERS; None: `fast_cipher()`, by the CPU's AES instructions)."""
         self._loop = loop
         self._listen = listen
         self._name = name
@@ -108,6 +116,9 @@ class DataPlane:
         self.sealed = sealed
         #: Sealed: per peer, the offer its next stream must match.
         self._offers: dict[str, Offer] = {}
+        self.cipher = fast_cipher() if cipher is None else cipher
+        if self.cipher not in CIPHER_TITLES:
+            raise ValueError(f"unknown stream cipher {cipher!r}")
 
     def start(self) -> None:
         """Listen on an ephemeral port of the peer address; raises OSError if it cannot."""
@@ -127,15 +138,17 @@ class DataPlane:
         self.port = listener.getsockname()[1]
         self._loop.add_reader(listener.fileno(), self._accept)
 
-    def advert(self, peer: str) -> tuple[int, bytes, bytes | None]:
-        """What a probe answer to `peer` carries: port, token, and (sealed) the
-        public key of our offer to it."""
+    def advert(self, peer: str) -> dict[str, Any]:
+        """The fields of a probe answer to `peer` that say where our streams listen:
+        `data_port`, `data_token` and (sealed) our offer to it, `data_key` and
+        `data_cipher` (protocol/peer.py, Probe)."""
         if not self.sealed:
-            return self.port, self.token, None
+            return {"data_port": self.port, "data_token": self.token}
         offer = self._offers.get(peer)
         if offer is None:
-            offer = self._offers[peer] = Offer()
-        return self.port, offer.token, offer.public
+            offer = self._offers[peer] = Offer(self.cipher)
+        return {"data_port": self.port, "data_token": offer.token, "data_key": offer.public,
+                "data_cipher": offer.cipher}
 
     def sender(self, peer: str) -> StreamSender | None:
         """The open stream to `peer`, if any."""
@@ -148,20 +161,25 @@ class DataPlane:
             return
         if not isinstance(token, bytes) or not 0 < len(token) < 256:
             return
-        key = fields.get("data_key")
-        if self.sealed and (not isinstance(key, bytes) or len(key) != KEY_BYTES):
-            return  # no offer: an insecure peer
+        key, theirs = fields.get("data_key"), fields.get("data_cipher")
+        sealing = None
+        if self.sealed:
+            if not (isinstance(key, bytes) and len(key) == KEY_BYTES
+                    and isinstance(theirs, str) and theirs in CIPHER_TITLES):
+                return  # no offer: an insecure peer
+            sealing = (key, choose_cipher(self.cipher, theirs))
         if (self._closed or peer in self._senders or peer in self._connecting
                 or self._listener is None):
             return
         self._connecting[peer] = self._loop.create_task(
-            self._connect(peer, host, port, token, key if self.sealed else None),
-            name=f"peer-stream {peer}",
+            self._connect(peer, host, port, token, sealing), name=f"peer-stream {peer}",
         )
 
     async def _connect(
-        self, peer: str, host: str, port: int, token: bytes, key: bytes | None
+        self, peer: str, host: str, port: int, token: bytes,
+        sealing: tuple[bytes, str] | None,
     ) -> None:
+        """Open our stream to `peer`; `sealing`: the offer's key and the cipher."""
         sock: socket.socket | None = None
         try:
             sock = await self._open(host, port)
@@ -171,8 +189,8 @@ class DataPlane:
             bound_dead_connection(sock, self._dead_after_s)
             sealer = None
             hello = encode_hello(self._name, token)
-            if key is not None:
-                secret, sealer = take_offer(self._name, token, key)
+            if sealing is not None:
+                secret, sealer = take_offer(self._name, token, *sealing)
                 hello = encode_hello(self._name, secret, SEALED_MAGIC)
             sender = StreamSender(sock, self._loop, self._broken, f"the stream to {peer}",
                                   sealer)
@@ -181,7 +199,7 @@ class DataPlane:
             sender.send(hello, (), plain=True)
             if not sender.closed:
                 log.info("data stream to %s open (port %d), %s", peer, port,
-                         "AES-256-GCM" if sealer is not None else "plaintext")
+                         "plaintext" if sealer is None else CIPHER_TITLES[sealer.cipher])
         except (OSError, TimeoutError, ValueError) as exc:
             self._on_event("stream_failed", peer, f"cannot open a data stream: {exc}")
         finally:
@@ -278,7 +296,7 @@ class DataPlane:
             if offer is None:
                 raise StreamAuthError(f"no offer was made to {name[:80]!r}")
             receiver.open_records(offer.accept(name, token))  # raises StreamAuthError
-            self._offers[peer] = Offer()  # this one is used up
+            self._offers[peer] = Offer(self.cipher)  # this one is used up
         for other in list(self._receivers):
             if other is not receiver and other.peer == peer:
                 # The peer reconnected: its old stream is dead (and lost data if cut short).

@@ -89,7 +89,7 @@ COUNTERS = (
     "peer_lost",  # up → lost transitions
     "stream_sent",  # application messages sent over a data stream
     "stream_received",  # ... and accepted from one
-    "stream_encrypted_sent",  # of those, sent over an AES-256-GCM stream (CURVE links)
+    "stream_encrypted_sent",  # of those, sent over a sealed (AEAD) stream (CURVE links)
     "stream_encrypted_received",  # ... and accepted from one
     "stream_refused",  # incoming data streams closed: bad hello, wrong token, stranger
     "stream_failed",  # data streams that could not open or broke
@@ -151,7 +151,7 @@ class PeerLinks:
 
         `kinds` are the application message kinds accepted from peers; those
         of `stream_kinds` go over TCP data streams once they are open (see
-        `stream.py`): plaintext on `insecure` links, AES-256-GCM on CURVE ones.
+        `stream.py`): plaintext on `insecure` links, AEAD-sealed on CURVE ones.
         `events` hears of each accepted message, of links that come up or are
         lost and of broken data streams, and may place a stream message's
         payloads before they arrive (only messages of at least `place_min_bytes`).
@@ -692,7 +692,7 @@ class PeerLinks:
             if self._data is not None:
                 # Over CURVE the answer reaches this peer alone, encrypted: it carries
                 # our offer of a sealed stream to it (stream_crypto.py).
-                answer = Probe(PONG, answer.seq, *self._data.advert(message.peer))
+                answer = Probe(PONG, answer.seq, **self._data.advert(message.peer))
             pong = encode_header(self.endpoint, answer.to_wire())
             # A probe answer that does not fit is dropped, never waited for.
             self._router.try_send([frames[0], pong])
