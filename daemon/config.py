@@ -58,6 +58,11 @@ class DaemonConfig:
     curve_secret: str | None = None
     curve_authorized: str | None = None
     insecure: bool = False
+    #: The TCP port the data streams listen on, on `listen`'s host (0: any free port).
+    data_port: int = 0
+    #: `HOST:PORT` that peers open their data streams to, when that is not
+    #: `listen`'s host and `data_port` (a NAT or port forward in between).
+    data_advertise: str | None = None
     peer_timeout_s: float = 30.0
     #: 4 MiB rather than 1 or 2: each slice costs the daemon's Python about 80
     #: calls at either end, and 4 MiB slices measured 6 to 20 % faster than
@@ -170,6 +175,30 @@ def _port(value: Any) -> int:
     return number
 
 
+def _any_port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a TCP port, got {value!r}")
+    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+        return 0
+    return _port(value)
+
+
+def _host_port(value: Any) -> str:
+    """`HOST:PORT` (IPv6 hosts in brackets) that peers can reach: no wildcard host."""
+    if not isinstance(value, str) or value.startswith("tcp://"):
+        raise ValueError(f"expected HOST:PORT (e.g. gw.example.org:29500), got {value!r}")
+    try:
+        endpoint = parse_tcp_endpoint("tcp://" + value)
+    except ValueError:
+        raise ValueError(
+            f"expected HOST:PORT (IPv6 as [ADDR]:PORT, port 1-65535), got {value!r}") from None
+    if endpoint.is_wildcard:
+        raise ValueError(f"{endpoint.host!r} is no address a peer can reach")
+    if len(endpoint.host.encode()) > 255:
+        raise ValueError("the host is longer than 255 bytes")
+    return value
+
+
 def _optional_path(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("expected a file or folder path")
@@ -219,6 +248,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "curve_secret": _optional_path,
     "curve_authorized": _optional_path,
     "insecure": _boolean,
+    "data_port": _any_port,
+    "data_advertise": _host_port,
     "peer_timeout_s": _positive_float,
     "pipeline_slice_bytes": _positive_size,
     "algorithm": _algorithm,

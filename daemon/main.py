@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder of the public keys of authorised peers")
     peers.add_argument("--insecure", action="store_true", default=None,
                        help="peer links without CURVE encryption and authentication")
+    peers.add_argument("--data-port", metavar="P",
+                       help="TCP port the data streams listen on, on --listen's host "
+                       "(default 0: any free port)")
+    peers.add_argument("--data-advertise", metavar="HOST:PORT",
+                       help="where peers open data streams to this daemon, when a NAT or "
+                       "port forward sits between (default: --listen's host, --data-port)")
     peers.add_argument("--peer-timeout-s", metavar="S",
                        help="a silent peer is declared lost after this long (default 30)")
     peers.add_argument("--pipeline-slice-bytes", metavar="SIZE",

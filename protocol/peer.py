@@ -331,7 +331,9 @@ class Probe:
     """A link probe (PING, or BULK with payload frames) or its answer (PONG).
 
     A PONG also tells where the answering daemon's data streams listen
-    (`data_port`, `data_token`), when it has them, and on CURVE links its offer
+    (`data_port`, `data_token`, and `data_host` where the daemon advertises a
+    host other than its link's: a NAT or port forward), when it has them, and
+    on CURVE links its offer
     to this peer: the public X25519 key (`data_key`, 32 bytes) and the cipher
     it runs fast (`data_cipher`, one of STREAM_CIPHERS); see
     daemon/peers/stream_crypto.py.
@@ -343,11 +345,14 @@ class Probe:
     data_token: bytes | None = None
     data_key: bytes | None = None
     data_cipher: str | None = None
+    data_host: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"kind": self.kind, "seq": self.seq}
         if self.data_port is not None:
             fields.update(data_port=self.data_port, data_token=self.data_token)
+            if self.data_host is not None:
+                fields["data_host"] = self.data_host
             if self.data_key is not None:
                 fields.update(data_key=self.data_key, data_cipher=self.data_cipher)
         return fields
@@ -363,10 +368,14 @@ class Probe:
         _need(is_integer(port) and 0 < port < 65536 and isinstance(token, bytes)
               and 0 < len(token) < 256, str(kind),
               "'data_port' must be a port and 'data_token' 1 to 255 bytes")
+        host = fields.get("data_host")
+        _need(host is None or (isinstance(host, str) and 0 < len(host.encode()) <= 255
+                               and not any(c in host for c in "/;@ []")), str(kind),
+              "'data_host' must be a host name or address of 1 to 255 bytes", host)
         key, cipher = fields.get("data_key"), fields.get("data_cipher")
         _need(key is None or (isinstance(key, bytes) and len(key) == 32), str(kind),
               "'data_key' must be 32 bytes")
         _need((key is None and cipher is None) or (key is not None and cipher in STREAM_CIPHERS),
               str(kind), "'data_cipher' must come with 'data_key' and name a stream cipher", cipher)
         return cls(str(kind), seq, int(port), bytes(token),  # type: ignore[arg-type]
-                   None if key is None else bytes(key), cipher)
+                   None if key is None else bytes(key), cipher, host)

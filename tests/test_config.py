@@ -126,6 +126,24 @@ def test_sizes_accept_binary_units(text: str, expected: int) -> None:
     assert load_config(flags={"max_shm_bytes": text}, environ={}).max_shm_bytes == expected
 
 
+def test_the_data_streams_port_and_advertised_address() -> None:
+    """Fixed port and advertised HOST:PORT from any source; IPv6 in brackets."""
+    environ = {"GRADSYNC_DATA_ADVERTISE": "[fd00::7]:29501", "GRADSYNC_DATA_PORT": "29401"}
+    config = load_config(flags={}, environ=environ)
+    assert (config.data_port, config.data_advertise) == (29401, "[fd00::7]:29501")
+    config = load_config(flags={"data_port": "0", "data_advertise": "gw.example.org:80"},
+                         environ=environ)
+    assert (config.data_port, config.data_advertise) == (0, "gw.example.org:80")
+
+
+def test_data_stream_settings_need_peer_links() -> None:
+    from gradsync.daemon.io.peering import wants_peers
+
+    for flags in ({"data_port": "29401"}, {"data_advertise": "gw.example.org:29501"}):
+        with pytest.raises(ConfigError, match="data_advertise"):
+            wants_peers(load_config(flags=flags, environ={}))
+
+
 def test_config_is_frozen() -> None:
     config = load_config(flags={}, environ={})
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -155,6 +173,12 @@ BAD_TOML = [
     ("socket = 5", "socket"),
     (f'socket = "ipc:///tmp/{"x" * 120}.sock"', "socket"),
     ("auto_explore_factor = 0.9", "auto_explore_factor"),
+    ("data_port = 70000", "data_port"),
+    ("data_port = -1", "data_port"),
+    ('data_advertise = "gw.example.org"', "data_advertise"),
+    ('data_advertise = "tcp://gw.example.org:29501"', "data_advertise"),
+    ('data_advertise = "0.0.0.0:29501"', "data_advertise"),
+    ('data_advertise = "::1:29501"', "data_advertise"),
     ('auto_explore_factor = "wide"', "auto_explore_factor"),
     ("colective_timeout_s = 5", "colective_timeout_s"),
     ("[daemon]\nthreads = 2", "daemon"),

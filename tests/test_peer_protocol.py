@@ -107,13 +107,19 @@ def test_unknown_kinds_and_link_probes() -> None:
                        "chacha20-poly1305")
     assert peer.Probe.from_wire(offer.to_wire()) == offer
     assert peer.Probe.from_wire({"kind": peer.PING, "seq": 1}) == peer.Probe(peer.PING, 1)
+    forwarded = peer.Probe(peer.PONG, 3, 41000, b"t" * 16, data_host="fd00::7")  # --data-advertise
+    assert peer.Probe.from_wire(forwarded.to_wire()) == forwarded
     for bad in ({"kind": peer.PONG, "seq": "1"}, {"kind": "chunk", "seq": 1},
                 {"kind": peer.PONG, "seq": 1, "data_port": 0, "data_token": b"t"},
                 {"kind": peer.PONG, "seq": 1, "data_port": 80, "data_token": ""},
                 {**offer.to_wire(), "data_key": b"k" * 31},
                 {**offer.to_wire(), "data_cipher": "aes-128-gcm"},
                 {**offer.to_wire(), "data_cipher": None},
-                {**pong.to_wire(), "data_cipher": "aes-256-gcm"}):
+                {**pong.to_wire(), "data_cipher": "aes-256-gcm"},
+                {**pong.to_wire(), "data_host": ""}, {**pong.to_wire(), "data_host": 7},
+                {**pong.to_wire(), "data_host": "[::1]"},
+                {**pong.to_wire(), "data_host": "evil/path"},
+                {**pong.to_wire(), "data_host": "h" * 256}):
         with pytest.raises(ProtocolError):
             peer.Probe.from_wire(bad)
 

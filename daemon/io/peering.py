@@ -26,6 +26,9 @@ def wants_peers(config: DaemonConfig) -> bool:
     if config.listen is None:
         if config.all_peers():
             raise ConfigError("peers are configured but 'listen' is not: pass --listen")
+        if config.data_port or config.data_advertise:
+            raise ConfigError("'data_port' and 'data_advertise' are for peer links: "
+                              "pass --listen and --peers too")
         return False
     if bool(config.curve_secret) != bool(config.curve_authorized):
         raise ConfigError("pass both --curve-secret and --curve-authorized (or neither)")
@@ -56,6 +59,8 @@ class Peering:
             # the slices its peers still need to finish that collective.
             stream_kinds=STREAM_KINDS,
             peer_timeout_s=config.peer_timeout_s,
+            data_port=config.data_port,
+            data_advertise=config.data_advertise,
         )
         self.cluster.connect(self.links)
         runner = CrossDaemonRunner(

@@ -1,12 +1,15 @@
 """The data streams of one daemon's peer links: listen, connect, route.
 
-Each daemon listens on an ephemeral TCP port on its peer address and
-advertises the port and a random token in its answers to link probes (the
-ZeroMQ link carries them).  A daemon that hears them opens one stream to that
-peer, says hello with its own endpoint name and the token, and from then on
-sends the stream kinds (the collectives' slices) over it.  On insecure links
-the token only proves that the connecting side talked to this daemon over its
-ZeroMQ link; like the rest of `--insecure`, it is not authentication.
+Each daemon listens on a TCP port on its peer address (`data_port`, or an
+ephemeral one) and advertises the port and a random token in its answers to
+link probes (the ZeroMQ link carries them); where peers reach it through a NAT
+or port forward, it advertises that address instead (`data_advertise`: host
+and port, and a peer connects to that host rather than the link's).  A daemon
+that hears them opens one stream to that peer, says hello with its own
+endpoint name and the token, and from then on sends the stream kinds (the
+collectives' slices) over it.  On insecure links the token only proves that
+the connecting side talked to this daemon over its ZeroMQ link; like the rest
+of `--insecure`, it is not authentication.
 
 On CURVE links (`sealed`) the advertisement is an offer made to one peer alone
 (a token, an X25519 key and a cipher, over CURVE), the hello carries a key and a proof
@@ -85,6 +88,8 @@ class DataPlane:
         ] | None = None,
         sealed: bool = False,
         cipher: str | None = None,
+        port: int = 0,
+        advertise: TcpEndpoint | None = None,
     ) -> None:
         """`identify(name)` maps a hello's endpoint name to a peer (None: a stranger);
         `on_message(peer, name, header, payloads)` gets each received message;
@@ -94,7 +99,9 @@ class DataPlane:
         have lost data (see the module docstring).  `sealed`: streams are
         encrypted and authenticated (CURVE links; see the module docstring);
         `cipher` is the one this daemon runs fast, which its offers name (one of
-        STREAM_CIPHERS; None: `fast_cipher()`, by the CPU's AES instructions)."""
+        STREAM_CIPHERS; None: `fast_cipher()`, by the CPU's AES instructions).
+        The listener takes `port` (0: any free one); peers are told to connect to
+        `advertise` if given, else to the link's host at that port."""
         self._loop = loop
         self._listen = listen
         self._name = name
@@ -107,7 +114,9 @@ class DataPlane:
         self._connect_timeout_s = connect_timeout_s
         self._dead_after_s = dead_after_s
         self.token = secrets.token_bytes(16)
-        self.port = 0
+        #: The port we listen on (once started; asked for: `port`, 0 for any).
+        self.port = port
+        self._advertise = advertise
         self._listener: socket.socket | None = None
         self._senders: dict[str, StreamSender] = {}
         self._connecting: dict[str, asyncio.Task[None]] = {}
@@ -121,14 +130,16 @@ class DataPlane:
             raise ValueError(f"unknown stream cipher {cipher!r}")
 
     def start(self) -> None:
-        """Listen on an ephemeral port of the peer address; raises OSError if it cannot."""
+        """Listen on the port of the peer address; raises OSError if it cannot."""
         host = self._listen.host
         family = socket.AF_INET6 if self._listen.is_ipv6 else socket.AF_INET
         if self._listen.is_wildcard:
             host = "::" if family == socket.AF_INET6 else "0.0.0.0"
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.bind((host, 0))
+            # A fixed port (`data_port`) is free again at once after a restart.
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, self.port))
             listener.listen(64)
             listener.setblocking(False)
         except OSError:
@@ -140,14 +151,18 @@ class DataPlane:
 
     def advert(self, peer: str) -> dict[str, Any]:
         """The fields of a probe answer to `peer` that say where our streams listen:
-        `data_port`, `data_token` and (sealed) our offer to it, `data_key` and
-        `data_cipher` (protocol/peer.py, Probe)."""
+        `data_port`, `data_token`, `data_host` where we advertise another address,
+        and (sealed) our offer to it, `data_key` and `data_cipher` (protocol/peer.py,
+        Probe)."""
+        where: dict[str, Any] = {"data_port": self.port}
+        if self._advertise is not None:
+            where = {"data_port": self._advertise.port, "data_host": self._advertise.host}
         if not self.sealed:
-            return {"data_port": self.port, "data_token": self.token}
+            return {**where, "data_token": self.token}
         offer = self._offers.get(peer)
         if offer is None:
             offer = self._offers[peer] = Offer(self.cipher)
-        return {"data_port": self.port, "data_token": offer.token, "data_key": offer.public,
+        return {**where, "data_token": offer.token, "data_key": offer.public,
                 "data_cipher": offer.cipher}
 
     def sender(self, peer: str) -> StreamSender | None:
@@ -155,8 +170,12 @@ class DataPlane:
         return self._senders.get(peer)
 
     def offer(self, peer: str, host: str, fields: dict[str, Any]) -> None:
-        """A peer advertised its stream port: connect, unless already done or under way."""
+        """A peer advertised its stream port: connect, unless already done or under way
+        (to `host`, the link's, unless the peer advertised a `data_host`)."""
         port, token = fields.get("data_port"), fields.get("data_token")
+        advertised = fields.get("data_host")
+        if isinstance(advertised, str) and advertised:
+            host = advertised
         if not is_integer(port) or not 0 < port < 65536:
             return
         if not isinstance(token, bytes) or not 0 < len(token) < 256:

@@ -61,7 +61,7 @@ from gradsync.daemon.peers.wire import (
     encode_header,
 )
 from gradsync.daemon.peers.zap import ZapHandler
-from gradsync.protocol.codec import MAX_FRAME_BYTES, Message
+from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, is_integer
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
     InvalidArgumentError,
@@ -146,6 +146,8 @@ class PeerLinks:
         max_payload_bytes: int = 1 << 31,
         io_threads: int = 1,
         place_min_bytes: int = 64 * 1024,
+        data_port: int = 0,
+        data_advertise: str | None = None,
     ) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
@@ -155,6 +157,9 @@ class PeerLinks:
         `events` hears of each accepted message, of links that come up or are
         lost and of broken data streams, and may place a stream message's
         payloads before they arrive (only messages of at least `place_min_bytes`).
+        The data streams listen on `data_port` of `listen`'s host (0: any free
+        port); peers open them at `data_advertise` (`HOST:PORT`) if given, for
+        a NAT or port forward in between, else at that host and port.
         Raises `ConfigError` (`KeyFileError` for key files) with a message
         naming the setting when something cannot work.
         """
@@ -202,6 +207,15 @@ class PeerLinks:
         if not self._stream_kinds <= self._kinds:
             raise InvalidArgumentError("stream_kinds must be among kinds")
         self._data: DataPlane | None = None
+        if not (is_integer(data_port) and 0 <= data_port < 65536):
+            raise ConfigError(f"bad value for 'data_port': {data_port!r} is not a port")
+        self._data_port = data_port
+        self._data_advertise: TcpEndpoint | None = None
+        if data_advertise is not None:
+            try:
+                self._data_advertise = parse_tcp_endpoint("tcp://" + data_advertise)
+            except ValueError as exc:
+                raise ConfigError(f"bad value for 'data_advertise': {exc}") from None
         self._accepted = self._kinds | {PING, BULK}
         self._peer_timeout_s = float(peer_timeout_s)
         self._heartbeat_ivl_s = float(heartbeat)
@@ -318,6 +332,7 @@ class PeerLinks:
             connect_timeout_s=max(5.0, self._peer_timeout_s),
             dead_after_s=self._peer_timeout_s,
             sealed=not self.insecure,
+            port=self._data_port, advertise=self._data_advertise,
         )
         try:
             plane.start()
@@ -325,6 +340,9 @@ class PeerLinks:
             log.warning("no data streams on %s (%s): slices go over ZeroMQ", self._listen, exc)
             return
         self._data = plane
+        if self._data_advertise is not None:
+            log.info("data streams listen on port %d, advertised to peers as %s:%d",
+                     plane.port, self._data_advertise.host, self._data_advertise.port)
 
     def _connect(
         self, loop: asyncio.AbstractEventLoop, link: Link, sockets: zmq.Context[Any]
