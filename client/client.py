@@ -26,15 +26,18 @@ from gradsync.client.cuda import (
     parse_device,
 )
 from gradsync.client.environment import resolve_identity
+from gradsync.client.fast_path import FastPath
 from gradsync.client.work import Work
 from gradsync.protocol.codec import is_integer
 from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype, dtype_name, parse_reduce_op
 from gradsync.protocol.errors import (
     CollectiveTimeoutError,
+    DaemonShuttingDownError,
     DaemonUnavailableError,
     GradsyncError,
     InvalidArgumentError,
 )
+from gradsync.protocol.fastpath import fingerprint
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 
 
@@ -134,6 +137,24 @@ class Client:
         self.daemon_version: str = welcome.get("version", "?")
         self.daemon_pid: int = welcome.get("pid", -1)
         self._daemon_timeout_s = float(welcome.get("collective_timeout_s", 300.0))
+        #: The job's shared-memory fast path for small synchronous allreduces, if any.
+        self._fast = self._open_fast_path(welcome.get("fast_page"))
+
+    def _open_fast_path(self, offer: Any) -> FastPath | None:
+        """Map the fast page the daemon offers (single-node jobs); None to use sockets only.
+
+        `GRADSYNC_FAST_PATH=0` turns it off for this process.
+        """
+        if not isinstance(offer, dict) or os.environ.get("GRADSYNC_FAST_PATH", "1") == "0":
+            return None
+        if self.world_size != self.local_world_size:
+            return None
+        try:
+            return FastPath(self._connection, self.rank, self.world_size, offer)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"gradsync: not using the shared-memory fast path: {exc}",
+                          RuntimeWarning, stacklevel=3)
+            return None
 
     def __repr__(self) -> str:
         return (
@@ -157,6 +178,9 @@ class Client:
             group.close()
         if self._device is not None:
             self._device.close()
+        if self._fast is not None:
+            with self._fast.lock:
+                self._fast.close()
         with contextlib.suppress(GradsyncError):
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
@@ -311,6 +335,19 @@ class Client:
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
         wire_dtype, reduce_op, count, device = self._check_array(array, op)
+        key, waited_s = None, None
+        fast = self._fast
+        if fast is not None and not async_op and device is None and array.nbytes <= fast.limit:
+            print_ = fingerprint(wire_dtype, count, reduce_op, algorithm)
+            with fast.lock:
+                key = self._next_key()
+                waited_s = fast.all_reduce(array, print_, reduce_op, key,
+                                           self.timeout_s or self._daemon_timeout_s)
+            if waited_s is None:
+                return None
+            if fast.page.stopping:  # the socket path's answer, which it can no longer give
+                raise DaemonShuttingDownError("daemon shutting down")
+            # It could not end on the fast page: the socket path answers for this key.
         placed = self._place(array, copy_in=True, copy_out=True, device=device)
         fields: dict[str, Any] = {
             "segment": placed.segment,
@@ -321,10 +358,18 @@ class Client:
             "timeout_s": self.timeout_s,
             "algorithm": algorithm,
         }
+        if waited_s is not None:
+            fields["waited_s"] = waited_s
         return self._issue(
             "allreduce", fields, [placed], async_op,
-            f"all_reduce ({wire_dtype}[{count}] {reduce_op.value})",
+            f"all_reduce ({wire_dtype}[{count}] {reduce_op.value})", key,
         )
+
+    def _next_key(self) -> int:
+        with self._submit_lock:
+            key = self._sequence
+            self._sequence += 1
+            return key
 
     # -- the other collectives (torch.distributed's names and semantics) ---------
 
@@ -451,9 +496,9 @@ class Client:
 
     def _issue(
         self, kind: str, fields: dict[str, Any], placed: list[Placed], async_op: bool,
-        what: str,
+        what: str, key: int | None = None,
     ) -> Work | None:
-        """Send one collective with the next key; wait for it unless `async_op`."""
+        """Send one collective with `key` (default: the next one); wait unless `async_op`."""
         successes = [p.on_success for p in placed if p.on_success is not None]
         finishes = [p.on_finish for p in placed if p.on_finish is not None]
 
@@ -466,8 +511,9 @@ class Client:
                 step()
 
         with self._submit_lock:
-            key = self._sequence
-            self._sequence += 1
+            if key is None:
+                key = self._sequence
+                self._sequence += 1
             try:
                 request_id = self._connection.send(kind, key=key, **fields)
             except GradsyncError:

@@ -71,6 +71,10 @@ class Connection:
         self._sock.settimeout(None)
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
+        #: A second poller for `daemon_gone` (one poll object must not be polled by
+        #: two threads at once, and the reader may be polling the first).
+        self._watch = select.poll()
+        self._watch.register(self._sock, select.POLLIN)
         _OPEN_CONNECTIONS.add(self)
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
@@ -115,6 +119,20 @@ class Connection:
             )
         raise_for_error(reply)
         return reply
+
+    def daemon_gone(self) -> bool:
+        """Whether the daemon closed this connection: a poll and a peek, no wait."""
+        if self._dead is not None:
+            return True
+        try:
+            if not self._watch.poll(0):
+                return False
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return not data
 
     # -- receiving ----------------------------------------------------------
 

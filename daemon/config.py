@@ -38,6 +38,9 @@ class DaemonConfig:
     collective_timeout_s: float = 300.0
     max_shm_bytes: int = 8 * 1024**3
     inline_reduce_bytes: int = 4 * 1024**2
+    #: Synchronous allreduces of single-node jobs up to this size take the shared-
+    #: memory fast path (protocol/fastpath.py); 0 turns it off.
+    fast_path_bytes: int = 64 * 1024
     log_level: str = "info"
     #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group
     #: may use it (the systemd unit runs it as user and group gradsync).
@@ -118,6 +121,25 @@ def _positive_size(value: Any) -> int:
         raise ValueError(f"expected an integer number of bytes, got {value!r}")
     if number <= 0:
         raise ValueError(f"must be positive, got {number}")
+    return number
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected a size")
+    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+        return 0
+    return _positive_size(value)
+
+
+#: The fast path's page holds two buffers of this size per rank, hence a cap.
+_FAST_PATH_MAX = 16 * 1024**2
+
+
+def _fast_path_size(value: Any) -> int:
+    number = _size(value)
+    if number > _FAST_PATH_MAX:
+        raise ValueError(f"at most {_FAST_PATH_MAX} bytes (16MiB), got {number}")
     return number
 
 
@@ -236,6 +258,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "collective_timeout_s": _positive_float,
     "max_shm_bytes": _positive_size,
     "inline_reduce_bytes": _positive_size,
+    "fast_path_bytes": _fast_path_size,
     "log_level": _log_level,
     "group_access": _boolean,
     "stats": _stats_endpoint,

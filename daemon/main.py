@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of the thread pool (default 4MiB)",
     )
     parser.add_argument(
+        "--fast-path-bytes", metavar="SIZE",
+        help="synchronous allreduces of single-node jobs up to this size skip the "
+        "socket (shared-memory fast path; default 64KiB, 0: off)",
+    )
+    parser.add_argument(
         "--log-level", metavar="LEVEL", help="debug, info (default), warning, error"
     )
     parser.add_argument(

@@ -55,6 +55,8 @@ class DaemonState:
         self.cluster: ClusterCounters | None = None
         #: The peer links' own counters (shown with a `links_` prefix).
         self.link_counters: Callable[[], Mapping[str, int]] = dict
+        #: The shared-memory fast path's counters (run/fast_pages.py).
+        self.fast_counters: Callable[[], Mapping[str, int]] = dict
         #: Set once the daemon begins to stop: no new requests, no results.
         self.shutting_down = False
 
@@ -75,5 +77,6 @@ class DaemonState:
             "stats_rejected_keys": stats.stats_rejected_keys,
             "slices_placed": cluster.slices_placed,
             "early_refused": cluster.early_refused,
+            **self.fast_counters(),
             **{f"links_{name}": value for name, value in self.link_counters().items()},
         }

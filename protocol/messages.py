@@ -66,6 +66,9 @@ REQUESTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "op": ((str,), True),
         "timeout_s": ((float, int, _NONE), False),
         "algorithm": ((str, _NONE), False),
+        # Seconds this rank already waited for the key on the shared-memory fast
+        # path (protocol/fastpath.py) before it came here: its deadline counts from then.
+        "waited_s": ((float, int, _NONE), False),
     },
 }
 

@@ -104,6 +104,9 @@ log_level = "debug"
     assert config.socket == "ipc:///tmp/from-toml/gradsyncd.sock"
     assert config.inline_reduce_bytes == DaemonConfig().inline_reduce_bytes  # default
     assert load_config(flags={}, environ=environ, toml_path=toml).threads == 5
+    assert config.fast_path_bytes == 64 * 1024  # default
+    assert load_config(flags={"fast_path_bytes": "0"}, environ={}).fast_path_bytes == 0
+    assert load_config(flags={"fast_path_bytes": "4KiB"}, environ={}).fast_path_bytes == 4096
     assert load_config(flags={}, environ={}, toml_path=toml).threads == 3
 
 
@@ -168,6 +171,9 @@ BAD_TOML = [
     ("max_shm_bytes = 0", "max_shm_bytes"),
     ('max_shm_bytes = "-1GiB"', "max_shm_bytes"),
     ("inline_reduce_bytes = -1", "inline_reduce_bytes"),
+    ("fast_path_bytes = -1", "fast_path_bytes"),
+    ('fast_path_bytes = "1GiB"', "fast_path_bytes"),
+    ("fast_path_bytes = true", "fast_path_bytes"),
     ('log_level = "loud"', "log_level"),
     ('socket = "relative/gradsyncd.sock"', "socket"),
     ("socket = 5", "socket"),

@@ -42,6 +42,25 @@ StartDaemon = Callable[..., DaemonProcess]
 _SHM_NAME = re.compile(r"/dev/shm/(gradsync-\d+-[A-Za-z0-9_-]+)")
 
 
+@pytest.fixture(params=["fast", "socket"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which path a small synchronous allreduce takes: the shared-memory fast path
+    (the default) or the socket (GRADSYNC_FAST_PATH=0, for this process and the
+    rank programs it starts).  The failures must look the same on both."""
+    monkeypatch.setenv("GRADSYNC_FAST_PATH", "1" if request.param == "fast" else "0")
+    return str(request.param)
+
+
+def fast_path_env(path: str) -> dict[str, str]:
+    return {"GRADSYNC_FAST_PATH": "1" if path == "fast" else "0"}
+
+
+def assert_path_ran(daemon: DaemonProcess, path: str, fallbacks: int) -> None:
+    """The statistics show which path the failed collectives began on."""
+    counters = query(daemon.endpoint, 10.0)["counters"]
+    assert counters["fast_path_fallbacks"] == (fallbacks if path == "fast" else 0), counters
+
+
 class LineReader:
     """JSON records from a child's stdout, read from the raw pipe with a deadline."""
 
@@ -115,9 +134,10 @@ MISMATCH_SENT = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("what", sorted(MISMATCH_SENT))
 def test_mismatch_fails_every_rank_names_both_and_keeps_the_job(
-    daemon: DaemonProcess, what: str
+    daemon: DaemonProcess, what: str, path: str
 ) -> None:
-    results = run_ranks(daemon.endpoint, "fail_mismatch.py", 2, [what], timeout_s=50)
+    results = run_ranks(daemon.endpoint, "fail_mismatch.py", 2, [what], timeout_s=50,
+                        env=fast_path_env(path))
     for result in results:
         (record,) = result.records()
         assert record["error"] == "MismatchError", record
@@ -127,6 +147,7 @@ def test_mismatch_fails_every_rank_names_both_and_keeps_the_job(
             assert sent in message, message
         assert record["unchanged"], f"rank {result.rank}'s buffer changed: {record}"
         assert record["after_ok"], f"rank {result.rank}: the next all_reduce failed"
+    assert_path_ran(daemon, path, 1)
     daemon.assert_alive()
 
 
@@ -135,7 +156,7 @@ def test_mismatch_fails_every_rank_names_both_and_keeps_the_job(
 
 @pytest.mark.timeout(60)
 def test_connected_rank_that_never_submits_times_out_by_name(
-    daemon: DaemonProcess,
+    daemon: DaemonProcess, path: str
 ) -> None:
     first, second = clients(daemon.endpoint, "silent", 2, timeout_s=1.0)
     try:
@@ -161,6 +182,7 @@ def test_connected_rank_that_never_submits_times_out_by_name(
         second.all_reduce(b)
         assert work is not None and work.wait()
         np.testing.assert_array_equal(a, np.full(4, 7.0))
+        assert_path_ran(daemon, path, 2)  # the timed-out key, and the late rank's
     finally:
         first.close()
         second.close()
@@ -169,7 +191,7 @@ def test_connected_rank_that_never_submits_times_out_by_name(
 
 @pytest.mark.timeout(60)
 def test_rank_that_never_connects_is_named_by_daemon_timeout(
-    start_daemon: StartDaemon,
+    start_daemon: StartDaemon, path: str
 ) -> None:
     daemon = start_daemon("--collective-timeout-s", "1")
     with Client(daemon.endpoint, job="lonely", rank=0, world_size=3) as client:
@@ -179,6 +201,8 @@ def test_rank_that_never_connects_is_named_by_daemon_timeout(
         assert 0.8 <= time.monotonic() - started < 10
     message = str(caught.value)
     assert "[1, 2]" in message and "never connected" in message, message
+    assert "timed out after 1s" in message, message
+    assert_path_ran(daemon, path, 1)
 
 
 @pytest.mark.timeout(60)
@@ -207,15 +231,19 @@ def mapped_segments(pid: int) -> set[str]:
 
 @pytest.mark.timeout(60)
 def test_killed_client_fails_waiting_rank_and_frees_its_segments(
-    daemon: DaemonProcess,
+    daemon: DaemonProcess, path: str
 ) -> None:
-    processes = spawn_ranks(daemon.endpoint, "fail_killed.py", 2, ["30"], job="killed")
+    # On the fast path rank 0 waits on the job's page (a synchronous call).
+    args = ["30", "--sync"] if path == "fast" else ["30"]
+    processes = spawn_ranks(daemon.endpoint, "fail_killed.py", 2, args, job="killed",
+                            env=fast_path_env(path))
     with reaped(processes):
         rank0, rank1 = processes
         ready = LineReader(rank1).next_record(20)
         submitted = LineReader(rank0)
         assert "submitted" in submitted.next_record(20)
-        dead_segments = mapped_segments(int(ready["ready"]))  # type: ignore[arg-type]
+        # Rank 1's own segments: not the job's fast page, which rank 0 maps too.
+        dead_segments = mapped_segments(int(ready["ready"])) - mapped_segments(rank0.pid)  # type: ignore[arg-type]
         assert len(dead_segments) == 2, dead_segments
         assert all(os.path.exists(f"/dev/shm/{n}") for n in dead_segments)
         killed_at = time.monotonic()
@@ -228,6 +256,7 @@ def test_killed_client_fails_waiting_rank_and_frees_its_segments(
         assert float(record["t_error"]) - killed_at < 5.0, record  # type: ignore[arg-type]
         assert record["unchanged"]
         assert rank0.wait(20) == 0
+    assert_path_ran(daemon, path, 1)
     poll_until(
         lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in dead_segments),
         5.0, "the dead client's segments are unlinked",
@@ -409,11 +438,14 @@ def test_scratch_for_a_huge_ordinary_array_is_not_kept(daemon: DaemonProcess) ->
         huge = np.ones(80 * 1024 * 1024, np.float32)
         client.all_reduce(huge)
         assert huge[0] == 1 and huge[-1] == 1
+        # Staged (async: the socket path; small synchronous ones take the fast
+        # page, which stages nothing): giving back this slot releases the huge one ...
         small = np.ones(16, np.float32)
-        client.all_reduce(small)  # flushes the queued free
-        client.all_reduce(small)
-        in_use = query(daemon.endpoint, 5.0)["shm_in_use"]
-        assert in_use <= 256 * 1024**2, in_use
+        work = client.all_reduce(small, async_op=True)
+        assert work is not None and work.wait()
+        client.all_reduce(small)  # ... and the next call sends the queued free.
+        poll_until(lambda: query(daemon.endpoint, 5.0)["shm_in_use"] <= 256 * 1024**2,
+                   10, "the huge scratch segment is freed")
 
 
 @pytest.mark.timeout(90)

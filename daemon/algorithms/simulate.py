@@ -16,19 +16,11 @@ import numpy as np
 
 from gradsync.daemon.algorithms.schedule import Schedule, ScheduleError, check_schedules
 from gradsync.protocol.dtypes import ReduceOp, parse_reduce_op
+from gradsync.protocol.reduction import UFUNCS
 
 #: A pairwise reduce op: a numpy ufunc, or any ``f(accumulated, incoming) -> result``.
 Combine = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-_UFUNCS: dict[ReduceOp, np.ufunc] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +42,7 @@ def resolve_op(op: str | ReduceOp | Combine) -> Combine:
     parsed = parse_reduce_op(op)
     if parsed is ReduceOp.AVG:
         raise ValueError("'avg' is not pairwise: simulate 'sum' and divide the result")
-    return _UFUNCS[parsed]
+    return UFUNCS[parsed]
 
 
 def simulate(

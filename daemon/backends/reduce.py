@@ -13,20 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.reduction import UFUNCS as _UFUNCS
 
 #: Elements per chunk are chosen so one chunk of every slot stays in L2.
 CHUNK_BYTES = 128 * 1024
 
-_UFUNCS = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PROD: np.multiply,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 
 
 def chunk_elements(itemsize: int) -> int:

@@ -29,6 +29,7 @@ from gradsync.daemon.core.plans import (
     ROOTED,
     chunk_count,
 )
+from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.local import LocalRuns
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
@@ -56,6 +57,10 @@ log = logging.getLogger("gradsync.daemon")
 
 MAX_LOCAL_RANKS = 1024
 MAX_WORLD_SIZE = 1 << 20
+#: How long past a fast-path key's deadline the daemon waits for the ranks that
+#: published it there to follow it to the socket, so that all get one error.
+_FAST_FOLLOW_S = 2.0
+_FAST_FOLLOW_POLL_S = 0.002
 
 
 class GradsyncService:
@@ -82,6 +87,9 @@ class GradsyncService:
         self.runs = LocalRuns(state, loop, self.buffers, self.executor, self.stats, self.trace)
         #: Reduction work inline or on the pool (the inter-daemon phase uses it too).
         self.run_call = self.runs.run_call
+        #: The single-node jobs' shared-memory fast path.
+        self.fast = FastPages(self.buffers, config.fast_path_bytes, loop)
+        state.fast_counters = self.fast.counters
 
     def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         """Serve multi-node jobs too: membership through `cluster`, the
@@ -106,6 +114,8 @@ class GradsyncService:
         reason = "disconnected" if session.closed_cleanly else "died (connection lost)"
         was_broken = job.broken is not None
         failed = job.remove_member(session.rank, reason)
+        if job.broken is not None:
+            self.fast.break_job(job.name)
         for pending in failed:
             self.runs.fail(pending, job.broken or JobError(f"{job.describe()} broke"))
         if not was_broken and session.closed_cleanly and not failed:
@@ -122,6 +132,7 @@ class GradsyncService:
                 job.describe(), reason)
         if not job.members:
             del self.jobs[job.name]
+            self.fast.release(job.name)
             log.info("%s ended (no members left)", job.describe())
 
     # -- dispatch -----------------------------------------------------------
@@ -206,16 +217,28 @@ class GradsyncService:
                 "this daemon has none (start it with --listen and --peers)"
             )
         job = self.jobs.get(job_name)
+        forming = job is None
         if job is None:
             job = Job(job_name, world, local_world, self.loop)
         job.check_compatible(world, local_world)
         job.add_member(Member(rank, local_rank, message["pid"], session.session_id))
         self.jobs[job_name] = job
+        if forming and not job.multi_node:
+            self._create_fast_page(job)
         session.job_name, session.rank, session.pid = job_name, rank, message["pid"]
-        session.reply(messages.ok_reply(message["id"], **self._identity()))
+        fast_page = self.fast.describe(job_name)
+        extra = {} if fast_page is None else {"fast_page": fast_page}
+        session.reply(messages.ok_reply(message["id"], **self._identity(), **extra))
         log.debug("rank %d (pid %d) joined %s", rank, message["pid"], job.describe())
         if job.multi_node and len(job.members) == job.local_world_size and self.cluster:
             self.cluster.local_complete(job)
+
+    def _create_fast_page(self, job: Job) -> None:
+        """The job's fast page; without one (no room) the job simply runs on sockets."""
+        try:
+            self.fast.create(job.name, job.local_world_size, job.describe())
+        except (ShmExhaustedError, OSError) as exc:
+            log.warning("%s runs without the shared-memory fast path: %s", job.describe(), exc)
 
     def _alloc(self, session: ClientSession, message: Message) -> None:
         nbytes = message["nbytes"]
@@ -317,6 +340,7 @@ class GradsyncService:
 
     def _allreduce(self, session: ClientSession, message: Message) -> None:
         job = self.jobs[session.job_name or ""]
+        self.fast.note_socket(job.name, session.rank or 0, message["key"])
         dtype_name, count = message["dtype"], message["count"]
         dtype = self._dtype(message)
         op = self._op(message["op"], dtype_name)
@@ -336,7 +360,10 @@ class GradsyncService:
             respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=self._timeout(message),
         )
-        ready = self._submit(job, message["key"], submission)
+        waited_s = message.get("waited_s") or 0.0
+        if not (waited_s >= 0 and math.isfinite(waited_s)):
+            raise InvalidArgumentError(f"waited_s must be >= 0 and finite, got {waited_s}")
+        ready = self._submit(job, message["key"], submission, float(waited_s))
         if ready is None:
             return
         self.runs.start_allreduce(job, ready, op)
@@ -344,6 +371,7 @@ class GradsyncService:
     def _collective(self, session: ClientSession, message: Message) -> None:
         """broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all."""
         job = self.jobs[session.job_name or ""]
+        self.fast.note_socket(job.name, session.rank or 0, message["key"])
         kind = message["collective"]
         if kind not in KINDS:
             raise InvalidArgumentError(
@@ -384,21 +412,32 @@ class GradsyncService:
             return
         self.runs.start_collective(job, ready, kind, op, root, chunk, dtype)
 
-    def _submit(self, job: Job, key: Any, submission: Submission) -> PendingCollective | None:
-        """Match a submission; the collective once all local ranks are in and agree."""
+    def _submit(
+        self, job: Job, key: Any, submission: Submission, waited_s: float = 0.0
+    ) -> PendingCollective | None:
+        """Match a submission; the collective once all local ranks are in and agree.
+
+        `waited_s`: how long the submitter already waited for this key on the
+        fast path; its deadline counts from then, as if it had come here first.
+        """
         ready = job.submit(key, submission)
         if ready is None:
             pending = job.pending[key]
-            # The earliest deadline any submitter asked for wins.  The first one's
-            # counts from its submission: exactly its timeout_s, which errors quote.
-            waited = time.monotonic() - pending.first_seen if pending.timer else 0.0
-            deadline_s = waited + submission.timeout_s
+            if pending.timer is None and waited_s > 0:
+                pending.first_seen -= waited_s
+            # The earliest deadline any submitter asked for wins; the first one's
+            # counts from its submission (on the fast path, if it began there).
+            remaining_s = max(0.0, submission.timeout_s - waited_s)
+            deadline_s = (
+                time.monotonic() - pending.first_seen + remaining_s if pending.timer
+                else submission.timeout_s  # exactly its timeout_s, which errors quote
+            )
             if pending.timer is None or deadline_s < pending.deadline_s:
                 if pending.timer is not None:
                     pending.timer.cancel()
                 pending.deadline_s = deadline_s
                 pending.timer = self.loop.call_later(
-                    submission.timeout_s, self._expire, job.name, key
+                    remaining_s, self._expire, job.name, key
                 )
             return None
         if ready.timer is not None:
@@ -445,6 +484,17 @@ class GradsyncService:
 
     def _expire(self, job_name: str, key: Any) -> None:
         job = self.jobs.get(job_name)
+        pending = job.pending.get(key) if job else None
+        if pending is not None and pending.timer is not None:
+            # Ranks that published the key on the fast path follow a withdrawal to the
+            # socket within milliseconds: wait for them, so that all get one error.
+            coming = self.fast.fast_ranks(job_name, key) - set(pending.submissions)
+            overdue = time.monotonic() - pending.first_seen - pending.deadline_s
+            if coming and overdue < _FAST_FOLLOW_S:
+                pending.timer = self.loop.call_later(
+                    _FAST_FOLLOW_POLL_S, self._expire, job_name, key
+                )
+                return
         expired = job.expire(key) if job else None
         if expired is not None:
             pending, error = expired
@@ -454,6 +504,7 @@ class GradsyncService:
     def shut_down(self) -> None:
         """Fail everything in flight, unlink every segment."""
         self.state.shutting_down = True
+        self.fast.close_all()  # ranks waiting on a fast page come to the socket
         error = DaemonShuttingDownError("daemon shutting down")
         for job in list(self.jobs.values()):
             pendings = list(job.pending.values())

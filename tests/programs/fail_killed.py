@@ -7,6 +7,8 @@ blocks until the test SIGKILLs it.
 Rank 0 submits an all_reduce, prints `{"submitted": ...}`, then waits at most
 argv[1] seconds (a local bound, so a missing error shows as a local timeout,
 never a hang) and prints the error it got with a CLOCK_MONOTONIC timestamp.
+With `--sync` it makes a synchronous call instead (with argv[1] as its
+collective timeout), which waits on the job's fast page.
 """
 
 from __future__ import annotations
@@ -39,16 +41,22 @@ def rank1(fork_holder: bool) -> int:
         signal.pause()
 
 
-def rank0(wait_s: float) -> int:
-    with Client() as client:
+def rank0(wait_s: float, sync: bool) -> int:
+    with Client(timeout_s=wait_s if sync else None) as client:
         array = client.empty(1000, np.float32)
         array[...] = 1
-        work = client.all_reduce(array, async_op=True)
-        assert work is not None
-        print(json.dumps({"submitted": os.getpid()}), flush=True)
+        if sync:
+            print(json.dumps({"submitted": os.getpid()}), flush=True)
+        else:
+            work = client.all_reduce(array, async_op=True)
+            assert work is not None
+            print(json.dumps({"submitted": os.getpid()}), flush=True)
         record: dict[str, object] = {"rank": 0}
         try:
-            work.wait(timeout=wait_s)
+            if sync:
+                client.all_reduce(array)
+            else:
+                work.wait(timeout=wait_s)
             record["error"] = None
         except GradsyncError as exc:
             record["error"] = type(exc).__name__
@@ -65,7 +73,7 @@ def main() -> int:
     fork_holder = "--fork-holder" in sys.argv
     if int(os.environ["RANK"]) == 1:
         return rank1(fork_holder)
-    return rank0(wait_s)
+    return rank0(wait_s, "--sync" in sys.argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""A rank's side of the shared-memory fast path (the rules: protocol/fastpath.py).
+
+A small synchronous allreduce of a single-node job runs here, without the
+socket: write the data into this rank's slot, publish the key, wait (a short
+spin, then asleep on the page's futex) until every rank has published it,
+and reduce all slots in rank order into the caller's array.  Whenever the key
+cannot end here (a peer sent it over the socket, a fingerprint differs, the
+job broke, the deadline passed, the daemon went away) the rank withdraws it
+and the caller sends it over the socket, where the daemon gives the answer it
+always gives: so errors are the socket path's, word for word.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from gradsync.client.connection import Connection
+from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.fastpath import (
+    BUFFERS_PER_SLOT,
+    COMPLETED,
+    DONE,
+    FALLBACKS,
+    LAYOUT_VERSION,
+    NOTHING,
+    PUBLISHED,
+    SOCKET,
+    WITHDRAWN,
+    FastPage,
+    Print,
+    page_bytes,
+)
+from gradsync.protocol.reduction import reduce_in_rank_order
+from gradsync.protocol.shm import segment_path
+
+#: How long a waiting rank spins before it sleeps on the futex, when every rank
+#: of the job can have a core of its own (otherwise it sleeps at once: a spinning
+#: rank would hold the core its late peer needs).
+SPIN_S = 200e-6
+#: The longest single sleep: between sleeps a waiter checks its deadline and the daemon.
+SLEEP_S = 0.01
+#: Polling steps while waiting for peers to finish reading a buffer about to be reused.
+_REUSE_POLL_S = (20e-6, 1e-3)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count() or 1
+
+
+class FastPath:
+    """One client's use of its job's fast page."""
+
+    def __init__(
+        self, connection: Connection, rank: int, ranks: int, offer: Mapping[str, Any]
+    ) -> None:
+        if offer.get("layout") != LAYOUT_VERSION:
+            raise ValueError(f"fast page layout {offer.get('layout')!r}, this client "
+                             f"knows {LAYOUT_VERSION}")
+        name, nbytes, limit = str(offer["name"]), int(offer["nbytes"]), int(offer["limit"])
+        if nbytes < page_bytes(ranks, limit):
+            raise ValueError(f"fast page of {nbytes} bytes is too small")
+        fd = os.open(segment_path(name), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.page = FastPage(mapping, fd, ranks, limit)
+            self.page.check()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._mapping = mapping
+        self._connection = connection
+        self.rank = rank
+        self.limit = limit
+        #: Held for a whole fast collective: one rank publishes its keys in order.
+        self.lock = threading.Lock()
+        self._next = 0
+        #: Per buffer: the key last published from it, and whether peers read it then.
+        self._buffers: list[tuple[int, bool]] = [(NOTHING, False)] * BUFFERS_PER_SLOT
+        self._spin_s = SPIN_S if ranks <= _cores() else 0.0
+
+    def close(self) -> None:
+        page = self.page
+        page.close()
+        os.close(page.fd)
+        self._mapping.close()
+
+    # -- one collective -------------------------------------------------------------
+
+    def all_reduce(
+        self, array: np.ndarray, fingerprint: Print, op: ReduceOp, key: int, timeout_s: float
+    ) -> float | None:
+        """Reduce `array` in place on the page: None when done, else the seconds
+        waited before the key must go over the socket (call with `lock` held)."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        page, me = self.page, self.rank
+        flat = array.reshape(-1)
+        index = self._next
+        if page.broken or not self._reusable(index, deadline):
+            return self._left(started, key)
+        np.copyto(page.data(me, index, flat.dtype, flat.size), flat)
+        page.set_buffer_print(me, index, fingerprint)
+        if self._connection.daemon_gone():
+            return self._left(started, key)
+        with page.locked():
+            refused = page.broken or page.withdrawn(key)
+            if not refused:
+                page.set_buffer_key(me, index, key)
+                page.set_word(me, PUBLISHED, key)
+                page.bump_bell()
+        if refused:
+            return self._left(started, key)
+        page.wake()
+        self._next = (index + 1) % BUFFERS_PER_SLOT
+        self._buffers[index] = (key, False)
+        indices = self._wait(key, deadline)
+        if indices is None:
+            return self._left(started, key)
+        self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
+        prints = [page.buffer_print(rank, i) for rank, i in enumerate(indices)]
+        if any(other != fingerprint for other in prints):
+            return self._left(started, key)  # every rank sees it: all go to the socket
+        inputs = [page.data(rank, i, flat.dtype, flat.size) for rank, i in enumerate(indices)]
+        reduce_in_rank_order(flat, inputs, op)
+        page.set_word(me, DONE, key)
+        page.set_word(me, COMPLETED, page.word(me, COMPLETED) + 1)
+        return None
+
+    def _left(self, started: float, key: int) -> float:
+        """The key leaves the page: note it, say how long it waited here."""
+        page, me = self.page, self.rank
+        page.set_word(me, DONE, max(key, page.word(me, DONE)))
+        page.set_word(me, FALLBACKS, page.word(me, FALLBACKS) + 1)
+        return time.monotonic() - started
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def _wait(self, key: int, deadline: float) -> list[int] | None:
+        """Every rank's buffer index once all published `key`; None if it cannot end here."""
+        page = self.page
+        spin_until = time.monotonic() + self._spin_s
+        sleeping = False
+        try:
+            while True:
+                bell = page.bell.value  # before the checks: a change after them rings it
+                indices = page.all_published(key)
+                if indices is not None:
+                    return indices
+                if page.broken or page.withdrawn(key):
+                    return None
+                now = time.monotonic()
+                if now >= deadline or self._peer_left(key) or (
+                    sleeping and self._connection.daemon_gone()
+                ):
+                    return self._withdraw(key)
+                if now < spin_until:
+                    continue
+                if not sleeping:
+                    with page.locked():
+                        page.add_sleeper(1)
+                    sleeping = True
+                    continue  # look once more before sleeping: a change may predate this
+                page.bell.wait(bell, min(SLEEP_S, deadline - now))
+        finally:
+            if sleeping:
+                with page.locked():
+                    page.add_sleeper(-1)
+
+    def _peer_left(self, key: int) -> bool:
+        """A peer that moved on without publishing `key`: it took the socket."""
+        page = self.page
+        for rank in range(page.ranks):
+            if rank == self.rank or page.published_index(rank, key) is not None:
+                continue
+            if page.word(rank, SOCKET) >= key or page.word(rank, PUBLISHED) > key:
+                return True
+        return False
+
+    def _withdraw(self, key: int) -> list[int] | None:
+        """Take `key` back, unless every rank has published it meanwhile."""
+        page, me = self.page, self.rank
+        with page.locked():
+            indices = page.all_published(key)
+            if indices is None:
+                page.set_word(me, WITHDRAWN, key)
+                # Unpublish too: a later reader must not take this buffer for `key`.
+                for index in range(BUFFERS_PER_SLOT):
+                    if page.buffer_key(me, index) == key:
+                        page.set_buffer_key(me, index, NOTHING)
+                        self._buffers[index] = (NOTHING, False)
+                page.bump_bell()
+        page.wake()
+        return indices
+
+    def _reusable(self, index: int, deadline: float) -> bool:
+        """Whether this rank's buffer `index` is free to write (peers done reading it)."""
+        key, read = self._buffers[index]
+        if not read:
+            return True
+        page, delay = self.page, _REUSE_POLL_S[0]
+        while True:
+            if all(page.word(rank, DONE) >= key
+                   for rank in range(page.ranks) if rank != self.rank):
+                self._buffers[index] = (NOTHING, False)
+                return True
+            if page.broken or time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, _REUSE_POLL_S[1])

@@ -1,0 +1,179 @@
+"""The daemon's side of the shared-memory fast path (protocol/fastpath.py).
+
+Each single-node job gets a fast page when it forms; its ranks then run small
+synchronous allreduces among themselves.  The daemon only keeps the page
+honest: it notes which key each rank sent over the socket (so that waiting
+ranks follow it there), breaks the page when the job breaks or the daemon
+stops (so that waiting ranks come to the socket and get the job's error),
+and reads the ranks' counters for the statistics.  It never waits on the
+page's lock: when a rank holds it, the daemon retries a moment later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from gradsync.daemon.backends import Buffers, Slab
+from gradsync.protocol import futex
+from gradsync.protocol.fastpath import (
+    COMPLETED,
+    FALLBACKS,
+    LAYOUT_VERSION,
+    SOCKET,
+    WITHDRAWN,
+    FastPage,
+    page_bytes,
+)
+from gradsync.protocol.shm import segment_path
+
+log = logging.getLogger("gradsync.daemon")
+
+#: How soon the daemon tries again for a page whose lock a rank holds.
+_LOCK_RETRY_S = 0.0002
+#: How long `close_all` (the daemon stopping) tries for each page's lock.
+_STOP_LOCK_S = 0.5
+
+
+@dataclasses.dataclass
+class _Entry:
+    slab: Slab
+    page: FastPage
+
+
+class FastPages:
+    """The fast pages of one daemon's single-node jobs, by job name."""
+
+    def __init__(self, buffers: Buffers, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.buffers = buffers
+        self.limit = limit if futex.supported() else 0
+        self.loop = loop
+        self._pages: dict[str, _Entry] = {}
+        #: Counters of pages already released (jobs that ended).
+        self._retired_collectives = 0
+        self._retired_fallbacks = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+    def create(self, job_name: str, ranks: int, owner: str) -> dict[str, Any] | None:
+        """A fresh page for a job that forms; what its clients need to map it."""
+        if not self.enabled:
+            return None
+        nbytes = page_bytes(ranks, self.limit)
+        slab = self.buffers.allocate(nbytes, f"the fast page of {owner}", {})
+        segment = slab.handle  # a host segment: its name and mapping
+        fd = os.open(segment_path(segment.name), os.O_RDWR | os.O_CLOEXEC)
+        page = FastPage(segment.mapping, fd, ranks, self.limit)
+        page.format()
+        self._pages[job_name] = _Entry(slab, page)
+        return self.describe(job_name)
+
+    def describe(self, job_name: str) -> dict[str, Any] | None:
+        entry = self._pages.get(job_name)
+        if entry is None:
+            return None
+        return {"name": entry.slab.handle.name,
+                "nbytes": entry.slab.nbytes, "limit": entry.page.limit,
+                "layout": LAYOUT_VERSION}
+
+    def note_socket(self, job_name: str, rank: int, key: Any) -> None:
+        """A rank sent `key` over the socket: waiters on the page follow it there."""
+        entry = self._pages.get(job_name)
+        if entry is None or not isinstance(key, int) or not 0 <= rank < entry.page.ranks:
+            return
+        page = entry.page
+        if key > page.word(rank, SOCKET):
+            page.set_word(rank, SOCKET, key)
+        # The bell only if the lock is free: a rank holding it rings the bell itself.
+        if page.try_lock():
+            try:
+                page.bump_bell()
+            finally:
+                page.unlock()
+            page.wake()
+
+    def fast_ranks(self, job_name: str, key: Any) -> set[int]:
+        """Ranks that published (or withdrew) `key` on the page: they are on their way."""
+        entry = self._pages.get(job_name)
+        if entry is None or not isinstance(key, int):
+            return set()
+        page = entry.page
+        return {
+            rank for rank in range(page.ranks)
+            if page.published_index(rank, key) is not None
+            or page.word(rank, WITHDRAWN) == key
+        }
+
+    def break_job(self, job_name: str) -> None:
+        """Refuse further publications: every waiting rank goes to the socket."""
+        entry = self._pages.get(job_name)
+        if entry is not None:
+            self._break(entry)
+
+    def _break(self, entry: _Entry) -> None:
+        if entry.page.broken or all(entry is not e for e in self._pages.values()):
+            return  # broken already, or released (a job of the same name may be newer)
+        if not entry.page.try_lock():
+            self.loop.call_later(_LOCK_RETRY_S, self._break, entry)
+            return
+        self._set_broken(entry.page)
+
+    @staticmethod
+    def _set_broken(page: FastPage, stopping: bool = False) -> None:
+        try:
+            page.set_broken(stopping)
+            page.bump_bell()
+        finally:
+            page.unlock()
+        page.wake()
+
+    def release(self, job_name: str) -> None:
+        """The job ended: count its page's work, unmap and unlink the page."""
+        entry = self._pages.pop(job_name, None)
+        if entry is None:
+            return
+        collectives, fallbacks = self._counts(entry.page)
+        self._retired_collectives += collectives
+        self._retired_fallbacks += fallbacks
+        os.close(entry.page.fd)
+        entry.page.close()
+        self.buffers.release(entry.slab.segment_id)
+
+    def close_all(self) -> None:
+        """The daemon stops: break every page (waiting for a rank's lock briefly)."""
+        for job_name, entry in list(self._pages.items()):
+            deadline = time.monotonic() + _STOP_LOCK_S
+            while not entry.page.try_lock():
+                if time.monotonic() > deadline:
+                    log.warning("fast page of job %r stayed locked; stopping anyway", job_name)
+                    break
+                time.sleep(_LOCK_RETRY_S)
+            else:
+                self._set_broken(entry.page, stopping=True)
+            self.release(job_name)
+
+    @staticmethod
+    def _counts(page: FastPage) -> tuple[int, int]:
+        """(collectives completed on the page, collectives that left it for the socket).
+
+        Every rank counts each collective it ran; the most any rank counted
+        is the job's (a rank that left early counted fewer).
+        """
+        collectives = max((page.word(r, COMPLETED) for r in range(page.ranks)), default=0)
+        fallbacks = max((page.word(r, FALLBACKS) for r in range(page.ranks)), default=0)
+        return collectives, fallbacks
+
+    def counters(self) -> dict[str, int]:
+        collectives, fallbacks = self._retired_collectives, self._retired_fallbacks
+        for entry in self._pages.values():
+            done, left = self._counts(entry.page)
+            collectives += done
+            fallbacks += left
+        return {"fast_path_collectives": collectives, "fast_path_fallbacks": fallbacks,
+                "fast_path_jobs": len(self._pages)}

@@ -1,0 +1,165 @@
+"""The shared-memory fast path for small synchronous allreduces of one node.
+
+Results equal the socket path's bit for bit around the size limit, the
+statistics say which path ran, a rank waiting for a late peer sleeps, the
+daemon idles, and a daemon that stops or dies reaches a waiting rank as it
+does on the socket path.  (Mismatch, timeout and dead-rank errors on both
+paths: tests/test_failures.py, parametrized by path.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess, poll_until, run_ranks
+from gradsync.client import Client, DaemonShuttingDownError, DaemonUnavailableError
+from gradsync.client.ping import query
+from gradsync.protocol.fastpath import PUBLISHED
+
+StartDaemon = Callable[..., DaemonProcess]
+LIMIT = 4096
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def counters(daemon: DaemonProcess) -> dict[str, int]:
+    return query(daemon.endpoint, 10.0)["counters"]  # type: ignore[no-any-return]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4])
+def test_around_the_limit_both_paths_agree_bit_for_bit_and_the_counters_say_which_ran(
+    start_daemon: StartDaemon, nranks: int
+) -> None:
+    daemon = start_daemon("--fast-path-bytes", str(LIMIT))
+    digests = {}
+    for path in ("fast", "socket"):
+        before = counters(daemon)
+        env = {"GRADSYNC_FAST_PATH": "1" if path == "fast" else "0"}
+        results = run_ranks(daemon.endpoint, "fast_path_matrix.py", nranks, [str(LIMIT)],
+                            job=f"limit-{path}", env=env, timeout_s=100)
+        summaries = [result.records()[-1] for result in results]
+        assert all(s["failures"] == 0 for s in summaries), [r.stdout for r in results]
+        digests[path] = {s["digest"] for s in summaries}
+        assert len(digests[path]) == 1, f"ranks disagree on the {path} path: {summaries}"
+        after = counters(daemon)
+        small, checked = int(summaries[0]["small"]), int(summaries[0]["checked"])
+        assert 0 < small < checked
+        fast = after["fast_path_collectives"] - before["fast_path_collectives"]
+        socket_runs = after["collectives"] - before["collectives"]
+        if path == "fast":
+            assert (fast, socket_runs) == (small, checked - small)
+        else:
+            assert (fast, socket_runs) == (0, checked)
+        assert after["fast_path_fallbacks"] == before["fast_path_fallbacks"]
+    assert digests["fast"] == digests["socket"]
+    daemon.assert_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_for_a_late_peer_sleeps_and_the_daemon_idles(
+    daemon: DaemonProcess,
+) -> None:
+    first, second = (Client(daemon.endpoint, job="late", rank=r, world_size=2)
+                     for r in range(2))
+    try:
+        assert first._fast is not None and second._fast is not None
+        a, b = np.full(256, 1.0), np.full(256, 2.0)
+        waiter = threading.Thread(target=first.all_reduce, args=(a,))
+        daemon_cpu, own_cpu, started = cpu_seconds(daemon.pid), time.process_time(), \
+            time.monotonic()
+        waiter.start()
+        time.sleep(2.0)  # what is measured: two seconds of waiting
+        own_used = time.process_time() - own_cpu
+        daemon_used = cpu_seconds(daemon.pid) - daemon_cpu
+        waited = time.monotonic() - started
+        second.all_reduce(b)
+        waiter.join(10)
+        assert not waiter.is_alive()
+        np.testing.assert_array_equal(a, np.full(256, 3.0))
+        np.testing.assert_array_equal(b, a)
+        # Clock ticks are 10 ms: 1 % of two seconds is two of them.
+        assert daemon_used <= 0.01 * waited + 1 / _TICKS, daemon_used
+        assert own_used <= 0.05 * waited, own_used
+        assert counters(daemon)["fast_path_collectives"] == 1
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_on_the_socket_brings_the_fast_waiter_along(daemon: DaemonProcess) -> None:
+    """Rank 0 waits on the page, rank 1 sends the same key asynchronously: both
+    end over the socket with the right result."""
+    first, second = (Client(daemon.endpoint, job="mixed", rank=r, world_size=2)
+                     for r in range(2))
+    try:
+        a, b = np.full(64, 1.0, np.float32), np.full(64, 5.0, np.float32)
+        waiter = threading.Thread(target=first.all_reduce, args=(a,))
+        waiter.start()
+        assert first._fast is not None
+        poll_until(lambda: first._fast.page.word(0, PUBLISHED) == 0, 10, "rank 0 publishes")
+        work = second.all_reduce(b, async_op=True)
+        assert work is not None and work.wait()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        np.testing.assert_array_equal(a, np.full(64, 6.0, np.float32))
+        np.testing.assert_array_equal(b, a)
+        seen = counters(daemon)
+        assert (seen["fast_path_fallbacks"], seen["collectives"]) == (1, 1)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+def test_a_daemon_that_stops_reaches_the_rank_waiting_on_its_page(
+    start_daemon: StartDaemon, stop: str
+) -> None:
+    daemon = start_daemon()
+    client = Client(daemon.endpoint, job="orphan", rank=0, world_size=2)
+    errors: list[BaseException] = []
+    array = np.full(512, 7, np.int32)
+
+    def wait() -> None:
+        try:
+            client.all_reduce(array)
+        except BaseException as exc:  # kept for the assertions below
+            errors.append(exc)
+
+    try:
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        assert client._fast is not None
+        poll_until(lambda: client._fast.page.word(0, PUBLISHED) == 0, 10, "rank 0 publishes")
+        stopped_at = time.monotonic()
+        daemon.process.send_signal(signal.SIGTERM if stop == "sigterm" else signal.SIGKILL)
+        waiter.join(20)
+        assert not waiter.is_alive()
+        assert time.monotonic() - stopped_at < 5.0
+        (error,) = errors
+        assert isinstance(error, DaemonUnavailableError), repr(error)
+        if stop == "sigterm":
+            assert isinstance(error, DaemonShuttingDownError), repr(error)
+        else:
+            assert not isinstance(error, DaemonShuttingDownError), repr(error)
+            daemon.process.wait()
+        np.testing.assert_array_equal(array, np.full(512, 7, np.int32))
+    finally:
+        client.close()
+    if stop == "sigterm":
+        assert daemon.process.wait(20) == 0, daemon.log()
