@@ -8,8 +8,11 @@ decrypting into preallocated buffers (`encrypt_into`/`decrypt_into`, what the
 data streams use), AES-256-GCM allocating its output (`encrypt`/`decrypt`),
 the low-level `Cipher(AES, GCM).decryptor().update_into` path, a numpy copy
 for scale, and TLS 1.3 (Python's `ssl`, AES-256-GCM, 16 KiB records) through
-memory BIOs, the other way to encrypt a stream.  `interdaemon.py` records the
-same figures beside its CURVE cells.
+memory BIOs, the other way to encrypt a stream.  `--no-aes-ni` adds the two
+AEADs with OpenSSL told (`OPENSSL_ia32cap`) that the CPU has no AES or
+carry-less multiply instructions: what a CPU without them gets, and why the data streams fall back
+to ChaCha20-Poly1305 there.  `interdaemon.py` records the same figures
+beside its CURVE cells.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import ssl
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +33,11 @@ import numpy as np
 
 KIB = 1024
 SIZES = (64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB)
+#: OPENSSL_ia32cap: clear AES-NI (bit 57) and PCLMULQDQ (bit 33) of the first word
+#: and VAES (41) and VPCLMULQDQ (42) of the second, keeping every other flag (AVX2,
+#: which ChaCha20 uses), so OpenSSL takes its software AES and GHASH, as on a CPU
+#: without AES instructions.  (A first word alone would zero the second.)
+NO_AES_NI = "~0x200000200000000:~0x60000000000"
 
 
 def _rate(step: Callable[[], object], nbytes: int, budget_s: float) -> float:
@@ -60,19 +71,11 @@ def _rows_for(
     size: int, key: bytes, nonce: bytes, budget_s: float
 ) -> list[tuple[str, int, float, float]]:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    rows: list[tuple[str, int, float, float]] = []
+    rows = _aead_rows(size, key, nonce, budget_s)
     data = os.urandom(size)
-    sealed, opened = bytearray(size + 16), bytearray(size)
-    for name, cipher in (("AES-256-GCM", AESGCM(key)),
-                         ("ChaCha20-Poly1305", ChaCha20Poly1305(key))):
-        cipher.encrypt_into(nonce, data, None, sealed)
-        encrypt = _rate(lambda c=cipher: c.encrypt_into(nonce, data, None, sealed),
-                        size, budget_s)
-        decrypt = _rate(lambda c=cipher: c.decrypt_into(nonce, sealed, None, opened),
-                        size, budget_s)
-        rows.append((f"{name} *_into", size, encrypt, decrypt))
+    sealed = bytearray(size + 16)
     aes = AESGCM(key)
     whole = aes.encrypt(nonce, data, None)
     rows.append(("AES-256-GCM allocating", size,
@@ -100,6 +103,48 @@ def _rows_for(
     copy = _rate(lambda: np.copyto(target, source), size, budget_s)
     rows.append(("numpy copy (for scale)", size, copy, copy))
     return rows
+
+
+def _aead_rows(
+    size: int, key: bytes, nonce: bytes, budget_s: float
+) -> list[tuple[str, int, float, float]]:
+    """AES-256-GCM and ChaCha20-Poly1305 into preallocated buffers (as the streams)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+    rows: list[tuple[str, int, float, float]] = []
+    data = os.urandom(size)
+    sealed, opened = bytearray(size + 16), bytearray(size)
+    for name, cipher in (("AES-256-GCM", AESGCM(key)),
+                         ("ChaCha20-Poly1305", ChaCha20Poly1305(key))):
+        cipher.encrypt_into(nonce, data, None, sealed)
+        encrypt = _rate(lambda c=cipher: c.encrypt_into(nonce, data, None, sealed),
+                        size, budget_s)
+        decrypt = _rate(lambda c=cipher: c.decrypt_into(nonce, sealed, None, opened),
+                        size, budget_s)
+        rows.append((f"{name} *_into", size, encrypt, decrypt))
+    return rows
+
+
+def measure_without_aes_ni(
+    size: int = 1024 * KIB, budget_s: float = 0.3
+) -> list[tuple[str, int, float, float]]:
+    """The AEAD rows in a child whose OpenSSL believes the CPU lacks AES-NI and
+    PCLMULQDQ (x86 only: elsewhere, or if the child fails, no rows)."""
+    from gradsync.daemon.peers.stream_crypto import has_aes_instructions
+
+    if not has_aes_instructions() or os.uname().machine not in ("x86_64", "i686"):
+        return []
+    env = {**os.environ, "OPENSSL_ia32cap": NO_AES_NI}
+    command = [sys.executable, "-m", "benchmarks.aead", "--aead-json", str(size),
+               "--budget-s", str(budget_s)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True,
+                              timeout=120)
+        rows = json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
+    return [(f"{method} (AES-NI masked)", int(nbytes), float(enc), float(dec))
+            for method, nbytes, enc, dec in rows]
 
 
 def measure_tls(budget_s: float = 0.3) -> tuple[float, float] | None:
@@ -172,8 +217,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-s", type=float, default=0.3,
                         help="timed seconds per method and size (default 0.3)")
+    parser.add_argument("--no-aes-ni", action="store_true",
+                        help="also the AEADs with AES-NI masked (1 MiB records)")
+    parser.add_argument("--aead-json", type=int, metavar="BYTES",
+                        help=argparse.SUPPRESS)  # the child of measure_without_aes_ni
     args = parser.parse_args(argv)
-    print(format_table(measure_aead(budget_s=args.budget_s)))
+    if args.aead_json:
+        rows = _aead_rows(args.aead_json, os.urandom(32), os.urandom(12), args.budget_s)
+        print(json.dumps(rows))
+        return 0
+    rows = measure_aead(budget_s=args.budget_s)
+    if args.no_aes_ni:
+        rows += measure_without_aes_ni(budget_s=args.budget_s)
+    print(format_table(rows))
     return 0
 
 

@@ -1,23 +1,24 @@
 """Allreduce between daemons, nccl-tests style: every algorithm, torch gloo, raw pyzmq.
 
     python -m benchmarks.interdaemon [--nproc 2,4] [--placements loopback,netns]
-                                     [--out benchmarks/RESULTS.md]
+                                     [--encryption-only] [--out benchmarks/RESULTS.md]
 
 For every placement (127.0.0.1, or one network namespace per node) and every
 number of nodes M, it starts M `gradsyncd`s that peer over TCP, one rank per
 daemon, and measures float32 sum allreduce with `ring`, `tree`, `rhd`, `star`
 and `auto` side by side (the algorithms take turns at each size); then torch
 gloo with one process per node over the same network, and raw pyzmq TCP
-throughput between the same addresses (one way, and a ring exchange).  On
-127.0.0.1 it also times `ring` at 16 and 64 MiB over CURVE links (sealed data
-streams) against --insecure ones for every M, beside gloo at the same sizes,
-and records the raw AEAD throughput per core (benchmarks/aead.py) of the same
-run.  `auto`'s choices, and the link costs it priced each size with, are read
-from every daemon's statistics before it stops.  Prints
-the tables; with --out, writes them as the "interdaemon" section of
-RESULTS.md (the rest of the file is kept).  Run from the repository root;
-the ranks run `python -m benchmarks.rank_worker` (and `benchmarks.raw_zmq`).
-See README.md.
+throughput between the same addresses (one way, and a ring exchange).  At
+every placement it also times `ring` at 16 and 64 MiB over CURVE links (sealed
+data streams) against --insecure ones for every M, beside gloo at the same
+sizes, and records the raw AEAD throughput per core (benchmarks/aead.py) of
+the same run; `--encryption-only` runs just those cells (and gloo at those
+sizes) and writes them as the "interdaemon-encryption" section.  `auto`'s
+choices, and the link costs it priced each size with, are read from every
+daemon's statistics before it stops.  Prints the tables; with --out, writes
+them as the "interdaemon" section of RESULTS.md (the rest of the file is
+kept).  Run from the repository root; the ranks run `python -m
+benchmarks.rank_worker` (and `benchmarks.raw_zmq`).  See README.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -63,6 +65,8 @@ from benchmarks.report import ContenderRun, load_rank_files, merge_ranks
 DEFAULT_SIZES = (4 << 10, 64 << 10, MIB, 16 * MIB, 64 * MIB)
 CURVE_SIZES = (16 * MIB, 64 * MIB)
 PLACEMENTS = ("loopback", "netns", "shaped")
+#: A daemon's log line for an opened data stream, and how it is sealed.
+STREAM_OPEN = re.compile(r"data stream to \S+ open \(port \d+\), ([\w-]+)")
 
 
 def log(message: str) -> None:
@@ -87,6 +91,8 @@ class Settings:
     raw_rounds: int
     repeat: int
     shaped_rate: str = "2gbit"
+    #: Only the encryption cells: CURVE vs --insecure ring, gloo, AEAD rows.
+    encryption_only: bool = False
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -113,6 +119,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-raw", action="store_true", help="skip the raw pyzmq probes")
     parser.add_argument("--no-curve", action="store_true",
                         help="skip the CURVE vs --insecure comparison")
+    parser.add_argument("--encryption-only", action="store_true",
+                        help="only ring at 16 and 64 MiB over CURVE and --insecure, gloo at "
+                        "those sizes, and the raw AEAD rows; --out then writes the "
+                        "'interdaemon-encryption' section")
     parser.add_argument("--out", metavar="RESULTS.md",
                         help="also write the report as the 'interdaemon' section of this file")
     parser.add_argument("--budget-s", type=float, default=0.6,
@@ -175,6 +185,8 @@ class ClusterInfo:
     picks: AutoPicks = dataclasses.field(default_factory=AutoPicks)
     links: list[LinkProbe] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
+    #: How the data streams were sealed, from the daemons' stream-open log lines.
+    ciphers: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -294,6 +306,7 @@ def run_gradsync(
         background = meter.foreign_cores()
         logs = [d.log() for d in daemons]
         info.links = parse_links(logs)
+        info.ciphers = {cipher for text in logs for cipher in STREAM_OPEN.findall(text)}
         info.picks = picks_from_stats(_snapshots(daemons, info.problems), job, nproc)
         if failure is not None:
             for index, daemon in enumerate(daemons):
@@ -415,21 +428,22 @@ def run_group(
     with _placement(placement, nproc, settings.shaped_rate) as topo:
         group.description = topo.description
         title = f"{placement}, M={nproc}" + (f", repeat {repeat}" if settings.repeat > 1 else "")
-        log(f"{title}: gradsync {', '.join(settings.algorithms)} ...")
-        runs, group.cluster = run_gradsync(
-            topo, settings, out_dir, algorithms=settings.algorithms, sizes=settings.sizes,
-            label="gradsync", policy=settings.policy,
-        )
-        group.runs += runs
-        _report_progress(title, runs)
+        if not settings.encryption_only:
+            log(f"{title}: gradsync {', '.join(settings.algorithms)} ...")
+            runs, group.cluster = run_gradsync(
+                topo, settings, out_dir, algorithms=settings.algorithms, sizes=settings.sizes,
+                label="gradsync", policy=settings.policy,
+            )
+            group.runs += runs
+            _report_progress(title, runs)
         if settings.gloo:
             log(f"{title}: torch gloo ...")
             group.runs.append(run_gloo(topo, settings, out_dir))
             _report_progress(title, group.runs[-1:])
-        if settings.raw:
+        if settings.raw and not settings.encryption_only:
             log(f"{title}: raw pyzmq ...")
             group.raw = run_raw(topo, settings, out_dir)
-        if settings.curve and placement == "loopback":
+        if settings.curve:
             curve_policy = dataclasses.replace(
                 settings.policy, budget_s=2 * settings.policy.budget_s,
                 min_samples=max(10, settings.policy.min_samples),
@@ -483,6 +497,10 @@ def _settings(args: argparse.Namespace) -> Settings | str:
         return f"algorithms must come from {ALGORITHMS}, got {algorithms}"
     if args.repeat < 1:
         return "--repeat must be at least 1"
+    if args.encryption_only:
+        if args.no_curve:
+            return "--encryption-only and --no-curve exclude each other"
+        sizes = CURVE_SIZES  # gloo's cells beside the encryption ones
     try:
         topology.check_rate(args.shaped_rate)
     except ValueError as exc:
@@ -498,6 +516,7 @@ def _settings(args: argparse.Namespace) -> Settings | str:
         raw=not args.no_raw, curve=not args.no_curve,
         raw_stream_bytes=(16 * MIB, 64 * MIB), raw_ring_bytes=(4 << 10, 16 * MIB, 64 * MIB),
         raw_rounds=args.raw_rounds, repeat=args.repeat, shaped_rate=args.shaped_rate,
+        encryption_only=args.encryption_only,
     )
 
 
@@ -530,11 +549,12 @@ def _main(argv: Sequence[str] | None) -> int:
     info = machine.describe()
     load_average = machine.load_average()
     aead_rows: list[tuple[str, int, float, float]] = []
-    if settings.curve and "loopback" in placements:
+    if settings.curve:
         from benchmarks import aead
 
         log("raw AEAD throughput, one core ...")
         aead_rows = aead.measure_aead(sizes=(1 << 20,), budget_s=0.3)
+        aead_rows += aead.measure_without_aes_ni(1 << 20, budget_s=0.3)
     run_dir = tempfile.mkdtemp(prefix="gsb-inter-", dir="/tmp")
     log(f"sizes {', '.join(format_size(s) for s in settings.sizes)}; M = {settings.nprocs}; "
         f"placements {', '.join(placements)}; scratch {run_dir}")
@@ -560,8 +580,19 @@ def _main(argv: Sequence[str] | None) -> int:
         aead_rows=aead_rows,
     )
     selected = report_mod.select_groups(groups)
-    print(report_mod.console(selected, settings.sizes, settings.algorithms, aead_rows))
-    if args.out:
+    if settings.encryption_only:
+        print(report_mod.render_encryption(description, selected, groups))
+        if args.out:
+            from benchmarks import results_file
+
+            results_file.write_section(args.out, "interdaemon-encryption",
+                                       report_mod.render_encryption(description, selected,
+                                                                    groups),
+                                       "benchmarks/interdaemon.py --encryption-only")
+            log(f"wrote the interdaemon-encryption section of {args.out}")
+    else:
+        print(report_mod.console(selected, settings.sizes, settings.algorithms, aead_rows))
+    if args.out and not settings.encryption_only:
         from benchmarks import results_file
 
         notes_text = results_file.existing_notes(

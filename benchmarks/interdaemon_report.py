@@ -313,7 +313,7 @@ def _worst_auto(
 
 
 def curve_table(groups: Sequence[Group]) -> str | None:
-    """Ring over CURVE links against --insecure ones and gloo, per M and size."""
+    """Ring over CURVE links against --insecure ones and gloo, per placement, M and size."""
     rows = []
     for group in groups:
         by_key = {run.key: run for run in group.curve_runs}
@@ -326,7 +326,8 @@ def curve_table(groups: Sequence[Group]) -> str | None:
                 if run is None:
                     continue
                 cell = run.cells.get(nbytes)
-                where = f"| {group.nproc} | {format_size(nbytes)} | {title}"
+                where = (f"| {group.placement} | {group.nproc} | {format_size(nbytes)} | "
+                         f"{title}")
                 if cell is None or not cell.correct:
                     rows.append(f"{where} | {run.status} {run.note} | — | — | — | — | — |")
                     continue
@@ -343,17 +344,116 @@ def curve_table(groups: Sequence[Group]) -> str | None:
                 )
             gloo_cell = gloo.cells.get(nbytes) if gloo is not None else None
             if gloo_cell is not None and gloo_cell.correct:
-                rows.append(f"| {group.nproc} | {format_size(nbytes)} | torch gloo | "
+                rows.append(f"| {group.placement} | {group.nproc} | {format_size(nbytes)} | "
+                            "torch gloo | "
                             f"{format_time(gloo_cell.time_s)} | {format_bw(gloo_cell.busbw)} | "
                             "— | 1.00x | — | — |")
     if not rows:
         return None
     return "\n".join([
-        "| M | size | ring over | time | busbw GB/s | vs --insecure | vs gloo | "
+        "| where | M | size | ring over | time | busbw GB/s | vs --insecure | vs gloo | "
         "CPU cores busy | of which daemons |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
         *rows,
     ])
+
+
+#: What the encryption cells are, for both reports.
+ENCRYPTION_METHOD = (
+    "Encryption: per placement and M, two fresh clusters back to back, one with "
+    "`--insecure`, one with CURVE keys from `gradsync keygen` (`--curve-secret`, "
+    "`--curve-authorized`), ring at 16 and 64 MiB. Both take the data streams: plaintext "
+    "with `--insecure`, AEAD records with CURVE (AES-256-GCM where both daemons' CPUs "
+    "have AES instructions, else ChaCha20-Poly1305; keys agreed over CURVE), so the "
+    "difference is the encryption; gloo's row is the same group's gloo run. The AEAD "
+    "rows: one core, the same run; the *AES-NI masked* rows run OpenSSL with "
+    "`OPENSSL_ia32cap` clearing AES-NI, PCLMULQDQ, VAES and VPCLMULQDQ (other flags "
+    "kept), as on a CPU without AES instructions."
+)
+#: Targets of issue 22: CURVE ring busbw at least this share of --insecure's, and gloo's.
+CURVE_VS_INSECURE = 0.8
+CURVE_VS_GLOO = 1.0
+
+
+def curve_target_lines(groups: Sequence[Group]) -> list[str]:
+    """Per cell, CURVE ring busbw against the targets (0.8x --insecure, 1.0x gloo)."""
+    lines = []
+    insecure_key, curve_key = (key for key, _ in CURVE_CONTENDERS)
+    for group in groups:
+        by_key = {run.key: run for run in group.curve_runs}
+        gloo = next((run for run in group.runs if run.key == "gloo"), None)
+        curve = by_key.get(curve_key)
+        if curve is None:
+            continue
+        for nbytes in sorted(curve.cells):
+            cell = curve.cells[nbytes]
+            if not cell.correct:
+                continue
+            verdicts = []
+            for name, base, share in (("--insecure", by_key.get(insecure_key),
+                                       CURVE_VS_INSECURE), ("gloo", gloo, CURVE_VS_GLOO)):
+                other = base.cells.get(nbytes) if base is not None else None
+                if other is None or not other.correct or other.busbw <= 0:
+                    verdicts.append(f"vs {name}: not measured")
+                    continue
+                ratio = cell.busbw / other.busbw
+                verdicts.append(f"{ratio:.2f}x {name} ({'met' if ratio >= share else 'MISSED'}"
+                                f", target {share:g}x)")
+            lines.append(f"- {PLACEMENT_TITLES[group.placement]}, M = {group.nproc}, "
+                         f"{format_size(nbytes)}: CURVE {format_bw(cell.busbw)} GB/s, "
+                         + "; ".join(verdicts))
+    return lines
+
+
+def render_encryption(
+    run: RunDescription, groups: Sequence[Group], all_groups: Sequence[Group]
+) -> str:
+    """The "interdaemon-encryption" section of RESULTS.md (`--encryption-only`)."""
+    out = _preamble(run, "Inter-daemon encryption cost: ring over CURVE vs --insecure vs "
+                         "torch gloo")
+    add = out.append
+    add(f"Everything shares this machine's {os.cpu_count()} CPUs (daemons, ranks, both ends "
+        "of every TCP connection): the numbers measure CPU cost per byte, not a network.\n")
+    out += _machine(run)
+    add("## Method\n")
+    add("M nodes, one `gradsyncd` each, one rank per daemon, float32 sum ring allreduce in "
+        f"place on `Client.empty()` buffers, checked before and after timing. "
+        f"{run.settings_text}. time = median over samples of the slowest rank's time per "
+        "op; busbw = bytes / time · 2(M−1)/M.\n")
+    add(f"- {ENCRYPTION_METHOD}\n")
+    ciphers = sorted({c for group in groups for info in group.curve_cluster
+                      for c in info.ciphers if info.label == "gradsync-curve"})
+    add(f"- The CURVE clusters' streams were sealed with: {', '.join(ciphers) or 'unknown'} "
+        "(the daemons' stream-open log lines).\n")
+    for line in run.notes:
+        add(f"- Note: {line}")
+    if run.notes:
+        add("")
+    table = curve_table(groups)
+    add("## Ring over CURVE vs --insecure vs gloo\n")
+    add(table or "_nothing measured_")
+    add("")
+    add(f"Targets: CURVE busbw at least {CURVE_VS_INSECURE:g}x `--insecure`'s and "
+        f"{CURVE_VS_GLOO:g}x gloo's in every cell.\n")
+    add("\n".join(curve_target_lines(groups)) or "- not measured in this run")
+    add("")
+    aead = aead_table(run.aead_rows)
+    if aead:
+        add("## Raw AEAD throughput, one core, same run\n")
+        add(aead)
+        add("")
+    out += _problems(all_groups)
+    add("### Background load\n")
+    add(load_table(all_groups, groups))
+    add("")
+    add("### Daemon command lines (daemon 0 of each cluster)\n")
+    for group in groups:
+        for info in group.curve_cluster:
+            if info.commands:
+                add(f"- {PLACEMENT_TITLES[group.placement]}, M = {group.nproc}, "
+                    f"{info.label}: `{info.commands[0]}`")
+    add("")
+    return "\n".join(out)
 
 
 def aead_table(rows: Sequence[tuple[str, int, float, float]]) -> str | None:
@@ -372,8 +472,8 @@ def load_table(all_groups: Sequence[Group], selected: Sequence[Group]) -> str:
              "background load (cores) | in the tables |",
              "|---|---|---:|---:|---:|---:|---|"]
     for group in all_groups:
-        wall = max((run.wall_s for run in group.runs if run.key.startswith("gradsync")),
-                   default=0.0)
+        wall = max((run.wall_s for run in [*group.runs, *group.curve_runs]
+                    if run.key.startswith("gradsync")), default=0.0)
         load = f"{group.background_cores:.2f}" if group.background_cores is not None else "—"
         lines.append(
             f"| {PLACEMENT_TITLES[group.placement]} | {group.nproc} | {group.repeat} | "
@@ -427,6 +527,24 @@ def console(
     return "\n".join(out)
 
 
+def _preamble(run: RunDescription, title: str) -> list[str]:
+    """A section's title, when it was recorded and the command that reproduces it."""
+    return [f"# {title}\n",
+            f"Recorded {run.started}, {run.duration_s:.0f} s in all. Reproduce from the "
+            "repository root (venv active, as root for the network namespaces):\n",
+            f"```\n{run.command}\n```\n"]
+
+
+def _machine(run: RunDescription) -> list[str]:
+    return ["## Machine\n", *(f"- {label}: {value}" for label, value in run.machine.items()),
+            f"- load average at the start: {run.load_average}", ""]
+
+
+def _problems(all_groups: Sequence[Group]) -> list[str]:
+    issues = failures(all_groups)
+    return ["## Problems in this run\n", "\n".join(issues), ""] if issues else []
+
+
 def render(
     run: RunDescription,
     groups: Sequence[Group],
@@ -436,12 +554,9 @@ def render(
     notes: str | None,
 ) -> str:
     """The "interdaemon" section of RESULTS.md."""
-    out: list[str] = []
+    out = _preamble(run, "Inter-daemon allreduce: ring, tree, rhd, star, auto vs torch gloo "
+                         "vs raw pyzmq")
     add = out.append
-    add("# Inter-daemon allreduce: ring, tree, rhd, star, auto vs torch gloo vs raw pyzmq\n")
-    add(f"Recorded {run.started}, {run.duration_s:.0f} s in all. Reproduce from the repository "
-        "root (venv active, as root for the network namespaces):\n")
-    add(f"```\n{run.command}\n```\n")
     cpus = os.cpu_count()
     add(
         f"**Everything shares this machine's {cpus} CPUs**: every daemon (event loop, ZeroMQ "
@@ -452,11 +567,7 @@ def render(
         "rows (where run) cap every node's link with a token bucket, so there the wire, "
         "not the CPUs, is the bottleneck.\n"
     )
-    add("## Machine\n")
-    for label, value in run.machine.items():
-        add(f"- {label}: {value}")
-    add(f"- load average at the start: {run.load_average}")
-    add("")
+    out += _machine(run)
     add("## Method\n")
     add(
         "M nodes, one `gradsyncd` each, one rank per daemon (RANK, WORLD_SIZE = M, "
@@ -493,12 +604,7 @@ def render(
         "fastest measured runs. Here the fixed algorithms' own runs in the same job feed "
         "those timings, so auto rarely needs to explore; a job running only auto times each "
         "contender itself, an epoch at a time (tests/test_multinode.py).\n"
-        "- Encryption: on 127.0.0.1, two fresh clusters back to back, one with "
-        "`--insecure`, one with CURVE keys from `gradsync keygen` (`--curve-secret`, "
-        "`--curve-authorized`), ring at 16 and 64 MiB, for every M. Both take the "
-        "data streams: plaintext with `--insecure`, AES-256-GCM records with CURVE "
-        "(keys agreed over CURVE), so the difference is the encryption; gloo's row is "
-        "the same group's gloo run. The AEAD rows: one core, the same run.\n"
+        f"- {ENCRYPTION_METHOD}\n"
     )
     for line in run.notes:
         add(f"- Note: {line}")
@@ -524,11 +630,7 @@ def render(
     if aead:
         add(aead)
         add("")
-    issues = failures(all_groups)
-    if issues:
-        add("## Problems in this run\n")
-        add("\n".join(issues))
-        add("")
+    out += _problems(all_groups)
     for group in groups:
         add(f"## {PLACEMENT_TITLES[group.placement]}, M = {group.nproc}\n")
         add(f"{group.description}.\n")
@@ -573,4 +675,5 @@ def render(
     return "\n".join(out)
 
 
-__all__ = ["RunDescription", "TITLES", "console", "failures", "render", "select_groups"]
+__all__ = ["RunDescription", "TITLES", "console", "failures", "render", "render_encryption",
+           "select_groups"]
