@@ -183,7 +183,7 @@ def render(
     add("## Small-message latency\n")
     add(latency_table(runs, nprocs))
     add("")
-    add("## Targets (N = 2)\n")
+    add("## Targets\n")
     add("\n".join(target_lines(runs, sizes)) or "- not measured in this run")
     add("")
     issues = problems(runs, all_runs) + [f"- {line}" for line in run.daemon_notes]

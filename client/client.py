@@ -64,6 +64,9 @@ class Checked(NamedTuple):
     elements: int
     device: DeviceArrayInfo | None
 
+#: (numpy dtype, op as given) → (wire dtype, ReduceOp), for pairs already checked.
+_CHECKED_HOST: dict[tuple[Any, Any], tuple[str, ReduceOp]] = {}
+
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
 _HELLO_TIMEOUT_S = 30.0
@@ -178,9 +181,13 @@ class Client:
             group.close()
         if self._device is not None:
             self._device.close()
-        if self._fast is not None:
-            with self._fast.lock:
+        # A collective of another thread may still be on the page: then the mapping
+        # stays (it goes with the process) rather than vanish under that thread.
+        if self._fast is not None and self._fast.lock.acquire(timeout=1.0):
+            try:
                 self._fast.close()
+            finally:
+                self._fast.lock.release()
         with contextlib.suppress(GradsyncError):
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
@@ -605,10 +612,15 @@ class Client:
             )
         if not array.flags.writeable:
             raise InvalidArgumentError("array is read-only; collectives write in place")
-        try:
-            wire_dtype = dtype_name(array.dtype)
-            reduce_op = parse_reduce_op(op)
-            check_op_for_dtype(reduce_op, wire_dtype)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        return Checked(wire_dtype, reduce_op, int(array.size), None)
+        checked = _CHECKED_HOST.get((array.dtype, op))
+        if checked is None:
+            try:
+                wire_dtype = dtype_name(array.dtype)
+                reduce_op = parse_reduce_op(op)
+                check_op_for_dtype(reduce_op, wire_dtype)
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
+            checked = (wire_dtype, reduce_op)
+            if len(_CHECKED_HOST) < 256:
+                _CHECKED_HOST[(array.dtype, op)] = checked
+        return Checked(checked[0], checked[1], int(array.size), None)

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from fcntl import LOCK_EX, LOCK_UN, flock
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from gradsync.protocol.fastpath import (
     LAYOUT_VERSION,
     NOTHING,
     PUBLISHED,
+    PUBLISHED_NS,
     SOCKET,
     WITHDRAWN,
     FastPage,
@@ -41,11 +43,16 @@ from gradsync.protocol.reduction import reduce_in_rank_order
 from gradsync.protocol.shm import segment_path
 
 #: How long a waiting rank spins before it sleeps on the futex, when every rank
-#: of the job can have a core of its own (otherwise it sleeps at once: a spinning
-#: rank would hold the core its late peer needs).
+#: of the job can have a core of its own.  With more ranks than cores it spins
+#: for YIELD_SPIN_S yielding the core at every look (a plain spin would hold the
+#: core its late peer needs; sleeping at once costs a wake-up per rank per op:
+#: measured in benchmarks/RESULTS.md, "Doorbells" and "Small-message latency").
 SPIN_S = 200e-6
+YIELD_SPIN_S = 100e-6
 #: The longest single sleep: between sleeps a waiter checks its deadline and the daemon.
 SLEEP_S = 0.01
+#: Looks for the common ending between two looks at the clock and the rest.
+_SPIN_CHECKS = 16
 #: Polling steps while waiting for peers to finish reading a buffer about to be reused.
 _REUSE_POLL_S = (20e-6, 1e-3)
 
@@ -86,7 +93,14 @@ class FastPath:
         self._next = 0
         #: Per buffer: the key last published from it, and whether peers read it then.
         self._buffers: list[tuple[int, bool]] = [(NOTHING, False)] * BUFFERS_PER_SLOT
-        self._spin_s = SPIN_S if ranks <= _cores() else 0.0
+        self._yield = ranks > _cores()
+        self._spin_s = YIELD_SPIN_S if self._yield else SPIN_S
+        page = self.page
+        self._published_at = page.published_at[rank]
+        self._done_at = page.published_at[rank] - PUBLISHED + DONE
+        self._published_ns_at = page.published_at[rank] - PUBLISHED + PUBLISHED_NS
+        self._completed_at = page.published_at[rank] - PUBLISHED + COMPLETED
+        self._key_at = page.buffer_at[rank]  # a buffer's first word is its key
 
     def close(self) -> None:
         page = self.page
@@ -102,38 +116,44 @@ class FastPath:
         """Reduce `array` in place on the page: None when done, else the seconds
         waited before the key must go over the socket (call with `lock` held)."""
         started = time.monotonic()
-        deadline = started + timeout_s
-        page, me = self.page, self.rank
+        page, me, q = self.page, self.rank, self.page.q
         flat = array.reshape(-1)
         index = self._next
-        if page.broken or not self._reusable(index, deadline):
+        if page.broken or (self._buffers[index][1]
+                           and not self._reusable(index, started + timeout_s)):
             return self._left(started, key)
-        np.copyto(page.data(me, index, flat.dtype, flat.size), flat)
-        page.set_buffer_print(me, index, fingerprint)
-        if self._connection.daemon_gone():
-            return self._left(started, key)
-        with page.locked():
+        views = page.views(flat.dtype, flat.size)
+        np.copyto(views[me][index], flat)
+        at = self._key_at[index]  # the buffer's words: key, fingerprint codes, count
+        q[at + 1], q[at + 2] = fingerprint
+        # (A daemon that died is noticed by a rank that has to wait: _wait.)
+        flock(page.fd, LOCK_EX)
+        try:
             refused = page.broken or page.withdrawn(key)
             if not refused:
-                page.set_buffer_key(me, index, key)
-                page.set_word(me, PUBLISHED, key)
+                q[at] = key
+                q[self._published_ns_at] = time.monotonic_ns()
+                q[self._published_at] = key
                 page.bump_bell()
+        finally:
+            flock(page.fd, LOCK_UN)
         if refused:
             return self._left(started, key)
         page.wake()
-        self._next = (index + 1) % BUFFERS_PER_SLOT
+        self._next = index ^ 1
         self._buffers[index] = (key, False)
-        indices = self._wait(key, deadline)
+        indices = page.all_published(key) or self._wait(key, started + timeout_s)
         if indices is None:
             return self._left(started, key)
         self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
-        prints = [page.buffer_print(rank, i) for rank, i in enumerate(indices)]
-        if any(other != fingerprint for other in prints):
-            return self._left(started, key)  # every rank sees it: all go to the socket
-        inputs = [page.data(rank, i, flat.dtype, flat.size) for rank, i in enumerate(indices)]
-        reduce_in_rank_order(flat, inputs, op)
-        page.set_word(me, DONE, key)
-        page.set_word(me, COMPLETED, page.word(me, COMPLETED) + 1)
+        codes, count = fingerprint
+        for rank, i in enumerate(indices):
+            other = page.buffer_at[rank][i]
+            if q[other + 1] != codes or q[other + 2] != count:
+                return self._left(started, key)  # every rank sees it: all go to the socket
+        reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(indices)], op)
+        q[self._done_at] = key
+        q[self._completed_at] += 1
         return None
 
     def _left(self, started: float, key: int) -> float:
@@ -149,6 +169,16 @@ class FastPath:
         """Every rank's buffer index once all published `key`; None if it cannot end here."""
         page = self.page
         spin_until = time.monotonic() + self._spin_s
+        yielding = self._yield
+        while time.monotonic() < spin_until:  # the spin: only the common ending
+            for _ in range(_SPIN_CHECKS):
+                indices = page.all_published(key)
+                if indices is not None:
+                    return indices
+                if yielding:
+                    os.sched_yield()
+            if page.broken or page.withdrawn(key):
+                break
         sleeping = False
         try:
             while True:
@@ -156,15 +186,17 @@ class FastPath:
                 indices = page.all_published(key)
                 if indices is not None:
                     return indices
-                if page.broken or page.withdrawn(key):
-                    return None
+                if page.withdrawn(key):
+                    return None  # withdrawn while not all had published: never will
+                if page.broken:
+                    # Publications may have completed just before the break (the daemon
+                    # sets it without looking); none can follow it, so look once more.
+                    return page.all_published(key)
                 now = time.monotonic()
                 if now >= deadline or self._peer_left(key) or (
                     sleeping and self._connection.daemon_gone()
                 ):
                     return self._withdraw(key)
-                if now < spin_until:
-                    continue
                 if not sleeping:
                     with page.locked():
                         page.add_sleeper(1)

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
+#: How a job's `done` counts the allreduces its ranks ran on the fast page.
+FAST_PATH_KEY = "allreduce/fast"
+
 if TYPE_CHECKING:
     from gradsync.daemon.io.service import GradsyncService
 
@@ -63,6 +66,8 @@ class AutoPicks:
 @dataclasses.dataclass
 class JobStats:
     done: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    #: Collectives that began on the job's fast page and ended over the socket.
+    fast_path_fallbacks: int = 0
     errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     bytes_reduced: int = 0
     peer_bytes: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -123,6 +128,14 @@ class StatsRecorder:
         entry["sent"] += sent
         entry["received"] += received
 
+    def fast_path_done(self, job: str, collectives: int, fallbacks: int) -> None:
+        """What a job's ranks ran on its fast page, once the job ended (they are not
+        timed: the daemon is not on that path)."""
+        if collectives or fallbacks:
+            stats = self.jobs[job]
+            stats.done[FAST_PATH_KEY] += collectives
+            stats.fast_path_fallbacks += fallbacks
+
     def collective_failed(self, job: str | None, code: str) -> None:
         self.errors[code] += 1
         if job is not None:
@@ -157,9 +170,16 @@ class StatsRecorder:
     def _job(self, service: GradsyncService, name: str, now: float) -> dict[str, Any]:
         job = service.jobs.get(name)
         stats = self.jobs.get(name, JobStats())
+        done = collections.Counter(stats.done)
+        fallbacks = stats.fast_path_fallbacks
+        live = service.fast.job_counts(name) if job is not None else None
+        if live is not None:
+            done[FAST_PATH_KEY] += live[0]
+            fallbacks += live[1]
         entry: dict[str, Any] = {
             "active": job is not None,
-            "done": dict(stats.done),
+            "done": {key: count for key, count in done.items() if count},
+            "fast_path_fallbacks": fallbacks,
             "errors": dict(stats.errors),
             "bytes_reduced": stats.bytes_reduced,
             "peer_bytes": {peer: dict(entry) for peer, entry in stats.peer_bytes.items()},
@@ -196,6 +216,10 @@ class StatsRecorder:
                      "waiting_for_peers": [formation.daemons[i] for i in run.waiting_for()]
                      if formation else []}
                     for key, run in job.across.runs.items()
+                ] + [
+                    {"key": key, "age_s": age_s, "waiting_for_ranks": missing,
+                     "path": "fast"}
+                    for key, age_s, missing in service.fast.waiting(name)
                 ],
             })
         return entry

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import mmap
 from collections.abc import Iterator
 
@@ -52,11 +53,11 @@ _BELL_OFFSET = 1 * _LINE
 _H_SLEEPERS, _H_BROKEN, _H_STOPPING = 2 * _LINE // 8, 2 * _LINE // 8 + 1, 2 * _LINE // 8 + 2
 
 # slot words, relative to the slot's first word: the rank's line, then the daemon's
-PUBLISHED, WITHDRAWN, DONE, COMPLETED, FALLBACKS = 0, 1, 2, 3, 4
+PUBLISHED, WITHDRAWN, DONE, COMPLETED, FALLBACKS, PUBLISHED_NS = 0, 1, 2, 3, 4, 5
 SOCKET = _LINE // 8
 _SLOT_HEADER_BYTES = 3 * _LINE
-# a buffer's header words: the key it holds, then the fingerprint
-_B_KEY, _B_KIND, _B_DTYPE, _B_COUNT, _B_OP, _B_ALGORITHM = 0, 1, 2, 3, 4, 5
+# a buffer's header words: the key it holds, then the fingerprint (codes, count)
+_B_KEY, _B_CODES, _B_COUNT = 0, 1, 2
 _BUFFER_HEADER_BYTES = _LINE
 BUFFERS_PER_SLOT = 2
 
@@ -68,14 +69,21 @@ _ALGORITHM_CODES: dict[str | None, int] = {
 _ALLREDUCE = 1
 NOTHING = -1
 
-#: A fingerprint as stored: (kind, dtype, count, op, algorithm) codes.
-Print = tuple[int, int, int, int, int]
+#: A fingerprint as stored: (kind, dtype, op and algorithm codes in one word, count).
+Print = tuple[int, int]
+#: (dtype, count) pairs whose buffer views a page keeps.
+_VIEWS_KEPT = 64
 
 
 def fingerprint(dtype: str, count: int, op: ReduceOp, algorithm: str | None) -> Print:
     """An allreduce's fingerprint as the page stores it (the daemon's Fingerprint fields)."""
-    return (_ALLREDUCE, _DTYPE_CODES[dtype], count, _OP_CODES[op],
-            _ALGORITHM_CODES.get(algorithm, len(_ALGORITHM_CODES)))
+    return _codes(dtype, op, algorithm), count
+
+
+@functools.lru_cache(maxsize=256)
+def _codes(dtype: str, op: ReduceOp, algorithm: str | None) -> int:
+    return (_ALLREDUCE << 24 | _DTYPE_CODES[dtype] << 16 | _OP_CODES[op] << 8
+            | _ALGORITHM_CODES.get(algorithm, len(_ALGORITHM_CODES)))
 
 
 def _round_up(nbytes: int) -> int:
@@ -96,7 +104,12 @@ def page_bytes(ranks: int, limit: int) -> int:
 
 
 class FastPage:
-    """A mapped fast page and the descriptor its lock is taken on."""
+    """A mapped fast page and the descriptor its lock is taken on.
+
+    Words are read and written through one int64 memoryview (a single aligned
+    store each, and cheaper per access than numpy scalars); the index of every
+    word a collective touches is computed once, here.
+    """
 
     def __init__(self, mapping: mmap.mmap, fd: int, ranks: int, limit: int) -> None:
         if len(mapping) < page_bytes(ranks, limit):
@@ -106,59 +119,67 @@ class FastPage:
         self.fd = fd
         self.ranks = ranks
         self.limit = limit
-        self.words = np.frombuffer(mapping, dtype=np.int64,
-                                   count=page_bytes(ranks, limit) // 8)
-        self._slot_words = slot_bytes(limit) // 8
-        self._buffer_words = buffer_bytes(limit) // 8
+        self.q = memoryview(mapping)[: page_bytes(ranks, limit)].cast("q")
+        slot_words, buffer_words = slot_bytes(limit) // 8, buffer_bytes(limit) // 8
+        self._slots = [_HEADER_BYTES // 8 + rank * slot_words for rank in range(ranks)]
+        #: Index of the first word of each rank's buffers: [rank][buffer].
+        self.buffer_at = [
+            [slot + _SLOT_HEADER_BYTES // 8 + index * buffer_words
+             for index in range(BUFFERS_PER_SLOT)]
+            for slot in self._slots
+        ]
+        self.published_at = [slot + PUBLISHED for slot in self._slots]
         self._bell_word = np.frombuffer(mapping, dtype=np.uint32, count=1, offset=_BELL_OFFSET)
         self.bell = Futex(mapping, _BELL_OFFSET)
+        #: Typed views of every buffer's data, per (dtype, count): [rank][buffer].
+        self._views: dict[tuple[np.dtype, int], list[list[np.ndarray]]] = {}
 
     # -- the header ---------------------------------------------------------------
 
     def format(self) -> None:
         """Write a fresh page (the daemon, before any rank maps it)."""
-        self.words[:] = 0
+        q = self.q
+        np.frombuffer(self.mapping, dtype=np.int64, count=len(q))[:] = 0
         for rank in range(self.ranks):
-            base = self._slot(rank)
             for word in (PUBLISHED, WITHDRAWN, DONE, SOCKET):
-                self.words[base + word] = NOTHING
+                self.set_word(rank, word, NOTHING)
             for index in range(BUFFERS_PER_SLOT):
-                self.words[self._buffer(rank, index) + _B_KEY] = NOTHING
-        self.words[_H_VERSION] = LAYOUT_VERSION
-        self.words[_H_RANKS] = self.ranks
-        self.words[_H_LIMIT] = self.limit
-        self.words[_H_MAGIC] = MAGIC
+                q[self.buffer_at[rank][index] + _B_KEY] = NOTHING
+        q[_H_VERSION] = LAYOUT_VERSION
+        q[_H_RANKS] = self.ranks
+        q[_H_LIMIT] = self.limit
+        q[_H_MAGIC] = MAGIC
 
     def check(self) -> None:
         """Refuse a page of another layout or shape (a client, on mapping it)."""
-        found = (int(self.words[_H_MAGIC]), int(self.words[_H_VERSION]),
-                 int(self.words[_H_RANKS]), int(self.words[_H_LIMIT]))
+        q = self.q
+        found = (q[_H_MAGIC], q[_H_VERSION], q[_H_RANKS], q[_H_LIMIT])
         expected = (MAGIC, LAYOUT_VERSION, self.ranks, self.limit)
         if found != expected:
             raise ValueError(f"fast page header {found} is not the expected {expected}")
 
     @property
     def broken(self) -> bool:
-        return bool(self.words[_H_BROKEN])
+        return bool(self.q[_H_BROKEN])
 
     def set_broken(self, stopping: bool = False) -> None:
         """Refuse every further publication (under the lock, then bump the bell);
         `stopping`: because the daemon stops (its socket will not answer)."""
         if stopping:
-            self.words[_H_STOPPING] = 1
-        self.words[_H_BROKEN] = 1
+            self.q[_H_STOPPING] = 1
+        self.q[_H_BROKEN] = 1
 
     @property
     def stopping(self) -> bool:
-        return bool(self.words[_H_STOPPING])
+        return bool(self.q[_H_STOPPING])
 
     @property
     def sleepers(self) -> int:
-        return int(self.words[_H_SLEEPERS])
+        return self.q[_H_SLEEPERS]
 
     def add_sleeper(self, delta: int) -> None:
         """Count a waiter in or out of the bell's sleepers (under the lock)."""
-        self.words[_H_SLEEPERS] += delta
+        self.q[_H_SLEEPERS] += delta
 
     # -- locking and the bell ---------------------------------------------------------
 
@@ -169,6 +190,9 @@ class FastPage:
             yield
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def lock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def try_lock(self) -> bool:
         """Take the lock without waiting (the daemon never blocks its event loop)."""
@@ -186,67 +210,93 @@ class FastPage:
         self._bell_word[0] = (int(self._bell_word[0]) + 1) & 0xFFFFFFFF
 
     def wake(self) -> None:
-        if self.sleepers:
+        if self.q[_H_SLEEPERS]:
             self.bell.wake_all()
 
     # -- slots ------------------------------------------------------------------------
 
-    def _slot(self, rank: int) -> int:
-        return _HEADER_BYTES // 8 + rank * self._slot_words
-
-    def _buffer(self, rank: int, index: int) -> int:
-        return self._slot(rank) + _SLOT_HEADER_BYTES // 8 + index * self._buffer_words
-
     def word(self, rank: int, which: int) -> int:
-        return int(self.words[self._slot(rank) + which])
+        return self.q[self._slots[rank] + which]
 
     def set_word(self, rank: int, which: int, value: int) -> None:
-        self.words[self._slot(rank) + which] = value
+        self.q[self._slots[rank] + which] = value
 
     def buffer_key(self, rank: int, index: int) -> int:
-        return int(self.words[self._buffer(rank, index) + _B_KEY])
+        return self.q[self.buffer_at[rank][index] + _B_KEY]
 
     def set_buffer_key(self, rank: int, index: int, key: int) -> None:
-        self.words[self._buffer(rank, index) + _B_KEY] = key
+        self.q[self.buffer_at[rank][index] + _B_KEY] = key
 
     def buffer_print(self, rank: int, index: int) -> Print:
-        base = self._buffer(rank, index)
-        kind, dtype, count, op, algorithm = (int(w) for w in self.words[base + 1: base + 6])
-        return kind, dtype, count, op, algorithm
+        base = self.buffer_at[rank][index]
+        return self.q[base + _B_CODES], self.q[base + _B_COUNT]
 
     def set_buffer_print(self, rank: int, index: int, value: Print) -> None:
-        base = self._buffer(rank, index)
-        self.words[base + 1: base + 6] = value
+        base = self.buffer_at[rank][index]
+        self.q[base + _B_CODES], self.q[base + _B_COUNT] = value
 
-    def data(self, rank: int, index: int, dtype: np.dtype, count: int) -> np.ndarray:
-        """`count` elements of `dtype` in a rank's buffer (count * itemsize <= limit)."""
-        offset = (self._buffer(rank, index) * 8) + _BUFFER_HEADER_BYTES
-        return np.frombuffer(self.mapping, dtype=dtype, count=count, offset=offset)
+    def views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
+        """Every rank's buffers as `count` elements of `dtype` (count * itemsize <= limit)."""
+        views = self._views.get((dtype, count))
+        if views is None:
+            if len(self._views) > _VIEWS_KEPT:
+                self._views.clear()
+            views = [
+                [np.frombuffer(self.mapping, dtype=dtype, count=count,
+                               offset=at * 8 + _BUFFER_HEADER_BYTES) for at in buffers]
+                for buffers in self.buffer_at
+            ]
+            self._views[(dtype, count)] = views
+        return views
 
     def published_index(self, rank: int, key: int) -> int | None:
         """Which of `rank`'s buffers holds its publication of `key`, if it published it."""
-        if self.word(rank, PUBLISHED) < key:
+        q = self.q
+        if q[self.published_at[rank]] < key:
             return None
-        for index in range(BUFFERS_PER_SLOT):
-            if self.buffer_key(rank, index) == key:
+        for index, at in enumerate(self.buffer_at[rank]):
+            if q[at] == key:  # the buffer's key word
                 return index
         return None
 
     def all_published(self, key: int) -> list[int] | None:
         """Every rank's buffer index for `key` if all have published it, else None."""
+        q = self.q
         indices = []
-        for rank in range(self.ranks):
-            index = self.published_index(rank, key)
-            if index is None:
+        for published, (first, second) in zip(self.published_at, self.buffer_at, strict=True):
+            if q[published] < key:
                 return None
-            indices.append(index)
+            if q[first] == key:
+                indices.append(0)
+            elif q[second] == key:
+                indices.append(1)
+            else:
+                return None
         return indices
+
+    def waiting(self) -> list[tuple[int, int, list[int]]]:
+        """Keys published and not yet ended: (key, CLOCK_MONOTONIC ns of the first
+        publication, ranks that have not published it), for statistics and stall logs."""
+        keys = {self.word(rank, PUBLISHED) for rank in range(self.ranks)
+                if self.word(rank, PUBLISHED) > self.word(rank, DONE)}
+        found = []
+        for key in sorted(keys):
+            published = [rank for rank in range(self.ranks)
+                         if self.published_index(rank, key) is not None]
+            if not published or len(published) == self.ranks:
+                continue
+            first = min(self.word(rank, PUBLISHED_NS) for rank in published)
+            found.append((key, first, sorted(set(range(self.ranks)) - set(published))))
+        return found
 
     def withdrawn(self, key: int) -> bool:
         """Whether some rank withdrew `key` (then nobody may publish it)."""
-        return any(self.word(rank, WITHDRAWN) == key for rank in range(self.ranks))
+        q = self.q
+        return any(q[slot + WITHDRAWN] == key for slot in self._slots)
 
     def close(self) -> None:
         """Drop the views into the mapping (the owner closes mapping and descriptor)."""
         self.bell.close()
-        del self.words, self._bell_word
+        self._views.clear()
+        self.q.release()
+        del self._bell_word

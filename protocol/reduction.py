@@ -31,8 +31,14 @@ def reduce_in_rank_order(out: np.ndarray, inputs: Sequence[np.ndarray], op: Redu
     Overflow to inf or integer wrap-around is the caller's arithmetic, as in NCCL.
     """
     ufunc = UFUNCS[op]
+    np.copyto(out, inputs[0])
+    if len(inputs) == 1:
+        return
+    if out.dtype.kind in "iu":  # integer ufuncs wrap around without a warning
+        for values in inputs[1:]:
+            ufunc(out, values, out=out)
+        return
     with np.errstate(all="ignore"):
-        np.copyto(out, inputs[0])
         for values in inputs[1:]:
             ufunc(out, values, out=out)
         if op is ReduceOp.AVG:

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import DaemonProcess, poll_until, run_ranks
 from gradsync.client import Client, DaemonShuttingDownError, DaemonUnavailableError
+from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
 from gradsync.protocol.fastpath import PUBLISHED
 
@@ -86,6 +87,10 @@ def test_a_rank_waiting_for_a_late_peer_sleeps_and_the_daemon_idles(
         own_used = time.process_time() - own_cpu
         daemon_used = cpu_seconds(daemon.pid) - daemon_cpu
         waited = time.monotonic() - started
+        # The statistics show what rank 0 waits for, though the daemon is not on the path.
+        (flight,) = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"]["late"]["in_flight"]
+        assert flight["path"] == "fast" and flight["waiting_for_ranks"] == [1], flight
+        assert flight["key"] == 0 and flight["age_s"] > 1.5, flight
         second.all_reduce(b)
         waiter.join(10)
         assert not waiter.is_alive()
@@ -95,6 +100,8 @@ def test_a_rank_waiting_for_a_late_peer_sleeps_and_the_daemon_idles(
         assert daemon_used <= 0.01 * waited + 1 / _TICKS, daemon_used
         assert own_used <= 0.05 * waited, own_used
         assert counters(daemon)["fast_path_collectives"] == 1
+        job = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"]["late"]
+        assert job["done"] == {"allreduce/fast": 1} and job["fast_path_fallbacks"] == 0, job
     finally:
         first.close()
         second.close()
@@ -123,6 +130,11 @@ def test_a_peer_on_the_socket_brings_the_fast_waiter_along(daemon: DaemonProcess
     finally:
         first.close()
         second.close()
+    # Once the job ended, its statistics keep what its page counted.
+    poll_until(lambda: not fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"]["mixed"]
+               ["active"], 10, "the job ends")
+    job = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"]["mixed"]
+    assert job["done"] == {"allreduce/local": 1} and job["fast_path_fallbacks"] == 1, job
 
 
 @pytest.mark.timeout(60)

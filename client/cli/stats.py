@@ -167,7 +167,9 @@ def render_table(snapshot: dict[str, Any]) -> str:
                if v and k in ("malformed", "stale_generation", "stale_membership",
                               "links_rejected_keys", "links_malformed", "dropped_unknown_job")}
     lines.append(f"collectives {counters.get('collectives', 0)}  failed "
-                 f"{counters.get('failed', 0)}  dropped {dropped or 0}")
+                 f"{counters.get('failed', 0)}  dropped {dropped or 0}  "
+                 f"fast path {counters.get('fast_path_collectives', 0)} "
+                 f"(left for the socket {counters.get('fast_path_fallbacks', 0)})")
     for name, job in snapshot.get("jobs", {}).items():
         state = "active" if job.get("active") else "ended"
         members = ",".join(job.get("members", {})) or "-"

@@ -132,7 +132,7 @@ class GradsyncService:
                 job.describe(), reason)
         if not job.members:
             del self.jobs[job.name]
-            self.fast.release(job.name)
+            self.stats.fast_path_done(job.name, *self.fast.release(job.name))
             log.info("%s ended (no members left)", job.describe())
 
     # -- dispatch -----------------------------------------------------------

@@ -37,6 +37,8 @@ log = logging.getLogger("gradsync.daemon")
 _LOCK_RETRY_S = 0.0002
 #: How long `close_all` (the daemon stopping) tries for each page's lock.
 _STOP_LOCK_S = 0.5
+#: Stall reports remembered (so each key is reported once).
+_STALLS_KEPT = 4096
 
 
 @dataclasses.dataclass
@@ -56,6 +58,7 @@ class FastPages:
         #: Counters of pages already released (jobs that ended).
         self._retired_collectives = 0
         self._retired_fallbacks = 0
+        self._stalls_reported: set[tuple[str, int]] = set()
 
     @property
     def enabled(self) -> bool:
@@ -90,13 +93,36 @@ class FastPages:
         page = entry.page
         if key > page.word(rank, SOCKET):
             page.set_word(rank, SOCKET, key)
-        # The bell only if the lock is free: a rank holding it rings the bell itself.
-        if page.try_lock():
+        # The bell only for sleepers, and only if the lock is free: a rank holding it
+        # rings the bell itself.  (A sleeper that this misses wakes within SLEEP_S.)
+        if page.sleepers and page.try_lock():
             try:
                 page.bump_bell()
             finally:
                 page.unlock()
             page.wake()
+
+    def waiting(self, job_name: str) -> list[tuple[int, float, list[int]]]:
+        """Keys some ranks of the job wait for on its page: (key, seconds since the
+        first published it, ranks that have not)."""
+        entry = self._pages.get(job_name)
+        if entry is None:
+            return []
+        now = time.monotonic_ns()
+        return [(key, (now - first) / 1e9, missing)
+                for key, first, missing in entry.page.waiting()]
+
+    def report_stalls(self, job_name: str, limit_s: float, describe: str, absent: int) -> None:
+        """Log, once per key, one that waited on the page longer than `limit_s`."""
+        for key, age_s, missing in self.waiting(job_name):
+            if age_s <= limit_s or (job_name, key) in self._stalls_reported:
+                continue
+            if len(self._stalls_reported) > _STALLS_KEPT:
+                self._stalls_reported.clear()
+            self._stalls_reported.add((job_name, key))
+            log.warning("key %r of %s has waited %.0fs for ranks %s%s (on the fast path)",
+                        key, describe, age_s, missing,
+                        f" ({absent} local ranks not connected)" if absent else "")
 
     def fast_ranks(self, job_name: str, key: Any) -> set[int]:
         """Ranks that published (or withdrew) `key` on the page: they are on their way."""
@@ -133,17 +159,23 @@ class FastPages:
             page.unlock()
         page.wake()
 
-    def release(self, job_name: str) -> None:
-        """The job ended: count its page's work, unmap and unlink the page."""
+    def job_counts(self, job_name: str) -> tuple[int, int] | None:
+        """(collectives completed, collectives that left for the socket) on a job's page."""
+        entry = self._pages.get(job_name)
+        return None if entry is None else self._counts(entry.page)
+
+    def release(self, job_name: str) -> tuple[int, int]:
+        """The job ended: unmap and unlink its page; what was counted on it."""
         entry = self._pages.pop(job_name, None)
         if entry is None:
-            return
+            return 0, 0
         collectives, fallbacks = self._counts(entry.page)
         self._retired_collectives += collectives
         self._retired_fallbacks += fallbacks
         os.close(entry.page.fd)
         entry.page.close()
         self.buffers.release(entry.slab.segment_id)
+        return collectives, fallbacks
 
     def close_all(self) -> None:
         """The daemon stops: break every page (waiting for a rank's lock briefly)."""

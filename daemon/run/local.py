@@ -26,6 +26,7 @@ from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.matching import Job, PendingCollective
 from gradsync.daemon.core.membership import Formation
 from gradsync.daemon.core.plans import Plan, make_plan, run_local
+from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
@@ -336,11 +337,15 @@ class LocalRuns:
         for submission in pending.submissions.values():
             submission.respond(error)
 
-    def report_stalls(self) -> None:
-        """Log, once per collective, one waiting longer than `stall_warn_s` and for whom."""
+    def report_stalls(self, fast: FastPages | None = None) -> None:
+        """Log, once per collective, one waiting longer than `stall_warn_s` and for whom
+        (on the socket path, between daemons, and on the jobs' fast pages)."""
         now = time.monotonic()
         limit = self.config.stall_warn_s
         for job in list(self.state.jobs.values()):
+            if fast is not None:
+                fast.report_stalls(job.name, limit, job.describe(),
+                                   job.local_world_size - len(job.members))
             for pending in job.pending.values():
                 if not pending.stall_reported and now - pending.first_seen > limit:
                     pending.stall_reported = True
