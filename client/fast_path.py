@@ -42,26 +42,22 @@ from gradsync.protocol.fastpath import (
 from gradsync.protocol.reduction import reduce_in_rank_order
 from gradsync.protocol.shm import segment_path
 
-#: How long a waiting rank spins before it sleeps on the futex, when every rank
-#: of the job can have a core of its own.  With more ranks than cores it spins
-#: for YIELD_SPIN_S yielding the core at every look (a plain spin would hold the
-#: core its late peer needs; sleeping at once costs a wake-up per rank per op:
-#: measured in benchmarks/RESULTS.md, "Doorbells" and "Small-message latency").
+#: How long a waiting rank spins (giving up its core at every look) before it
+#: sleeps on the futex.  Yielding, because two spinners may share one core (more
+#: ranks than cores, or the scheduler's placement): a plain spin then holds the
+#: core its peer needs until the time slice ends.  Measured: benchmarks/RESULTS.md,
+#: "Doorbells" (a yielding spin: 3 us round trip on two cores, 10 us on one).
 SPIN_S = 200e-6
-YIELD_SPIN_S = 100e-6
+#: The spin of a rank whose publication woke a sleeping peer: long enough to
+#: cover that peer's wake-up (on a VM, waking an idle vCPU can take hundreds of
+#: microseconds), or the two would take turns sleeping, one wake-up per op.
+WAKER_SPIN_S = 2e-3
 #: The longest single sleep: between sleeps a waiter checks its deadline and the daemon.
 SLEEP_S = 0.01
 #: Looks for the common ending between two looks at the clock and the rest.
 _SPIN_CHECKS = 16
 #: Polling steps while waiting for peers to finish reading a buffer about to be reused.
 _REUSE_POLL_S = (20e-6, 1e-3)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except OSError:
-        return os.cpu_count() or 1
 
 
 class FastPath:
@@ -93,8 +89,6 @@ class FastPath:
         self._next = 0
         #: Per buffer: the key last published from it, and whether peers read it then.
         self._buffers: list[tuple[int, bool]] = [(NOTHING, False)] * BUFFERS_PER_SLOT
-        self._yield = ranks > _cores()
-        self._spin_s = YIELD_SPIN_S if self._yield else SPIN_S
         page = self.page
         self._published_at = page.published_at[rank]
         self._done_at = page.published_at[rank] - PUBLISHED + DONE
@@ -139,10 +133,13 @@ class FastPath:
             flock(page.fd, LOCK_UN)
         if refused:
             return self._left(started, key)
+        woke = page.sleepers > 0
         page.wake()
         self._next = index ^ 1
         self._buffers[index] = (key, False)
-        indices = page.all_published(key) or self._wait(key, started + timeout_s)
+        indices = page.all_published(key) or self._wait(
+            key, started + timeout_s, WAKER_SPIN_S if woke else SPIN_S
+        )
         if indices is None:
             return self._left(started, key)
         self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
@@ -165,18 +162,16 @@ class FastPath:
 
     # -- waiting ----------------------------------------------------------------------
 
-    def _wait(self, key: int, deadline: float) -> list[int] | None:
+    def _wait(self, key: int, deadline: float, spin_s: float) -> list[int] | None:
         """Every rank's buffer index once all published `key`; None if it cannot end here."""
         page = self.page
-        spin_until = time.monotonic() + self._spin_s
-        yielding = self._yield
+        spin_until = time.monotonic() + spin_s
         while time.monotonic() < spin_until:  # the spin: only the common ending
             for _ in range(_SPIN_CHECKS):
                 indices = page.all_published(key)
                 if indices is not None:
                     return indices
-                if yielding:
-                    os.sched_yield()
+                os.sched_yield()
             if page.broken or page.withdrawn(key):
                 break
         sleeping = False
