@@ -204,6 +204,8 @@ class StatsRecorder:
                 "members": {str(rank): {"pid": m.pid, "state": "connected"}
                             for rank, m in sorted(job.members.items())},
                 "broken": job.broken.message if job.broken else None,
+                # The job's shared-memory fast page (a segment of its own), if it has one.
+                "fast_page": (service.fast.describe(name) or {}).get("name"),
                 "generation": formation.generation if formation else None,
                 "daemons": list(formation.daemons) if formation else None,
                 "in_flight": [

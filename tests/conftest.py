@@ -29,6 +29,20 @@ PROGRAMS = Path(__file__).parent / "programs"
 READY_TIMEOUT_S = 20.0
 
 
+def fast_pages_of(endpoint: str) -> set[str]:
+    """Segment names of the jobs' fast pages on a running daemon (from its statistics)."""
+    from gradsync.client.cli.stats import fetch_snapshot
+
+    jobs = fetch_snapshot(endpoint + ".stats", 10.0)["jobs"]
+    return {job["fast_page"] for job in jobs.values() if job.get("fast_page")}
+
+
+def buffers_of(daemon: DaemonProcess) -> list[str]:
+    """The daemon's segments that hold clients' buffers: all but the jobs' fast pages."""
+    pages = fast_pages_of(daemon.endpoint)
+    return [name for name in segments_of(daemon.pid) if name not in pages]
+
+
 def poll_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
