@@ -95,6 +95,7 @@ class FastPath:
         self._published_ns_at = page.published_at[rank] - PUBLISHED + PUBLISHED_NS
         self._completed_at = page.published_at[rank] - PUBLISHED + COMPLETED
         self._key_at = page.buffer_at[rank]  # a buffer's first word is its key
+        self._peer_done_at = [at for r, at in enumerate(page.done_at) if r != rank]
 
     def close(self) -> None:
         page = self.page
@@ -113,8 +114,10 @@ class FastPath:
         page, me, q = self.page, self.rank, self.page.q
         flat = array.reshape(-1)
         index = self._next
-        if page.broken or (self._buffers[index][1]
-                           and not self._reusable(index, started + timeout_s)):
+        last_key, read = self._buffers[index]
+        if q[page.broken_at] or (read and not (
+            self._peers_done(last_key) or self._reusable(index, started + timeout_s)
+        )):
             return self._left(started, key)
         views = page.views(flat.dtype, flat.size)
         np.copyto(views[me][index], flat)
@@ -123,7 +126,7 @@ class FastPath:
         # (A daemon that died is noticed by a rank that has to wait: _wait.)
         flock(page.fd, LOCK_EX)
         try:
-            refused = page.broken or page.withdrawn(key)
+            refused = q[page.broken_at] or page.withdrawn(key)
             if not refused:
                 q[at] = key
                 q[self._published_ns_at] = time.monotonic_ns()
@@ -133,8 +136,9 @@ class FastPath:
             flock(page.fd, LOCK_UN)
         if refused:
             return self._left(started, key)
-        woke = page.sleepers > 0
-        page.wake()
+        woke = q[page.sleepers_at] > 0
+        if woke:
+            page.bell.wake_all()
         self._next = index ^ 1
         self._buffers[index] = (key, False)
         indices = page.all_published(key) or self._wait(
@@ -229,6 +233,14 @@ class FastPath:
         page.wake()
         return indices
 
+    def _peers_done(self, key: int) -> bool:
+        """Whether every peer has finished with `key` (so this rank's buffer is free)."""
+        q = self.page.q
+        for at in self._peer_done_at:  # noqa: SIM110 (a loop: cheaper than all() here)
+            if q[at] < key:
+                return False
+        return True
+
     def _reusable(self, index: int, deadline: float) -> bool:
         """Whether this rank's buffer `index` is free to write (peers done reading it)."""
         key, read = self._buffers[index]
@@ -236,8 +248,7 @@ class FastPath:
             return True
         page, delay = self.page, _REUSE_POLL_S[0]
         while True:
-            if all(page.word(rank, DONE) >= key
-                   for rank in range(page.ranks) if rank != self.rank):
+            if self._peers_done(key):
                 self._buffers[index] = (NOTHING, False)
                 return True
             if page.broken or time.monotonic() >= deadline:
