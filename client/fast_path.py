@@ -25,6 +25,8 @@ import numpy as np
 from gradsync.client.connection import Connection
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.fastpath import (
+    B_CODES,
+    B_COUNT,
     BUFFERS_PER_SLOT,
     COMPLETED,
     DONE,
@@ -90,10 +92,10 @@ class FastPath:
         #: Per buffer: the key last published from it, and whether peers read it then.
         self._buffers: list[tuple[int, bool]] = [(NOTHING, False)] * BUFFERS_PER_SLOT
         page = self.page
-        self._published_at = page.published_at[rank]
-        self._done_at = page.published_at[rank] - PUBLISHED + DONE
-        self._published_ns_at = page.published_at[rank] - PUBLISHED + PUBLISHED_NS
-        self._completed_at = page.published_at[rank] - PUBLISHED + COMPLETED
+        self._published_at = page.index(rank, PUBLISHED)
+        self._done_at = page.index(rank, DONE)
+        self._published_ns_at = page.index(rank, PUBLISHED_NS)
+        self._completed_at = page.index(rank, COMPLETED)
         self._key_at = page.buffer_at[rank]  # a buffer's first word is its key
         self._peer_done_at = [at for r, at in enumerate(page.done_at) if r != rank]
 
@@ -122,7 +124,7 @@ class FastPath:
         views = page.views(flat.dtype, flat.size)
         np.copyto(views[me][index], flat)
         at = self._key_at[index]  # the buffer's words: key, fingerprint codes, count
-        q[at + 1], q[at + 2] = fingerprint
+        q[at + B_CODES], q[at + B_COUNT] = fingerprint
         # (A daemon that died is noticed by a rank that has to wait: _wait.)
         flock(page.fd, LOCK_EX)
         try:
@@ -150,7 +152,7 @@ class FastPath:
         codes, count = fingerprint
         for rank, i in enumerate(indices):
             other = page.buffer_at[rank][i]
-            if q[other + 1] != codes or q[other + 2] != count:
+            if q[other + B_CODES] != codes or q[other + B_COUNT] != count:
                 return self._left(started, key)  # every rank sees it: all go to the socket
         reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(indices)], op)
         q[self._done_at] = key

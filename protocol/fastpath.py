@@ -42,8 +42,6 @@ from gradsync.protocol.peer import ALGORITHM_CHOICES
 
 LAYOUT_VERSION = 1
 MAGIC = 0x31687461_70667367  # b"gsfpath1", little-endian
-#: Default largest allreduce (in bytes) that takes the fast path.
-DEFAULT_LIMIT_BYTES = 64 * 1024
 
 _LINE = 64
 _HEADER_BYTES = 4 * _LINE
@@ -57,7 +55,7 @@ PUBLISHED, WITHDRAWN, DONE, COMPLETED, FALLBACKS, PUBLISHED_NS = 0, 1, 2, 3, 4, 
 SOCKET = _LINE // 8
 _SLOT_HEADER_BYTES = 3 * _LINE
 # a buffer's header words: the key it holds, then the fingerprint (codes, count)
-_B_KEY, _B_CODES, _B_COUNT = 0, 1, 2
+_B_KEY, B_CODES, B_COUNT = 0, 1, 2
 _BUFFER_HEADER_BYTES = _LINE
 BUFFERS_PER_SLOT = 2
 
@@ -195,9 +193,6 @@ class FastPage:
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def lock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
     def try_lock(self) -> bool:
         """Take the lock without waiting (the daemon never blocks its event loop)."""
         try:
@@ -219,6 +214,10 @@ class FastPage:
 
     # -- slots ------------------------------------------------------------------------
 
+    def index(self, rank: int, which: int) -> int:
+        """Where a slot word lives in `q` (the hot path keeps these)."""
+        return self._slots[rank] + which
+
     def word(self, rank: int, which: int) -> int:
         return self.q[self._slots[rank] + which]
 
@@ -230,14 +229,6 @@ class FastPage:
 
     def set_buffer_key(self, rank: int, index: int, key: int) -> None:
         self.q[self.buffer_at[rank][index] + _B_KEY] = key
-
-    def buffer_print(self, rank: int, index: int) -> Print:
-        base = self.buffer_at[rank][index]
-        return self.q[base + _B_CODES], self.q[base + _B_COUNT]
-
-    def set_buffer_print(self, rank: int, index: int, value: Print) -> None:
-        base = self.buffer_at[rank][index]
-        self.q[base + _B_CODES], self.q[base + _B_COUNT] = value
 
     def views(self, dtype: np.dtype, count: int) -> list[list[np.ndarray]]:
         """Every rank's buffers as `count` elements of `dtype` (count * itemsize <= limit)."""

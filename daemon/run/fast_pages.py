@@ -43,6 +43,7 @@ _STALLS_KEPT = 4096
 
 @dataclasses.dataclass
 class _Entry:
+    job_name: str
     slab: Slab
     page: FastPage
 
@@ -74,7 +75,7 @@ class FastPages:
         fd = os.open(segment_path(segment.name), os.O_RDWR | os.O_CLOEXEC)
         page = FastPage(segment.mapping, fd, ranks, self.limit)
         page.format()
-        self._pages[job_name] = _Entry(slab, page)
+        self._pages[job_name] = _Entry(job_name, slab, page)
         return self.describe(job_name)
 
     def describe(self, job_name: str) -> dict[str, Any] | None:
@@ -143,7 +144,7 @@ class FastPages:
             self._break(entry)
 
     def _break(self, entry: _Entry) -> None:
-        if entry.page.broken or all(entry is not e for e in self._pages.values()):
+        if entry.page.broken or self._pages.get(entry.job_name) is not entry:
             return  # broken already, or released (a job of the same name may be newer)
         if not entry.page.try_lock():
             self.loop.call_later(_LOCK_RETRY_S, self._break, entry)
