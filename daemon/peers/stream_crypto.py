@@ -120,14 +120,22 @@ def _derive(
     return okm[:KEY_BYTES], okm[KEY_BYTES : KEY_BYTES + 4], okm[KEY_BYTES + 4 :]
 
 
-class RecordSealer:
-    """Seals one stream's records, numbering them from 0."""
+class _NumberedRecords:
+    """One direction of a sealed stream: its AEAD and the number of the next
+    record, whose nonce is the stream's prefix and that number."""
 
     def __init__(self, key: bytes, prefix: bytes, cipher: str) -> None:
         self.cipher = cipher
         self._aead = _AEADS[cipher](key)
         self._prefix = prefix
         self._count = 0
+
+    def _nonce(self) -> bytes:
+        return self._prefix + _COUNTER.pack(self._count)
+
+
+class RecordSealer(_NumberedRecords):
+    """Seals one stream's records, numbering them from 0."""
 
     def seal_into(self, plain: memoryview, out: memoryview) -> int:
         """Write the record of `plain` (1 to RECORD_BYTES bytes) at the start of
@@ -135,26 +143,20 @@ class RecordSealer:
         size = plain.nbytes
         length = LENGTH.pack(size)
         out[: LENGTH.size] = length
-        nonce = self._prefix + _COUNTER.pack(self._count)
+        nonce = self._nonce()
         self._count += 1
         self._aead.encrypt_into(nonce, plain, length, out[LENGTH.size : LENGTH.size + size
                                                           + TAG_BYTES])
         return size + RECORD_OVERHEAD
 
 
-class RecordOpener:
+class RecordOpener(_NumberedRecords):
     """Opens one stream's records, in order, numbering them from 0."""
-
-    def __init__(self, key: bytes, prefix: bytes, cipher: str) -> None:
-        self.cipher = cipher
-        self._aead = _AEADS[cipher](key)
-        self._prefix = prefix
-        self._count = 0
 
     def open_into(self, length: bytes, sealed: memoryview, out: memoryview) -> None:
         """Open the next record (`sealed`: ciphertext and tag) into `out` (exactly
         its plaintext size).  Raises StreamAuthError; `out` then holds garbage."""
-        nonce = self._prefix + _COUNTER.pack(self._count)
+        nonce = self._nonce()
         try:
             self._aead.decrypt_into(nonce, sealed, length, out)
         except InvalidTag:
