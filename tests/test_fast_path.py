@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -175,3 +176,39 @@ def test_a_daemon_that_stops_reaches_the_rank_waiting_on_its_page(
         client.close()
     if stop == "sigterm":
         assert daemon.process.wait(20) == 0, daemon.log()
+
+
+@pytest.mark.timeout(60)
+def test_an_overflowing_fast_sum_is_inf_without_a_warning_under_the_callers_raise(
+    daemon: DaemonProcess,
+) -> None:
+    """The page's reduction runs with floating-point errors ignored, as the
+    daemon's does, whatever the caller's numpy error state, and leaves that state."""
+    clients = [Client(daemon.endpoint, job="overflow", rank=r, world_size=2) for r in range(2)]
+    arrays = [np.full(16, 60000, np.float16) for _ in clients]
+    problems: list[BaseException] = []
+    states: list[str] = []
+
+    def rank(index: int) -> None:
+        try:
+            with np.errstate(all="raise"), warnings.catch_warnings():
+                warnings.simplefilter("error")
+                clients[index].all_reduce(arrays[index])
+                states.append(np.geterr()["over"])
+        except BaseException as exc:  # reported below, with the thread's error
+            problems.append(exc)
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not problems, problems
+        assert states == ["raise", "raise"]
+        for array in arrays:
+            assert np.isposinf(array).all(), array
+        assert counters(daemon)["fast_path_collectives"] == 1
+    finally:
+        for client in clients:
+            client.close()
