@@ -129,6 +129,9 @@ class Sink:
     def advance(self, count: int) -> None:
         self.remaining -= count
 
+    def absorb(self, data: memoryview) -> int:
+        return 0
+
 
 def test_placed_payloads_are_read_into_their_sinks() -> None:
     """`place` sees a stream message's header before its payloads; the

@@ -141,11 +141,19 @@ def test_a_ring_forwards_each_reduced_slice_before_its_step_ends() -> None:
 
 def feed(placement: Any, data: bytes, rng: random.Random, upto: int | None = None) -> int:
     """Write `data` (from where the placement stands) into its windows, in pieces of
-    random, unaligned sizes, as a stream receiver would; stop after `upto` bytes."""
+    random, unaligned sizes, as a stream receiver would; stop after `upto` bytes.
+    Every other piece is first offered to `absorb`, as opened records are."""
     start = len(data) - placement.remaining
     stop = len(data) if upto is None else min(len(data), start + upto)
     position = start
     while position < stop:
+        if rng.random() < 0.5:
+            piece = memoryview(data)[position : min(stop, position + rng.randint(1, 300_000))]
+            taken = placement.absorb(piece)
+            assert 0 <= taken <= piece.nbytes
+            position += taken
+            if taken:
+                continue
         window = placement.window()
         assert 0 < window.nbytes <= placement.remaining
         count = min(window.nbytes, stop - position, rng.randint(1, 70_000))

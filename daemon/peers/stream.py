@@ -24,8 +24,9 @@ the cipher the sender chose, its X25519 public key and proof
 AEAD records (AES-256-GCM or ChaCha20-Poly1305).  The sender seals
 records of at most 1 MiB from the caller's buffers into one reused buffer as
 the socket takes them; the receiver opens each record, once its tag is in, into
-a fresh payload buffer directly, or into a scratch buffer that is then copied
-into a `PayloadSink`: bytes that failed authentication never reach a sink.
+a fresh payload buffer directly, or into a scratch buffer that the
+`PayloadSink` absorbs (a reduction combines it from there) or that is copied
+into the sink: bytes that failed authentication never reach a sink.
 
 A stream carries data one way: the receiver never writes, the sender reads
 only to notice the end of the connection.  Sends go out from the caller's
@@ -87,6 +88,11 @@ class PayloadSink(Protocol):
 
     def advance(self, count: int) -> None:
         """The first `count` bytes of the last window were written."""
+
+    def absorb(self, data: memoryview) -> int:
+        """Take the first bytes of `data` (authenticated plaintext) without a
+        window, e.g. reduce them where they lie; how many it took (0: none, write
+        them into the window instead)."""
 
 
 def encode_hello(name: str, token: bytes, magic: bytes = MAGIC) -> bytes:
@@ -444,6 +450,12 @@ class StreamReceiver:
             if sink is None:
                 target = self._target[self._got :]
             else:
+                taken = sink.absorb(data)
+                if taken:
+                    data = data[taken:]
+                    if sink.remaining == 0:
+                        self._stage()
+                    continue
                 target = sink.window()
                 if target.format != "B":
                     target = target.cast("B")

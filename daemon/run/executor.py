@@ -467,6 +467,10 @@ class Placement:
     def advance(self, count: int) -> None:
         raise NotImplementedError
 
+    def absorb(self, data: memoryview) -> int:
+        """None taken: the bytes go through `window` (see `PayloadSink.absorb`)."""
+        return 0
+
     def _drop_target(self) -> None:
         raise NotImplementedError
 
@@ -546,6 +550,26 @@ class _ReducePlacement(Placement):
         self._limit = min(self._limit, self.remaining)
         if self.remaining == 0:
             self._give_back()
+
+    def absorb(self, data: memoryview) -> int:
+        """Combine whole elements of `data` into the target where they lie (an
+        opened record), skipping the copy into the chunk; only between chunks."""
+        target = self._target
+        if target is None or self._filled:
+            return 0
+        count = min(data.nbytes, self.remaining) // self._itemsize
+        if not count:
+            return 0
+        first = self._done
+        combine_into(target[first : first + count],
+                     np.frombuffer(data, dtype=target.dtype, count=count), self._op)
+        taken = count * self._itemsize
+        self._done = first + count
+        self.remaining -= taken
+        self._limit = min(self._chunk_bytes.nbytes, self.remaining)
+        if self.remaining == 0:
+            self._give_back()
+        return taken
 
     def _drop_target(self) -> None:
         self._target = None
