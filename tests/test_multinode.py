@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from cluster import free_ports, peer_args, run_spread
+from cluster import free_ports, peer_args, run_spread, spawn_spread
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, collect
 from gradsync.client.ping import query
 
 StartDaemon = Callable[..., DaemonProcess]
@@ -177,15 +177,16 @@ def test_ranks_that_leave_after_their_last_collective_fail_no_one(
     """A rank whose daemon finished the last collective leaves at once, as a training
     script does; the other daemons may still be reading that daemon's last slices.
     Its departure must not fail their collective: the slices arrive before the news.
-    A race, so several short jobs (6 per algorithm, each 4 daemons leaving twice):
-    before the fix about one job in 100 failed here, so this is a smoke test;
-    tests/test_netns.py forces the interleaving by slowing one data stream."""
+    A race, so several short jobs (6 per algorithm, at once, each 4 daemons leaving
+    twice): before the fix about one job in 100 failed here, so this is a smoke
+    test; tests/test_netns.py forces the interleaving by slowing one data stream."""
     daemons = start_cluster(start_daemon, 4)
-    for attempt in range(6):
-        results = run_spread(daemons, (1, 1, 1, 1), "multinode_finish.py",
-                             [str(4 * 1024 * 1024), "2", algorithm],
-                             job=f"finish-{algorithm}-{attempt}")
-        for result in results:
+    jobs = [spawn_spread(daemons, (1, 1, 1, 1), "multinode_finish.py",
+                         [str(4 * 1024 * 1024), "2", algorithm],
+                         job=f"finish-{algorithm}-{attempt}")
+            for attempt in range(6)]
+    for ranks in jobs:
+        for result in collect(ranks, timeout_s=150):
             assert result.records() == [{"rounds": 2, "wrong": 0}], result.stdout
     for daemon in daemons:
         daemon.assert_alive()
