@@ -146,7 +146,8 @@ class Client:
     def _open_fast_path(self, offer: Any) -> FastPath | None:
         """Map the fast page the daemon offers (single-node jobs); None to use sockets only.
 
-        `GRADSYNC_FAST_PATH=0` turns it off for this process.
+        `GRADSYNC_FAST_PATH=0` turns it off for this process; `=python` keeps it but runs
+        its steps in Python rather than in the compiled module (for comparison and tests).
         """
         if not isinstance(offer, dict) or os.environ.get("GRADSYNC_FAST_PATH", "1") == "0":
             return None
@@ -348,7 +349,7 @@ class Client:
             print_ = fingerprint(wire_dtype, count, reduce_op, algorithm)
             with fast.lock:
                 key = self._next_key()
-                waited_s = fast.all_reduce(array, print_, reduce_op, key,
+                waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key,
                                            self.timeout_s or self._daemon_timeout_s)
             if waited_s is None:
                 return None

@@ -3,7 +3,10 @@
 A small synchronous allreduce of a single-node job runs here, without the
 socket: write the data into this rank's slot, publish the key, wait (a short
 spin, then asleep on the page's futex) until every rank has published it,
-and reduce all slots in rank order into the caller's array.  Whenever the key
+and reduce all slots in rank order into the caller's array.  The publication
+and the spin (and the reduction, for float sums, averages and products) run
+in C, protocol/_fastpage.c, where the install built it; the same steps in
+Python otherwise (or with GRADSYNC_FAST_PATH=python).  Whenever the key
 cannot end here (a peer sent it over the socket, a fingerprint differs, the
 job broke, the deadline passed, the daemon went away) the rank withdraws it
 and the caller sends it over the socket, where the daemon gives the answer it
@@ -31,11 +34,16 @@ from gradsync.protocol.fastpath import (
     COMPLETED,
     DONE,
     FALLBACKS,
+    FAST_REDUCTIONS,
     LAYOUT_VERSION,
+    MISMATCH,
     NOTHING,
     PUBLISHED,
     PUBLISHED_NS,
+    REDUCED,
+    REFUSED,
     SOCKET,
+    WAITING,
     WITHDRAWN,
     FastPage,
     Print,
@@ -43,6 +51,11 @@ from gradsync.protocol.fastpath import (
 )
 from gradsync.protocol.reduction import reduce_in_rank_order
 from gradsync.protocol.shm import segment_path
+
+try:  # the publish-and-spin in C (protocol/_fastpage.c): optional at install, see setup.py
+    from gradsync.protocol import _fastpage
+except ImportError:  # built without a C compiler: the same steps in Python
+    _fastpage = None  # type: ignore[assignment]
 
 #: How long a waiting rank spins (giving up its core at every look) before it
 #: sleeps on the futex.  Yielding, because two spinners may share one core (more
@@ -54,6 +67,7 @@ SPIN_S = 200e-6
 #: cover that peer's wake-up (on a VM, waking an idle vCPU can take hundreds of
 #: microseconds), or the two would take turns sleeping, one wake-up per op.
 WAKER_SPIN_S = 2e-3
+_SPIN_NS, _WAKER_SPIN_NS = round(SPIN_S * 1e9), round(WAKER_SPIN_S * 1e9)
 #: The longest single sleep: between sleeps a waiter checks its deadline and the daemon.
 SLEEP_S = 0.01
 #: Looks for the common ending between two looks at the clock and the rest.
@@ -98,6 +112,8 @@ class FastPath:
         self._completed_at = page.index(rank, COMPLETED)
         self._key_at = page.buffer_at[rank]  # a buffer's first word is its key
         self._peer_done_at = [at for r, at in enumerate(page.done_at) if r != rank]
+        #: The compiled publish-and-spin, unless not built or GRADSYNC_FAST_PATH=python.
+        self._compiled = None if os.environ.get("GRADSYNC_FAST_PATH") == "python" else _fastpage
 
     def close(self) -> None:
         page = self.page
@@ -108,7 +124,8 @@ class FastPath:
     # -- one collective -------------------------------------------------------------
 
     def all_reduce(
-        self, array: np.ndarray, fingerprint: Print, op: ReduceOp, key: int, timeout_s: float
+        self, array: np.ndarray, fingerprint: Print, dtype: str, op: ReduceOp, key: int,
+        timeout_s: float,
     ) -> float | None:
         """Reduce `array` in place on the page: None when done, else the seconds
         waited before the key must go over the socket (call with `lock` held)."""
@@ -121,8 +138,43 @@ class FastPath:
             self._peers_done(last_key) or self._reusable(index, started + timeout_s)
         )):
             return self._left(started, key)
+        if self._compiled is not None:
+            outcome = self._compiled.publish(
+                q, page.c_layout, page.fd, me, index, key, *fingerprint, flat,
+                FAST_REDUCTIONS.get((dtype, op), 0), _SPIN_NS, _WAKER_SPIN_NS,
+            )
+            if outcome == REDUCED:
+                self._next = index ^ 1
+                self._buffers[index] = (key, True)
+                return None
+        else:
+            outcome = self._publish(flat, fingerprint, key, index)
+        if outcome == REFUSED:
+            return self._left(started, key)
+        self._next = index ^ 1
+        self._buffers[index] = (key, False)
+        if outcome == WAITING:
+            indices = self._wait(key, started + timeout_s)
+            if indices is None:
+                return self._left(started, key)
+            outcome = indices if self._prints_match(indices, fingerprint) else MISMATCH
+        self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
+        if isinstance(outcome, int):  # MISMATCH: every rank sees it, all go to the socket
+            return self._left(started, key)
         views = page.views(flat.dtype, flat.size)
-        np.copyto(views[me][index], flat)
+        reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(outcome)], op)
+        q[self._done_at] = key
+        q[self._completed_at] += 1
+        return None
+
+    def _publish(
+        self, flat: np.ndarray, fingerprint: Print, key: int, index: int
+    ) -> list[int] | int:
+        """Publish `key` from buffer `index` and spin for the others: protocol/_fastpage.c's
+        steps in Python, for where that module was not built.  Every rank's buffer index,
+        or REFUSED, WAITING or MISMATCH."""
+        page, q = self.page, self.page.q
+        np.copyto(page.views(flat.dtype, flat.size)[self.rank][index], flat)
         at = self._key_at[index]  # the buffer's words: key, fingerprint codes, count
         q[at + B_CODES], q[at + B_COUNT] = fingerprint
         # (A daemon that died is noticed by a rank that has to wait: _wait.)
@@ -137,27 +189,23 @@ class FastPath:
         finally:
             flock(page.fd, LOCK_UN)
         if refused:
-            return self._left(started, key)
+            return REFUSED
         woke = q[page.sleepers_at] > 0
         if woke:
             page.bell.wake_all()
-        self._next = index ^ 1
-        self._buffers[index] = (key, False)
-        indices = page.all_published(key) or self._wait(
-            key, started + timeout_s, WAKER_SPIN_S if woke else SPIN_S
-        )
+        indices = page.all_published(key) or self._spin(key, WAKER_SPIN_S if woke else SPIN_S)
         if indices is None:
-            return self._left(started, key)
-        self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
-        codes, count = fingerprint
+            return WAITING
+        return indices if self._prints_match(indices, fingerprint) else MISMATCH
+
+    def _prints_match(self, indices: list[int], fingerprint: Print) -> bool:
+        """Whether every rank's publication carries this rank's fingerprint."""
+        q, codes, count = self.page.q, *fingerprint
         for rank, i in enumerate(indices):
-            other = page.buffer_at[rank][i]
+            other = self.page.buffer_at[rank][i]
             if q[other + B_CODES] != codes or q[other + B_COUNT] != count:
-                return self._left(started, key)  # every rank sees it: all go to the socket
-        reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(indices)], op)
-        q[self._done_at] = key
-        q[self._completed_at] += 1
-        return None
+                return False
+        return True
 
     def _left(self, started: float, key: int) -> float:
         """The key leaves the page: note it, say how long it waited here."""
@@ -168,11 +216,12 @@ class FastPath:
 
     # -- waiting ----------------------------------------------------------------------
 
-    def _wait(self, key: int, deadline: float, spin_s: float) -> list[int] | None:
-        """Every rank's buffer index once all published `key`; None if it cannot end here."""
+    def _spin(self, key: int, spin_s: float) -> list[int] | None:
+        """Every rank's buffer index if all publish `key` within `spin_s` (yielding the
+        core between looks); None when the time is up, the page broke or `key` was withdrawn."""
         page = self.page
         spin_until = time.monotonic() + spin_s
-        while time.monotonic() < spin_until:  # the spin: only the common ending
+        while time.monotonic() < spin_until:  # only the common ending
             for _ in range(_SPIN_CHECKS):
                 indices = page.all_published(key)
                 if indices is not None:
@@ -180,6 +229,12 @@ class FastPath:
                 os.sched_yield()
             if page.broken or page.withdrawn(key):
                 break
+        return None
+
+    def _wait(self, key: int, deadline: float) -> list[int] | None:
+        """After the spin: every rank's buffer index once all published `key`, asleep on
+        the bell between looks; None if it cannot end here."""
+        page = self.page
         sleeping = False
         try:
             while True:

@@ -67,6 +67,21 @@ _ALGORITHM_CODES: dict[str | None, int] = {
 _ALLREDUCE = 1
 NOTHING = -1
 
+#: How a publication ended, other than with every rank's buffer index (the values
+#: protocol/_fastpage.c returns): not published (the page is broken or the key was
+#: withdrawn); published, but not every rank had published by the spin's end; every
+#: rank published, but some fingerprint differs.
+REFUSED, WAITING, MISMATCH = -1, -2, -3
+#: ... and how it ends when it reduced the result itself.
+REDUCED = 1
+#: The (dtype, op) pairs protocol/_fastpage.c reduces itself, and its codes for them
+#: (0: the caller reduces in numpy, given every rank's buffer index).
+FAST_REDUCTIONS: dict[tuple[str, ReduceOp], int] = {
+    (dtype, op): 1 + 3 * width + index
+    for width, dtype in enumerate(("float32", "float64"))
+    for index, op in enumerate((ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD))
+}
+
 #: A fingerprint as stored: (kind, dtype, op and algorithm codes in one word, count).
 Print = tuple[int, int]
 #: (dtype, count) pairs whose buffer views a page keeps.
@@ -129,6 +144,16 @@ class FastPage:
         self.published_at = [slot + PUBLISHED for slot in self._slots]
         self.withdrawn_at = [slot + WITHDRAWN for slot in self._slots]
         self.done_at = [slot + DONE for slot in self._slots]
+        #: Where the compiled publish-and-spin (protocol/_fastpage.c) finds every word
+        #: it touches: int64 indices and offsets, in the order that module reads them.
+        self.c_layout = np.array(
+            [_H_BROKEN, _H_SLEEPERS, _BELL_OFFSET, B_CODES, B_COUNT, _BUFFER_HEADER_BYTES, limit]
+            + [word for rank in range(ranks)
+               for word in (self.published_at[rank], self._slots[rank] + PUBLISHED_NS,
+                            *self.buffer_at[rank], self.withdrawn_at[rank],
+                            self.done_at[rank], self._slots[rank] + COMPLETED)],
+            dtype=np.int64,
+        ).tobytes()
         #: Header words the hot path reads directly.
         self.broken_at, self.sleepers_at = _H_BROKEN, _H_SLEEPERS
         self._bell_word = memoryview(mapping)[_BELL_OFFSET: _BELL_OFFSET + 4].cast("I")

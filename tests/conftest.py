@@ -27,6 +27,10 @@ from gradsync.client.daemon_process import segments_of
 
 PROGRAMS = Path(__file__).parent / "programs"
 READY_TIMEOUT_S = 20.0
+#: GRADSYNC_FAST_PATH for each path a small synchronous allreduce can take: the
+#: shared-memory fast path with its compiled publish-and-spin (the default), the
+#: same steps in Python (where that module was not built), the socket.
+FAST_PATH_SETTINGS = {"fast": "1", "fast-python": "python", "socket": "0"}
 
 
 def fast_pages_of(endpoint: str) -> set[str]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import (
+    FAST_PATH_SETTINGS,
     DaemonProcess,
     assert_lock_released,
     poll_until,
@@ -42,23 +43,23 @@ StartDaemon = Callable[..., DaemonProcess]
 _SHM_NAME = re.compile(r"/dev/shm/(gradsync-\d+-[A-Za-z0-9_-]+)")
 
 
-@pytest.fixture(params=["fast", "socket"])
+
+@pytest.fixture(params=sorted(FAST_PATH_SETTINGS))
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which path a small synchronous allreduce takes: the shared-memory fast path
-    (the default) or the socket (GRADSYNC_FAST_PATH=0, for this process and the
-    rank programs it starts).  The failures must look the same on both."""
-    monkeypatch.setenv("GRADSYNC_FAST_PATH", "1" if request.param == "fast" else "0")
+    """Which path a small synchronous allreduce takes, for this process and the rank
+    programs it starts.  The failures must look the same on all of them."""
+    monkeypatch.setenv("GRADSYNC_FAST_PATH", FAST_PATH_SETTINGS[request.param])
     return str(request.param)
 
 
 def fast_path_env(path: str) -> dict[str, str]:
-    return {"GRADSYNC_FAST_PATH": "1" if path == "fast" else "0"}
+    return {"GRADSYNC_FAST_PATH": FAST_PATH_SETTINGS[path]}
 
 
 def assert_path_ran(daemon: DaemonProcess, path: str, fallbacks: int) -> None:
     """The statistics show which path the failed collectives began on."""
     counters = query(daemon.endpoint, 10.0)["counters"]
-    assert counters["fast_path_fallbacks"] == (fallbacks if path == "fast" else 0), counters
+    assert counters["fast_path_fallbacks"] == (0 if path == "socket" else fallbacks), counters
 
 
 class LineReader:
@@ -234,7 +235,7 @@ def test_killed_client_fails_waiting_rank_and_frees_its_segments(
     daemon: DaemonProcess, path: str
 ) -> None:
     # On the fast path rank 0 waits on the job's page (a synchronous call).
-    args = ["30", "--sync"] if path == "fast" else ["30"]
+    args = ["30"] if path == "socket" else ["30", "--sync"]
     processes = spawn_ranks(daemon.endpoint, "fail_killed.py", 2, args, job="killed",
                             env=fast_path_env(path))
     with reaped(processes):

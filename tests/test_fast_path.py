@@ -1,10 +1,11 @@
 """The shared-memory fast path for small synchronous allreduces of one node.
 
-Results equal the socket path's bit for bit around the size limit, the
-statistics say which path ran, a rank waiting for a late peer sleeps, the
-daemon idles, and a daemon that stops or dies reaches a waiting rank as it
-does on the socket path.  (Mismatch, timeout and dead-rank errors on both
-paths: tests/test_failures.py, parametrized by path.)
+Results equal the socket path's bit for bit around the size limit (with the
+compiled publish-and-spin and with its Python steps), the statistics say which
+path ran, a rank waiting for a late peer sleeps, the daemon idles, and a
+daemon that stops or dies reaches a waiting rank as it does on the socket path.
+(Mismatch, timeout and dead-rank errors on every path: tests/test_failures.py,
+parametrized by path.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess, poll_until, run_ranks
+from conftest import FAST_PATH_SETTINGS, DaemonProcess, poll_until, run_ranks
 from gradsync.client import Client, DaemonShuttingDownError, DaemonUnavailableError
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
@@ -43,14 +44,14 @@ def cpu_seconds(pid: int) -> float:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4])
-def test_around_the_limit_both_paths_agree_bit_for_bit_and_the_counters_say_which_ran(
+def test_around_the_limit_every_path_agrees_bit_for_bit_and_the_counters_say_which_ran(
     start_daemon: StartDaemon, nranks: int
 ) -> None:
     daemon = start_daemon("--fast-path-bytes", str(LIMIT))
     digests = {}
-    for path in ("fast", "socket"):
+    for path, setting in FAST_PATH_SETTINGS.items():
         before = counters(daemon)
-        env = {"GRADSYNC_FAST_PATH": "1" if path == "fast" else "0"}
+        env = {"GRADSYNC_FAST_PATH": setting}
         results = run_ranks(daemon.endpoint, "fast_path_matrix.py", nranks, [str(LIMIT)],
                             job=f"limit-{path}", env=env, timeout_s=100)
         summaries = [result.records()[-1] for result in results]
@@ -62,12 +63,12 @@ def test_around_the_limit_both_paths_agree_bit_for_bit_and_the_counters_say_whic
         assert 0 < small < checked
         fast = after["fast_path_collectives"] - before["fast_path_collectives"]
         socket_runs = after["collectives"] - before["collectives"]
-        if path == "fast":
+        if path != "socket":
             assert (fast, socket_runs) == (small, checked - small)
         else:
             assert (fast, socket_runs) == (0, checked)
         assert after["fast_path_fallbacks"] == before["fast_path_fallbacks"]
-    assert digests["fast"] == digests["socket"]
+    assert digests["fast"] == digests["fast-python"] == digests["socket"]
     daemon.assert_alive()
 
 

@@ -1,0 +1,205 @@
+"""The fast path's compiled publish-and-spin (protocol/_fastpage.c), on a real page.
+
+Each rank of a page is played in turn by this process: the first ranks publish
+and find the others missing (WAITING), the last finds everyone and reduces.
+Its float reductions must equal numpy's rank-order reduction bit for bit, on
+values that round, overflow, underflow and carry NaNs and signed zeros; the
+other outcomes (broken page, withdrawn key, differing fingerprint) and bad
+arguments are checked too.  The install must have built the module: CI has a
+C compiler, and without it the fast path would silently run the slower Python
+steps (those are run too: tests/test_fast_path.py, GRADSYNC_FAST_PATH=python).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from gradsync.protocol import fastpath
+from gradsync.protocol.dtypes import ReduceOp
+from gradsync.protocol.fastpath import (
+    FAST_REDUCTIONS,
+    MISMATCH,
+    PUBLISHED,
+    REDUCED,
+    REFUSED,
+    WAITING,
+    WITHDRAWN,
+    FastPage,
+    page_bytes,
+)
+from gradsync.protocol.reduction import reduce_in_rank_order
+
+try:
+    from gradsync.protocol import _fastpage
+except ImportError as exc:  # pragma: no cover - reported by the first test
+    _fastpage = None
+    IMPORT_ERROR: ImportError | None = exc
+else:
+    IMPORT_ERROR = None
+
+LIMIT = 4096
+OpenPage = Callable[[int], FastPage]
+SPIN_NS = 0  # one look: the tests play every rank in one process
+
+
+@pytest.fixture
+def open_page() -> Iterator[OpenPage]:
+    """A factory of formatted fast pages in temporary files, closed afterwards."""
+    opened: list[tuple[FastPage, mmap.mmap, int]] = []
+
+    def make(ranks: int) -> FastPage:
+        fd, path = tempfile.mkstemp(prefix="gradsync-test-page-")
+        os.unlink(path)
+        nbytes = page_bytes(ranks, LIMIT)
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        page = FastPage(mapping, fd, ranks, LIMIT)
+        page.format()
+        opened.append((page, mapping, fd))
+        return page
+
+    yield make
+    for page, mapping, fd in opened:
+        page.close()
+        mapping.close()
+        os.close(fd)
+
+
+def publish(page: FastPage, rank: int, key: int, data: np.ndarray, reduction: int,
+            codes: int = 7, index: int = 0) -> object:
+    assert _fastpage is not None
+    return _fastpage.publish(page.q, page.c_layout, page.fd, rank, index, key, codes,
+                             data.size, data, reduction, SPIN_NS, SPIN_NS)
+
+
+def test_the_module_was_built_and_agrees_with_the_python_constants() -> None:
+    assert _fastpage is not None, (
+        f"gradsync.protocol._fastpage was not built ({IMPORT_ERROR}); "
+        "install with a C compiler (pip install -e .)"
+    )
+    assert (_fastpage.REFUSED, _fastpage.WAITING, _fastpage.MISMATCH, _fastpage.REDUCED) == (
+        REFUSED, WAITING, MISMATCH, REDUCED)
+
+
+def awkward_values(dtype: np.dtype, count: int, seed: int) -> np.ndarray:
+    """Values whose sums and products round, with overflow, subnormals, NaN and -0.0."""
+    rng = np.random.default_rng(seed)
+    info = np.finfo(dtype)
+    values = (rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)).astype(dtype)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, info.max, -info.max,
+                         info.tiny, info.smallest_subnormal, -info.smallest_subnormal,
+                         info.eps, 1 / 3], dtype=dtype)
+    where = rng.integers(0, count, size=count // 8)
+    values[where] = specials[rng.integers(0, len(specials), size=len(where))]
+    return values
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize(("dtype", "op"), sorted(FAST_REDUCTIONS, key=str))
+def test_a_compiled_reduction_equals_numpys_bit_for_bit(
+    open_page: OpenPage, ranks: int, dtype: str, op: ReduceOp
+) -> None:
+    page = open_page(ranks)
+    np_type = np.dtype(dtype)
+    count = LIMIT // np_type.itemsize
+    reduction = FAST_REDUCTIONS[(dtype, op)]
+    for key, size in enumerate((count, 1, count - 3, 0)):
+        inputs = [awkward_values(np_type, size, seed=97 * key + rank) for rank in range(ranks)]
+        data = [values.copy() for values in inputs]
+        for rank in range(ranks - 1):
+            assert publish(page, rank, key, data[rank], reduction) == WAITING
+        assert publish(page, ranks - 1, key, data[-1], reduction) == REDUCED
+        expected = np.empty_like(inputs[0])
+        reduce_in_rank_order(expected, inputs, op)
+        assert data[-1].tobytes() == expected.tobytes(), (dtype, op, ranks, size)
+        assert page.word(ranks - 1, fastpath.DONE) == key
+        assert page.word(ranks - 1, fastpath.COMPLETED) == key + 1
+        assert page.all_published(key) == [0] * ranks  # what the others see on their look
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_the_callers_reduction_gets_every_ranks_buffer_index(open_page: OpenPage) -> None:
+    page = open_page(3)
+    data = np.arange(5, dtype=np.int32)
+    assert publish(page, 0, 4, data, 0, index=1) == WAITING
+    assert publish(page, 1, 4, data, 0, index=0) == WAITING
+    assert publish(page, 2, 4, data, 0, index=1) == [1, 0, 1]
+    views = page.views(np.dtype(np.int32), 5)
+    assert all((views[rank][i] == data).all() for rank, i in enumerate([1, 0, 1]))
+    assert page.word(2, fastpath.DONE) == fastpath.NOTHING  # the caller writes it
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_a_broken_page_or_a_withdrawn_key_refuses_and_publishes_nothing(
+    open_page: OpenPage,
+) -> None:
+    page = open_page(2)
+    data = np.ones(4, dtype=np.float32)
+    page.set_word(1, WITHDRAWN, 3)
+    assert publish(page, 0, 3, data, FAST_REDUCTIONS[("float32", ReduceOp.SUM)]) == REFUSED
+    assert page.word(0, PUBLISHED) == fastpath.NOTHING
+    assert page.published_index(0, 3) is None
+    page.set_broken()
+    assert publish(page, 0, 4, data, FAST_REDUCTIONS[("float32", ReduceOp.SUM)]) == REFUSED
+    assert page.word(0, PUBLISHED) == fastpath.NOTHING
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_differing_fingerprints_leave_the_buffers_unreduced(open_page: OpenPage) -> None:
+    page = open_page(2)
+    sum_f32 = FAST_REDUCTIONS[("float32", ReduceOp.SUM)]
+    first, second = np.full(4, 2.0, np.float32), np.full(4, 5.0, np.float32)
+    assert publish(page, 0, 0, first, sum_f32, codes=7) == WAITING
+    assert publish(page, 1, 0, second, sum_f32, codes=8) == MISMATCH
+    assert (second == 5.0).all()
+    assert page.word(1, fastpath.DONE) == fastpath.NOTHING
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_arguments_that_do_not_fit_the_page_are_refused_before_anything_is_written(
+    open_page: OpenPage,
+) -> None:
+    assert _fastpage is not None
+    page = open_page(2)
+    data = np.ones(4, dtype=np.float32)
+    sum_f32 = FAST_REDUCTIONS[("float32", ReduceOp.SUM)]
+
+    def call(layout: bytes = page.c_layout, rank: int = 0, index: int = 0,
+             values: object = data, reduction: int = sum_f32) -> object:
+        return _fastpage.publish(page.q, layout, page.fd, rank, index, 1, 7, 4, values,
+                                 reduction, SPIN_NS, SPIN_NS)
+
+    words = np.frombuffer(page.c_layout, dtype=np.int64).copy()
+    outside = words.copy()
+    outside[-4] = len(page.q) + 10  # the last rank's second buffer, beyond the page
+    with pytest.raises(ValueError, match="does not fit the page"):
+        call(layout=outside.tobytes())
+    with pytest.raises(ValueError, match="fits no number of ranks"):
+        call(layout=page.c_layout[:-8])
+    with pytest.raises(ValueError, match="out of range"):
+        call(rank=2)
+    with pytest.raises(ValueError, match="out of range"):
+        call(index=2)
+    with pytest.raises(ValueError, match="the page holds"):
+        call(values=np.ones(LIMIT // 4 + 1, dtype=np.float32))
+    with pytest.raises(ValueError, match="not one of this module's"):
+        call(reduction=99)
+    with pytest.raises(ValueError, match="not one of this module's"):
+        call(values=np.ones(3, dtype=np.int16))  # 6 bytes: no whole float32s
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        call(values=np.ones(8, dtype=np.float32)[::2])
+    read_only = np.ones(4, dtype=np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        call(values=read_only)
+    with pytest.raises(TypeError):
+        _fastpage.publish(page.q, page.c_layout)
+    assert page.word(0, PUBLISHED) == fastpath.NOTHING
+    assert page.word(1, PUBLISHED) == fastpath.NOTHING
