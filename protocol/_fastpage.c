@@ -121,38 +121,43 @@ static int all_published(const Look *look, unsigned char *indices)
 #define WIDEST_VECTORS
 #endif
 
-#define DEFINE_REDUCE(NAME, T)                                                          \
-    WIDEST_VECTORS static void NAME(T *restrict out, T *const *inputs, Py_ssize_t ranks, size_t count, \
-                     int op)                                                            \
-    {                                                                                   \
-        const T *restrict first = inputs[0];                                            \
-        if (ranks == 1) {                                                               \
-            memcpy(out, first, count * sizeof(T));                                      \
-            return;                                                                     \
-        }                                                                               \
-        const T *restrict second = inputs[1];                                           \
-        if (op == 2) {                                                                  \
-            for (size_t i = 0; i < count; i++)                                          \
-                out[i] = first[i] * second[i];                                          \
-            for (Py_ssize_t rank = 2; rank < ranks; rank++) {                           \
-                const T *restrict next = inputs[rank];                                  \
-                for (size_t i = 0; i < count; i++)                                      \
-                    out[i] *= next[i];                                                  \
-            }                                                                           \
-            return;                                                                     \
-        }                                                                               \
-        for (size_t i = 0; i < count; i++)                                              \
-            out[i] = first[i] + second[i];                                              \
-        for (Py_ssize_t rank = 2; rank < ranks; rank++) {                               \
-            const T *restrict next = inputs[rank];                                      \
-            for (size_t i = 0; i < count; i++)                                          \
-                out[i] += next[i];                                                      \
-        }                                                                               \
-        if (op == 1) {                                                                  \
-            const T divisor = (T)ranks;                                                 \
-            for (size_t i = 0; i < count; i++)                                          \
-                out[i] /= divisor;                                                      \
-        }                                                                               \
+/* What DEFINE_REDUCE's functions do, from a reduction code (0 is the caller's). */
+enum { OP_SUM, OP_AVG, OP_PROD };
+
+/* out <- inputs[0] op inputs[1] op ..., left to right; an average divides once at
+ * the end (protocol/reduction.py's order, so numpy's results to the bit). */
+#define DEFINE_REDUCE(NAME, T)                                                        \
+    WIDEST_VECTORS static void NAME(T *restrict out, T *const *inputs, Py_ssize_t ranks, \
+                                    size_t count, int op)                             \
+    {                                                                                 \
+        const T *restrict first = inputs[0];                                          \
+        if (ranks == 1) {                                                             \
+            memcpy(out, first, count * sizeof(T));                                    \
+            return;                                                                   \
+        }                                                                             \
+        const T *restrict second = inputs[1];                                         \
+        if (op == OP_PROD) {                                                          \
+            for (size_t i = 0; i < count; i++)                                        \
+                out[i] = first[i] * second[i];                                        \
+            for (Py_ssize_t rank = 2; rank < ranks; rank++) {                         \
+                const T *restrict next = inputs[rank];                                \
+                for (size_t i = 0; i < count; i++)                                    \
+                    out[i] *= next[i];                                                \
+            }                                                                         \
+            return;                                                                   \
+        }                                                                             \
+        for (size_t i = 0; i < count; i++)                                            \
+            out[i] = first[i] + second[i];                                            \
+        for (Py_ssize_t rank = 2; rank < ranks; rank++) {                             \
+            const T *restrict next = inputs[rank];                                    \
+            for (size_t i = 0; i < count; i++)                                        \
+                out[i] += next[i];                                                    \
+        }                                                                             \
+        if (op == OP_AVG) {                                                           \
+            const T divisor = (T)ranks;                                               \
+            for (size_t i = 0; i < count; i++)                                        \
+                out[i] /= divisor;                                                    \
+        }                                                                             \
     }
 
 DEFINE_REDUCE(reduce_f32, float)
@@ -168,7 +173,7 @@ static int reduce_here(const Look *look, int reduction, void *out, size_t nbytes
         int64_t at = rank_words(look, rank)[R_BUFFER_0 + indices[rank]];
         inputs[rank] = (char *)look->q + at * 8 + look->layout[L_DATA_BYTE_OFFSET];
     }
-    int op = (reduction - 1) % 3;  /* 0 sum, 1 avg, 2 prod */
+    int op = (reduction - 1) % 3;  /* F32_SUM, F32_AVG, F32_PROD, F64_SUM, ...: OP_* */
     if (reduction <= F32_PROD)
         reduce_f32(out, (float *const *)inputs, look->ranks, nbytes / sizeof(float), op);
     else
