@@ -19,22 +19,23 @@ def main() -> int:
     with Client() as client:
         world = client.world_size
         case = 0
-        for kind in kinds:
-            for dtype in DTYPES:
-                for op in OPS:
-                    if not op_applies(op, dtype):
-                        continue
-                    for shape in SHAPES:
-                        case += 1
-                        mine = make_input(client.rank, case, shape, dtype, op)
+        for dtype in DTYPES:
+            for op in OPS:
+                if not op_applies(op, dtype):
+                    continue
+                for shape in SHAPES:
+                    case += 1
+                    # One reference for every kind of buffer: the same inputs in each.
+                    inputs = [make_input(r, case, shape, dtype, op) for r in range(world)]
+                    expected = reference(inputs, op)
+                    mine = inputs[client.rank]
+                    for kind in kinds:
                         if kind == "empty":
                             buffer = client.empty(shape, np_dtype(dtype))
                             buffer[...] = mine
                         else:
                             buffer = mine.copy()
                         client.all_reduce(buffer, op=op)
-                        inputs = [make_input(r, case, shape, dtype, op) for r in range(world)]
-                        expected = reference(inputs, op)
                         checked += 1
                         if not matches(buffer, expected, op, dtype):
                             failures += 1
