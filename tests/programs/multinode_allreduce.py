@@ -25,23 +25,23 @@ def main() -> int:
     with Client() as client:
         world = client.world_size
         case = 0
-        for algorithm in algorithms:
-            for dtype in dtypes:
-                for op in ops:
-                    if not op_applies(op, dtype):
-                        continue
-                    for count in COUNTS:
-                        case += 1
-                        mine = make_input(client.rank, case, (count,), dtype, op)
-                        if case % 2:
+        for dtype in dtypes:
+            for op in ops:
+                if not op_applies(op, dtype):
+                    continue
+                for count in COUNTS:
+                    case += 1
+                    # One reference for every algorithm: the same inputs for each.
+                    inputs = [make_input(r, case, (count,), dtype, op) for r in range(world)]
+                    expected = reference(inputs, op)
+                    mine = inputs[client.rank]
+                    for turn, algorithm in enumerate(algorithms):
+                        if (case + turn) % 2:  # each algorithm: empty() and ordinary buffers
                             buffer = client.empty(count, np_dtype(dtype))
                             buffer[...] = mine
                         else:
                             buffer = mine.copy()
                         client.all_reduce(buffer, op=op, algorithm=algorithm)
-                        expected = reference(
-                            [make_input(r, case, (count,), dtype, op) for r in range(world)], op
-                        )
                         checked += 1
                         if not matches(buffer, expected, op, dtype):
                             failures += 1
