@@ -44,7 +44,13 @@ _SHM_NAME = re.compile(r"/dev/shm/(gradsync-\d+-[A-Za-z0-9_-]+)")
 
 
 
-@pytest.fixture(params=sorted(FAST_PATH_SETTINGS))
+#: The paths every failure test runs on; the tests marked with EVERY_PATH also run
+#: the fast path's Python steps, whose own outcomes (a mismatch, a spin that ends
+#: waiting) differ from the compiled module's before the shared waiting code.
+EVERY_PATH = pytest.mark.parametrize("path", sorted(FAST_PATH_SETTINGS), indirect=True)
+
+
+@pytest.fixture(params=["fast", "socket"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Which path a small synchronous allreduce takes, for this process and the rank
     programs it starts.  The failures must look the same on all of them."""
@@ -133,6 +139,7 @@ MISMATCH_SENT = {
 
 
 @pytest.mark.timeout(60)
+@EVERY_PATH
 @pytest.mark.parametrize("what", sorted(MISMATCH_SENT))
 def test_mismatch_fails_every_rank_names_both_and_keeps_the_job(
     daemon: DaemonProcess, what: str, path: str
@@ -156,6 +163,7 @@ def test_mismatch_fails_every_rank_names_both_and_keeps_the_job(
 
 
 @pytest.mark.timeout(60)
+@EVERY_PATH
 def test_connected_rank_that_never_submits_times_out_by_name(
     daemon: DaemonProcess, path: str
 ) -> None:
