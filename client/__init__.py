@@ -1,8 +1,9 @@
 """gradsync.client: what a training process imports to talk to its daemon.
 
 `Client`, `Work` and `ReduceOp` load on first use (PEP 562): they import numpy
-and ml_dtypes, which cost more than a command such as `gradsync ping` spends
-in all, and every submodule import (`gradsync.client.cli`) runs this file.
+(and ml_dtypes once a bfloat16 array comes along, see protocol/dtypes.py), which
+cost more than a command such as `gradsync ping` spends in all, and every
+submodule import (`gradsync.client.cli`) runs this file.
 The errors and the version are plain Python and load at once.
 """
 

@@ -3,21 +3,43 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 
+#: The wire names, in the order whose indices the fast page stores (protocol/fastpath.py).
+_WIRE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+#: The one dtype that is not numpy's own (ml_dtypes').
+_BFLOAT16 = "bfloat16"
+
+
+class _WireDtypes(Mapping[str, np.dtype]):
+    """Wire name → numpy dtype; ml_dtypes, which defines bfloat16, is imported only
+    when bfloat16 is asked for: importing it costs about a second here (numpy 2.4,
+    ml_dtypes 0.7), which every rank process would pay on `import gradsync.client`."""
+
+    def __init__(self) -> None:
+        self._known = {name: np.dtype(name) for name in _WIRE_NAMES if name != _BFLOAT16}
+
+    def __getitem__(self, name: str) -> np.dtype:
+        if name == _BFLOAT16 and name not in self._known:
+            import ml_dtypes  # deliberately late: see the class docstring
+
+            self._known[name] = np.dtype(ml_dtypes.bfloat16)
+        return self._known[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_WIRE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_WIRE_NAMES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _WIRE_NAMES
+
+
 #: Wire name → numpy dtype.  Names are numpy's, plus ml_dtypes' bfloat16.
-DTYPES: dict[str, np.dtype] = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-}
+DTYPES: Mapping[str, np.dtype] = _WireDtypes()
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
@@ -39,7 +61,8 @@ class ReduceOp(enum.StrEnum):
 BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
-_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+_NAMES: dict[np.dtype, str] = {np.dtype(name): name for name in _WIRE_NAMES
+                                if name != _BFLOAT16}
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -47,6 +70,9 @@ def dtype_name(dtype: np.dtype) -> str:
     name = _NAMES.get(dtype)
     if name is not None:
         return name
+    # An array of bfloat16 means its owner has imported ml_dtypes already.
+    if getattr(dtype, "name", None) == _BFLOAT16 and dtype == DTYPES[_BFLOAT16]:
+        return _BFLOAT16
     raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
 
 

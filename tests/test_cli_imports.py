@@ -1,8 +1,8 @@
 """The command lines import what a command needs, when it needs it.
 
-numpy and ml_dtypes (for `Client`), ZeroMQ (for the statistics endpoint and
-keys), torch and cupy cost more than a command such as `gradsync ping` spends
-in all.  Each case runs one entry point in a fresh interpreter, as its console
+numpy (for `Client`; ml_dtypes only for bfloat16), ZeroMQ (for the statistics
+endpoint and keys), torch and cupy cost more than a command such as `gradsync
+ping` spends in all.  Each case runs one entry point in a fresh interpreter, as its console
 script would, and then lists which of those modules the process holds: a
 property of the code, not a clock reading.
 """
@@ -108,4 +108,25 @@ def test_the_client_package_loads_client_work_and_reduce_op_on_first_use() -> No
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=50, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_client_loads_ml_dtypes_only_for_bfloat16(daemon: DaemonProcess) -> None:
+    """Importing ml_dtypes costs about a second, which every rank process paid on
+    `from gradsync.client import Client`; only a bfloat16 array needs it."""
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from gradsync.client import Client\n"
+        "from gradsync.protocol.dtypes import DTYPES\n"
+        "with Client(sys.argv[1], job='lazy', rank=0, world_size=1) as client:\n"
+        "    array = client.empty(4, np.float32); array[:] = 1.5\n"
+        "    client.all_reduce(array)\n"
+        "    assert (array == 1.5).all() and 'ml_dtypes' not in sys.modules\n"
+        "    half = client.empty(4, DTYPES['bfloat16']); half[:] = 2.0\n"
+        "    client.all_reduce(half, op='max')\n"
+        "    assert (half == 2.0).all() and 'ml_dtypes' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, daemon.endpoint], capture_output=True,
+                            text=True, timeout=50, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr

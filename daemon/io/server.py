@@ -29,6 +29,7 @@ from gradsync.daemon.io.session import ClientSession
 from gradsync.daemon.io.stats_server import StatsServer, stats_curve, stats_endpoints
 from gradsync.daemon.sd_notify import Notifier
 from gradsync.daemon.state import DaemonState
+from gradsync.protocol.dtypes import DTYPES
 from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.version import __version__
 
@@ -142,6 +143,10 @@ class Daemon:
         removed = sweep_dead_segments()
         if removed:
             log.info("removed %d segments left by dead daemons", len(removed))
+        # Clients load ml_dtypes (bfloat16) only when they need it; the daemon loads it
+        # now, before it says ready, not on its event loop at the first bfloat16 request
+        # (about a second here, long enough to look like a stall to its peers).
+        DTYPES["bfloat16"]
         use_peers = wants_peers(config)
         endpoints = stats_endpoints(config.stats, config.socket)
         stats_keys = stats_curve(config, endpoints[0]) if endpoints is not None else None
