@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cluster import free_ports, peer_args
 
 from conftest import DaemonProcess
 
@@ -130,3 +132,33 @@ def test_a_client_loads_ml_dtypes_only_for_bfloat16(daemon: DaemonProcess) -> No
     result = subprocess.run([sys.executable, "-c", code, daemon.endpoint], capture_output=True,
                             text=True, timeout=50, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
+
+
+def holds_ml_dtypes(pid: int) -> bool:
+    """Whether a process has mapped ml_dtypes' extension (from /proc/PID/maps)."""
+    return "_ml_dtypes_ext" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_single_node_daemon_loads_ml_dtypes_at_its_first_bfloat16_request(
+    start_daemon: Callable[..., DaemonProcess],
+) -> None:
+    """Loading it costs about a second of start-up; a daemon with peers pays it before
+    it says ready (a pause on its event loop later could look like a dead peer)."""
+    single = start_daemon()
+    assert not holds_ml_dtypes(single.process.pid)
+    code = (
+        "import sys\n"
+        "import ml_dtypes, numpy as np\n"
+        "from gradsync.client import Client\n"
+        "with Client(sys.argv[1], job='half', rank=0, world_size=1) as client:\n"
+        "    half = np.full(4, 3.0, dtype=ml_dtypes.bfloat16)\n"
+        "    work = client.all_reduce(half, op='sum', async_op=True)\n"
+        "    assert work is not None and work.wait() and (half == 3.0).all()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, single.endpoint], capture_output=True,
+                            text=True, timeout=50, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    assert holds_ml_dtypes(single.process.pid)
+    (endpoint,) = [f"tcp://127.0.0.1:{port}" for port in free_ports(1)]
+    peered = start_daemon(*peer_args(0, [endpoint], "--insecure"))
+    assert holds_ml_dtypes(peered.process.pid)
