@@ -129,7 +129,12 @@ def test_a_client_loads_ml_dtypes_only_for_bfloat16(daemon: DaemonProcess) -> No
         "    client.all_reduce(half, op='max')\n"
         "    assert (half == 2.0).all() and 'ml_dtypes' in sys.modules\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, daemon.endpoint], capture_output=True,
+    run_client(code, daemon.endpoint)
+
+
+def run_client(code: str, endpoint: str) -> None:
+    """Run `code` (a client of the daemon at argv[1]) in a fresh interpreter; it must pass."""
+    result = subprocess.run([sys.executable, "-c", code, endpoint], capture_output=True,
                             text=True, timeout=50, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
 
@@ -155,9 +160,7 @@ def test_a_single_node_daemon_loads_ml_dtypes_at_its_first_bfloat16_request(
         "    work = client.all_reduce(half, op='sum', async_op=True)\n"
         "    assert work is not None and work.wait() and (half == 3.0).all()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, single.endpoint], capture_output=True,
-                            text=True, timeout=50, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stderr
+    run_client(code, single.endpoint)
     assert holds_ml_dtypes(single.process.pid)
     (endpoint,) = [f"tcp://127.0.0.1:{port}" for port in free_ports(1)]
     peered = start_daemon(*peer_args(0, [endpoint], "--insecure"))
