@@ -254,6 +254,7 @@ def _peers(links: Any, jobs: dict[str, JobStats]) -> dict[str, Any]:
             "rtt_s": stats.rtt_s if stats else None,
             "bandwidth_Bps": stats.bytes_per_s if stats else None,
             "heartbeat_age_s": links.heard_age_s(peer),
+            "data_stream": links.stream_state(peer),
             "bytes_sent": sum(j.peer_bytes.get(peer, {}).get("sent", 0) for j in jobs.values()),
             "bytes_received": sum(
                 j.peer_bytes.get(peer, {}).get("received", 0) for j in jobs.values()

@@ -21,7 +21,7 @@ import pytest
 from cluster import curve_args, free_ports, peer_args, run_spread, spawn_spread
 from test_sealed_streams import Relay, hello_size
 
-from conftest import DaemonProcess, collect
+from conftest import DaemonProcess, collect, poll_until
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
 from gradsync.daemon.peers.stream_crypto import LENGTH
@@ -74,11 +74,16 @@ def test_a_flipped_byte_between_daemons_fails_both_writes_nothing_and_both_serve
     b = start_daemon(*peer_args(1, endpoints, *flags[1], "--data-port", str(data_port),
                                 "--data-advertise", f"127.0.0.1:{relay.port}"))
     try:
+        # Until A's data stream to B is open, A's slices would take ZeroMQ, not the relay.
+        poll_until(lambda: fetch_snapshot(a.endpoint + ".stats", 5.0)["peers"][endpoints[1]]
+                   ["data_stream"] == "sealed", 60, "A's sealed data stream to B")
         ranks = spawn_spread([a, b], (1, 1), "multinode_tampered.py", [str(COUNT), str(SEED)],
                              job="tampered", env={"GRADSYNC_TIMEOUT_S": "60"})
         results = collect(ranks, timeout_s=70)
         capture = bytes(relay.capture)
-        assert flipped, "no slice data went through the relay"
+        assert flipped, ("no slice data went through the relay:\n"
+                         + "\n".join(r.stdout + r.stderr for r in results)
+                         + f"\nA:\n{a.log()}\nB:\n{b.log()}")
         for result, other in zip(results, reversed(endpoints), strict=True):
             outcome = result.records()[-1]
             assert outcome["error"] is not None, result.stdout + result.stderr

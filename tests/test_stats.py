@@ -274,6 +274,7 @@ def test_peer_heartbeat_age_tracks_a_stopped_peer(start_daemon: object) -> None:
 
     poll_until(lambda: peer()["state"] == "up" and (peer()["heartbeat_age_s"] or 9) < 2.5, 30,
                "the peer to be up and heard from")
+    poll_until(lambda: peer()["data_stream"] == "plain", 30, "the data stream to the peer")
     daemons[1].process.send_signal(signal.SIGSTOP)
     try:
         time.sleep(4.0)
@@ -281,10 +282,13 @@ def test_peer_heartbeat_age_tracks_a_stopped_peer(start_daemon: object) -> None:
         assert stopped["state"] == "up" and stopped["heartbeat_age_s"] >= 2.5, stopped
         table = cli("stats", "--daemon", daemons[0].endpoint).stdout
         assert f"peer {endpoints[1]}: up" in table and "heard " in table, table
+        assert "data stream plain" in table, table
         prometheus = cli("stats", "--daemon", daemons[0].endpoint, "--prometheus").stdout
         families = {f.name: f for f in text_string_to_metric_families(prometheus)}
         ages = families["gradsync_peer_heartbeat_age_seconds"].samples
         assert ages[0].labels["peer"] == endpoints[1] and ages[0].value >= 2.5, ages
+        streams = families["gradsync_peer_data_stream_open"].samples
+        assert [(s.labels["peer"], s.value) for s in streams] == [(endpoints[1], 1.0)], streams
     finally:
         daemons[1].process.send_signal(signal.SIGCONT)
     poll_until(lambda: peer()["heartbeat_age_s"] < 2.5, 30, "the peer to be heard again")

@@ -200,7 +200,9 @@ def render_table(snapshot: dict[str, Any]) -> str:
         rtt = f"{link['rtt_s'] * 1e6:.0f} µs" if link.get("rtt_s") else "-"
         age = link.get("heartbeat_age_s")
         heard = f"{age:.1f}s ago" if age is not None else "never"
-        lines.append(f"peer {peer}: {link['state']}  rtt {rtt}  heard {heard}")
+        stream = link.get("data_stream") or "none (ZeroMQ)"
+        lines.append(f"peer {peer}: {link['state']}  rtt {rtt}  heard {heard}  "
+                     f"data stream {stream}")
     return "\n".join(lines)
 
 
@@ -287,6 +289,10 @@ def render_prometheus(snapshot: dict[str, Any]) -> str:
             if link.get("heartbeat_age_s") is not None])
     metric("peer_up", "gauge", "1 when the link to the peer is up.",
            [({"peer": p}, 1.0 if link["state"] == "up" else 0.0)
+            for p, link in snapshot.get("peers", {}).items()])
+    metric("peer_data_stream_open", "gauge",
+           "1 while slices to the peer take a data stream, 0 while they take ZeroMQ.",
+           [({"peer": p}, 1.0 if link.get("data_stream") else 0.0)
             for p, link in snapshot.get("peers", {}).items()])
     return "\n".join(out) + "\n"
 

@@ -442,6 +442,15 @@ class PeerLinks:
         self._link(peer)
         return self._data is not None and self._data.sender(peer) is not None
 
+    def stream_state(self, peer: str) -> str | None:
+        """How slices go to `peer`: over a "sealed" or "plain" data stream, or
+        None while no stream is open (they take ZeroMQ then)."""
+        self._link(peer)
+        sender = None if self._data is None else self._data.sender(peer)
+        if sender is None:
+            return None
+        return "sealed" if sender.sealed else "plain"
+
     def heard_age_s(self, peer: str) -> float | None:
         """Seconds since anything last came from `peer` (None: nothing yet).
 
