@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from reference_data import make_input, matches, np_dtype, op_applies, reference
+from reference_data import cases, matches, np_dtype
 
 from gradsync.client import Client
 
@@ -17,29 +17,20 @@ def main() -> int:
     failures = 0
     checked = 0
     with Client() as client:
-        world = client.world_size
-        case = 0
-        for dtype in DTYPES:
-            for op in OPS:
-                if not op_applies(op, dtype):
-                    continue
-                for shape in SHAPES:
-                    case += 1
-                    # One reference for every kind of buffer: the same inputs in each.
-                    inputs = [make_input(r, case, shape, dtype, op) for r in range(world)]
-                    expected = reference(inputs, op)
-                    mine = inputs[client.rank]
-                    for kind in kinds:
-                        if kind == "empty":
-                            buffer = client.empty(shape, np_dtype(dtype))
-                            buffer[...] = mine
-                        else:
-                            buffer = mine.copy()
-                        client.all_reduce(buffer, op=op)
-                        checked += 1
-                        if not matches(buffer, expected, op, dtype):
-                            failures += 1
-                            print(json.dumps({"fail": [kind, dtype, op, list(shape)]}), flush=True)
+        for case in cases(client.world_size, DTYPES, OPS, SHAPES):
+            mine = case.inputs[client.rank]
+            for kind in kinds:
+                if kind == "empty":
+                    buffer = client.empty(case.shape, np_dtype(case.dtype))
+                    buffer[...] = mine
+                else:
+                    buffer = mine.copy()
+                client.all_reduce(buffer, op=case.op)
+                checked += 1
+                if not matches(buffer, case.expected, case.op, case.dtype):
+                    failures += 1
+                    print(json.dumps({"fail": [kind, case.dtype, case.op, list(case.shape)]}),
+                          flush=True)
     print(json.dumps({"rank": client.rank, "checked": checked, "failures": failures}))
     return 1 if failures else 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from reference_data import make_input, matches, np_dtype, op_applies, reference
+from reference_data import cases, matches, np_dtype
 
 from gradsync.client import Client
 
@@ -23,29 +23,20 @@ def main() -> int:
     ops = sys.argv[3].split(",") if len(sys.argv) > 3 else OPS
     failures = checked = 0
     with Client() as client:
-        world = client.world_size
-        case = 0
-        for dtype in dtypes:
-            for op in ops:
-                if not op_applies(op, dtype):
-                    continue
-                for count in COUNTS:
-                    case += 1
-                    # One reference for every algorithm: the same inputs for each.
-                    inputs = [make_input(r, case, (count,), dtype, op) for r in range(world)]
-                    expected = reference(inputs, op)
-                    mine = inputs[client.rank]
-                    for turn, algorithm in enumerate(algorithms):
-                        if (case + turn) % 2:  # each algorithm: empty() and ordinary buffers
-                            buffer = client.empty(count, np_dtype(dtype))
-                            buffer[...] = mine
-                        else:
-                            buffer = mine.copy()
-                        client.all_reduce(buffer, op=op, algorithm=algorithm)
-                        checked += 1
-                        if not matches(buffer, expected, op, dtype):
-                            failures += 1
-                            print(json.dumps({"fail": [algorithm, dtype, op, count]}), flush=True)
+        for case in cases(client.world_size, dtypes, ops, [(count,) for count in COUNTS]):
+            mine = case.inputs[client.rank]
+            for turn, algorithm in enumerate(algorithms):
+                if (case.number + turn) % 2:  # each algorithm: empty() and ordinary buffers
+                    buffer = client.empty(case.shape, np_dtype(case.dtype))
+                    buffer[...] = mine
+                else:
+                    buffer = mine.copy()
+                client.all_reduce(buffer, op=case.op, algorithm=algorithm)
+                checked += 1
+                if not matches(buffer, case.expected, case.op, case.dtype):
+                    failures += 1
+                    print(json.dumps({"fail": [algorithm, case.dtype, case.op, case.shape[0]]}),
+                          flush=True)
     print(json.dumps({"rank": client.rank, "checked": checked, "failures": failures}), flush=True)
     return 1 if failures else 0
 

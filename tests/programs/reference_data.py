@@ -9,6 +9,9 @@ rank can derive every other rank's input, so each checks the full result itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
 import ml_dtypes
 import numpy as np
 
@@ -77,3 +80,30 @@ def matches(result: np.ndarray, expected: np.ndarray, op: str, dtype: str) -> bo
         return bool(np.allclose(result.astype(np.float64), expected.astype(np.float64),
                                 rtol=tolerance, atol=tolerance))
     return bool(np.array_equal(result, expected))
+
+
+class Case(NamedTuple):
+    """One (dtype, op, shape) of a matrix: every rank's input and the numpy result."""
+
+    number: int
+    dtype: str
+    op: str
+    shape: tuple[int, ...]
+    inputs: list[np.ndarray]
+    expected: np.ndarray
+
+
+def cases(world: int, dtypes: Iterable[str], ops: Iterable[str],
+          shapes: Iterable[tuple[int, ...]]) -> Iterator[Case]:
+    """Every (dtype, op, shape) the daemon defines, numbered from 1; the reference
+    is computed once per case, for all the buffers or algorithms a program tries."""
+    ops, shapes = list(ops), list(shapes)
+    number = 0
+    for dtype in dtypes:
+        for op in ops:
+            if not op_applies(op, dtype):
+                continue
+            for shape in shapes:
+                number += 1
+                inputs = [make_input(r, number, shape, dtype, op) for r in range(world)]
+                yield Case(number, dtype, op, shape, inputs, reference(inputs, op))
