@@ -117,15 +117,6 @@ def write_section(path: str, name: str | None, text: str, writer: str = "") -> N
     os.replace(path + ".tmp", path)
 
 
-def section_text(path: str, name: str) -> str | None:
-    """The current text of section `name` of `path` (with its markers), or None."""
-    if not os.path.exists(path):
-        return None
-    with open(path) as source:
-        _, sections = split_sections(source.read())
-    return next((block for other, block in sections if other == name), None)
-
-
 def render(
     run: RunDescription,
     runs: Sequence[ContenderRun],

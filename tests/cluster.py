@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import random
-import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.topology import free_ports
 from conftest import DaemonProcess, RankResult, assert_all_exited_0, collect, spawn_rank
 
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports free right now on 127.0.0.1.
-
-    Drawn below the kernel's ephemeral range, so that no outgoing connection
-    (of this or a concurrent test run) takes one before the links bind it.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    ports: list[int] = []
-    with contextlib.ExitStack() as stack:
-        while len(ports) < count:
-            sock = stack.enter_context(socket.socket())
-            port = random.randrange(10_000, max(10_001, low))
-            with contextlib.suppress(OSError):
-                sock.bind(("127.0.0.1", port))
-                ports.append(port)
-    return ports
+__all__ = ["curve_args", "free_ports", "peer_args", "run_spread", "spawn_spread"]
 
 
 def peer_args(index: int, endpoints: Sequence[str], *extra: str) -> list[str]:

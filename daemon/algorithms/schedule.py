@@ -91,12 +91,6 @@ class Schedule:
     count: int
     steps: tuple[Step, ...]
 
-    def elements_sent(self) -> int:
-        return sum(send.count for step in self.steps for send in step.sends)
-
-    def elements_received(self) -> int:
-        return sum(recv.count for step in self.steps for recv in step.recvs)
-
 
 def check_args(rank: int, size: int, count: int) -> None:
     """Refuse a rank outside ``[0, size)``, a size below 1 or a negative count."""
