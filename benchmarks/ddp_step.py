@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> int:
                         fully_shard(layer)
                 model = fully_shard(module)
                 if wrapper == "fsdp-pool":
-                    from gradsync.client.torch_fsdp import use_daemon_memory
+                    from gradsync.client.torch.fsdp import use_daemon_memory
 
                     use_daemon_memory(model)
             tgrads = torch.zeros(nparams)
@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "on process groups of backend \"gradsync\" (the same daemon) and \"gloo\" "
             "(file:// store); FSDP2: `fully_shard` on every Linear, then the root, on the "
             "same two backends, and on gradsync also with "
-            "`gradsync.client.torch_fsdp.use_daemon_memory` (its all-gather and "
+            "`gradsync.client.torch.fsdp.use_daemon_memory` (its all-gather and "
             "reduce-scatter buffers in daemon memory); each row is compared with the same "
             "wrapper and settings on gloo. No sync: "
             "the ranks run at the same time, each alone (the compute floor). *Gradient "

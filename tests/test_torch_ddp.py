@@ -252,7 +252,7 @@ def test_example_trains_and_passes_its_own_check(daemon: DaemonProcess) -> None:
 def test_bucket_assignment_follows_the_given_order() -> None:
     import torch
 
-    from gradsync.client.torch_buckets import assign_buckets
+    from gradsync.client.torch.buckets import assign_buckets
     from gradsync.protocol.errors import InvalidArgumentError
 
     params = [torch.zeros(100, dtype=torch.float64) for _ in range(5)]  # 800 bytes each

@@ -375,7 +375,7 @@ def fsdp(mixed: bool = False, hsdp: bool = False, daemon_memory: bool = False
     fully_shard(model, **kwargs)
     pool = None
     if daemon_memory:
-        from gradsync.client.torch_fsdp import DaemonMemoryPool, use_daemon_memory
+        from gradsync.client.torch.fsdp import DaemonMemoryPool, use_daemon_memory
 
         pool = DaemonMemoryPool()
         assert use_daemon_memory(model, pool) == 5  # four Linear layers and the root

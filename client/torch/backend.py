@@ -17,13 +17,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-import logging
 import math
-import os
-import socket
 import threading
-import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,12 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.client.buffers import SegmentRegistry
 from gradsync.client.client import Client
 from gradsync.client.environment import resolve_identity
-from gradsync.client.ping import query
-from gradsync.client.torch_buckets import as_tensor
-from gradsync.client.torch_tensors import (
+from gradsync.client.torch.buckets import as_tensor
+from gradsync.client.torch.point_to_point import PairJobs
+from gradsync.client.torch.rendezvous import job_name, node_identities
+from gradsync.client.torch.storage_sharing import SHARER, registry_for
+from gradsync.client.torch.tensors import (
     NUMPY_DTYPES,
     Staged,
     as_buffer,
@@ -48,99 +44,13 @@ from gradsync.client.torch_tensors import (
     unpack,
     wire_op,
 )
-from gradsync.client.torch_work import Completer, Operation, TorchWork, torch_error
+from gradsync.client.torch.work import Completer, Operation, TorchWork, torch_error
 from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
 BACKEND = "gradsync"
-log = logging.getLogger("gradsync.client.torch")
 
 __all__ = ["BACKEND", "ProcessGroupGradsync", "empty", "register"]
-
-
-#: One segment registry per daemon, shared by every group's client in this process,
-#: so a tensor from `empty()` is found (and not staged) whichever group uses it.
-_REGISTRIES: dict[str, SegmentRegistry] = {}
-_REGISTRIES_LOCK = threading.Lock()
-
-
-def _registry_for(daemon: str) -> SegmentRegistry:
-    with _REGISTRIES_LOCK:
-        return _REGISTRIES.setdefault(daemon, SegmentRegistry())
-
-
-class StorageSharer:
-    """Moves CPU storages that collectives use again and again into memory the daemon maps.
-
-    A tensor's second collective moves its storage to shared memory in place
-    (what `Tensor.share_memory_()` does: views follow, the data is copied once)
-    and lets the daemon map it, so it is reduced where it lies from then on,
-    like a tensor from `empty()`.  DDP's buckets take this path.  Only storages
-    of at least `MIN_BYTES`, mostly covered by the tensor, and resizable: not
-    `torch.from_numpy` memory nor storages exported with `.numpy()`, which
-    numpy arrays may alias (the backend's own arrays do not use `.numpy()`).
-    A storage already in shared memory (`share_memory_()`) does not move: it
-    is mapped on first use.
-    `GRADSYNC_TORCH_SHARE=0` keeps every tensor staged.
-    """
-
-    MIN_BYTES = 64 * 1024
-
-    def __init__(self) -> None:
-        self.enabled = os.environ.get("GRADSYNC_TORCH_SHARE", "1") not in ("0", "false", "no")
-        self._lock = threading.Lock()
-        #: storage → [state, collectives in flight on it]; state is "seen" (staged
-        #: before), "attached" or "refused".
-        self._state: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-
-    def offer(self, tensor: torch.Tensor, client: Client) -> Any:
-        """Share `tensor`'s storage if it is due; returns a token for `release`, or None.
-
-        A storage moves only while no collective of this process uses it (a
-        staged one would copy its result into the old memory).
-        """
-        if (not self.enabled or tensor.device.type != "cpu" or not tensor.is_contiguous()
-                or tensor.numel() * tensor.element_size() < self.MIN_BYTES):
-            return None
-        storage = tensor.untyped_storage()
-        with self._lock:
-            entry = self._state.get(storage)
-            if entry is None:
-                if storage.is_shared():  # shared already (share_memory_()): nothing moves
-                    state = self._share(tensor, storage, client)
-                else:
-                    # Not resizable: numpy memory (from_numpy) or exported by .numpy(), so
-                    # numpy arrays may alias it and moving it would cut them off.
-                    state = "seen" if storage.resizable() else "refused"
-                entry = self._state[storage] = [state, 0]
-            elif entry[0] == "seen" and entry[1] == 0:
-                entry[0] = (self._share(tensor, storage, client) if storage.resizable()
-                            else "refused")
-            entry[1] += 1
-        return storage
-
-    def release(self, tokens: Sequence[Any]) -> None:
-        """The collectives that took these tokens are over."""
-        with self._lock:
-            for storage in tokens:
-                entry = self._state.get(storage)
-                if entry is not None:
-                    entry[1] -= 1
-
-    @staticmethod
-    def _share(tensor: torch.Tensor, storage: Any, client: Client) -> str:
-        if storage.nbytes() > 2 * tensor.numel() * tensor.element_size():
-            return "refused"  # mostly other tensors' memory: not worth moving
-        try:
-            fd, nbytes = storage._share_fd_cpu_()
-            client.attach(int(fd), int(nbytes), int(storage.data_ptr()), storage)
-        except (GradsyncError, RuntimeError) as exc:
-            log.debug("staging a %d-byte storage: cannot share it (%s)", storage.nbytes(), exc)
-            return "refused"
-        return "attached"
-
-
-_SHARER = StorageSharer()
 
 
 # -- the process group ---------------------------------------------------------------
@@ -167,38 +77,15 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._timeout_s = timeout_s if timeout_s > 0 else None
         identity = resolve_identity(None, None, None, None, None, None, None)
         self._daemon = identity.daemon
-        self._registry = _registry_for(self._daemon)
-        self._job = self._rendezvous_job(store, identity.job)
-        self._nodes = self._rendezvous_nodes(store)
-        local = [r for r in range(size) if self._nodes[r] == self._nodes[rank]]
+        self._registry = registry_for(self._daemon)
+        self._job = job_name(store, rank, identity.job)
+        nodes = node_identities(store, rank, size, self._daemon)
+        local = [r for r in range(size) if nodes[r] == nodes[rank]]
         self._client = self._connect(self._job, rank, size, local.index(rank), len(local))
-        self._p2p: dict[tuple[int, int, int], Client] = {}
-        self._p2p_lock = threading.Lock()
+        self._pairs = PairJobs(self._job, rank, size, nodes, self._connect)
         self._issuing = threading.local()
         self._completer = Completer(group_id or "default")
         self._closed = False
-
-    # -- rendezvous through the store (names only, never data) --------------------
-
-    def _rendezvous_job(self, store: Any, base: str) -> str:
-        key = "gradsync/job"
-        if self.rank() == 0:
-            store.set(key, f"{base}/torch-{uuid.uuid4().hex[:12]}")
-        return bytes(store.get(key)).decode()
-
-    def _rendezvous_nodes(self, store: Any) -> list[str]:
-        """Every rank's daemon identity, in rank order (who shares this node)."""
-        try:
-            welcome = query(self._daemon, 30.0)
-        except GradsyncError as exc:
-            raise dist.DistBackendError(f"gradsync: {exc}") from exc
-        mine = f"{socket.gethostname()}|{self._daemon}|{welcome.get('pid')}"
-        store.set(f"gradsync/node/{self.rank()}", mine)
-        keys = [f"gradsync/node/{r}" for r in range(self.size())]
-        values = store.multi_get(keys) if hasattr(store, "multi_get") else [
-            store.get(k) for k in keys
-        ]
-        return [bytes(v).decode() for v in values]
 
     def _connect(
         self, job: str, rank: int, size: int, local_rank: int, local_size: int
@@ -269,10 +156,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        with self._p2p_lock:
-            pairs, self._p2p = list(self._p2p.values()), {}
-        for pair in pairs:
-            pair.close()
+        self._pairs.close()
         self._client.close()
         self._completer.close()
 
@@ -301,10 +185,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         try:
             works = issue()
         except GradsyncError as exc:
-            _SHARER.release(tokens)
+            SHARER.release(tokens)
             raise torch_error(exc, self._group_name) from exc
         operation = Operation(lambda: self._group_name, what, works, outputs, finish,
-                              functools.partial(_SHARER.release, tokens))
+                              functools.partial(SHARER.release, tokens))
         return TorchWork(operation, self._completer)
 
     def _stage(self, tensor: torch.Tensor, copy_in: bool = True) -> Staged:
@@ -312,7 +196,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
         The sharer's tokens wait, per thread, for the `_work` that issues them.
         """
-        token = _SHARER.offer(tensor, self._client)
+        token = SHARER.offer(tensor, self._client)
         if token is not None:
             self._tokens().append(token)
         return Staged(tensor, copy_in)
@@ -616,7 +500,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
         """To group rank `dst`: sends and receives between two ranks match in order, per tag."""
         staged = [self._stage(t) for t in tensors]
-        pair = self._pair(self.rank(), dst, tag)
+        pair = self._pairs.get(self.rank(), dst, tag)
         return self._work(
             f"send to rank {dst} (tag {tag})",
             lambda: [pair.broadcast(s.array, src=0, async_op=True) for s in staged], tensors,
@@ -624,7 +508,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
         staged = [self._stage(t, copy_in=False) for t in tensors]
-        pair = self._pair(src, self.rank(), tag)
+        pair = self._pairs.get(src, self.rank(), tag)
         return self._work(
             f"recv from rank {src} (tag {tag})",
             lambda: [pair.broadcast(s.array, src=0, async_op=True) for s in staged], tensors,
@@ -635,27 +519,6 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         raise InvalidArgumentError(
             "gradsync cannot receive from any source: pass src= to recv/irecv"
         )
-
-    def _pair(self, src: int, dst: int, tag: int) -> Client:
-        """The two-rank job carrying src → dst messages of one tag (src is its rank 0)."""
-        for peer in (src, dst):
-            if not 0 <= peer < self.size():
-                raise InvalidArgumentError(
-                    f"point-to-point peer rank {peer} is not in [0, {self.size()})"
-                )
-        if src == dst:
-            raise InvalidArgumentError(f"rank {src} cannot send to itself")
-        with self._p2p_lock:
-            pair = self._p2p.get((src, dst, tag))
-            if pair is None:
-                same_node = self._nodes[src] == self._nodes[dst]
-                me = 0 if self.rank() == src else 1
-                pair = self._connect(
-                    f"{self._job}/p2p-{src}-{dst}-t{tag}", me, 2,
-                    me if same_node else 0, 2 if same_node else 1,
-                )
-                self._p2p[(src, dst, tag)] = pair
-            return pair
 
     # -- helpers ---------------------------------------------------------------------
 

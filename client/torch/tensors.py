@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.client.torch_buckets import FLOAT_DTYPES
+from gradsync.client.torch.buckets import FLOAT_DTYPES
 from gradsync.protocol.errors import InvalidArgumentError
 
 #: torch's reduce ops → gradsync's (the ones with a meaning in a daemon reduction).

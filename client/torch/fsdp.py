@@ -50,7 +50,7 @@ class DaemonMemoryPool:
 
     def tensor(self, size: Sequence[int | torch.SymInt], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor of `size` in daemon memory."""
-        from gradsync.client.torch_backend import empty
+        from gradsync.client.torch.backend import empty
 
         shape = tuple(int(s) for s in size)
         nbytes = max(1, math.prod(shape)) * torch.empty((), dtype=dtype).element_size()
