@@ -18,7 +18,8 @@ else in gradsync does.  Its modules, one job each:
 - `backend.py`: the process group; `rendezvous.py`, `point_to_point.py`,
   `storage_sharing.py`: its store rendezvous, send/recv jobs and zero-copy storages;
   `tensors.py`: torch tensors as daemon buffers; `work.py`: its torch Work;
-- `completer.py`: the one thread kind that completes every torch future here;
+- `completer.py`: `FutureCompleter`, which completes every torch future here
+  (the process group's and `comm_hook`'s);
 - `fsdp.py` (imported on its own): FSDP2 buffers in daemon memory.
 """
 

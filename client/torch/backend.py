@@ -29,6 +29,7 @@ import torch.distributed as dist
 from gradsync.client.client import Client
 from gradsync.client.environment import resolve_identity
 from gradsync.client.torch.buckets import as_tensor
+from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.point_to_point import PairJobs
 from gradsync.client.torch.rendezvous import job_name, node_identities
 from gradsync.client.torch.storage_sharing import SHARER, registry_for
@@ -44,7 +45,7 @@ from gradsync.client.torch.tensors import (
     unpack,
     wire_op,
 )
-from gradsync.client.torch.work import Completer, Operation, TorchWork, torch_error
+from gradsync.client.torch.work import Operation, TorchWork, torch_error
 from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
@@ -84,7 +85,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._client = self._connect(self._job, rank, size, local.index(rank), len(local))
         self._pairs = PairJobs(self._job, rank, size, nodes, self._connect)
         self._issuing = threading.local()
-        self._completer = Completer(group_id or "default")
+        name = group_id or "default"
+        self._completer = FutureCompleter(f"gradsync-futures-{name}", f"gradsync-callbacks-{name}")
         self._closed = False
 
     def _connect(

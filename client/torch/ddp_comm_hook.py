@@ -5,15 +5,17 @@ Kept apart from our DDP wrapper (`ddp.py`): here torch owns the buckets.
 
 from __future__ import annotations
 
-import queue
+import functools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradsync.client.client import Client
 from gradsync.client.torch.buckets import as_array
+from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.work import Work
 from gradsync.protocol.errors import GradsyncError
 
@@ -28,7 +30,7 @@ def comm_hook(state: Client, bucket: GradBucket) -> torch.futures.Future[torch.T
 
     Register it with `ddp.register_comm_hook(client, comm_hook)`.  torch owns
     the bucket's memory, so the client stages it through shared memory (one
-    copy each way); a waiter thread per client completes the returned future
+    copy each way); a completer thread per client completes the returned future
     once the daemon is done, so backward keeps running meanwhile.
     """
     tensor = bucket.buffer()
@@ -36,7 +38,7 @@ def comm_hook(state: Client, bucket: GradBucket) -> torch.futures.Future[torch.T
                             async_op=True)
     assert work is not None
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    _waiter_for(state).put((work, future, tensor))
+    _completer_for(state).submit(functools.partial(_settle_when_done, work, future, tensor))
     return future
 
 
@@ -58,35 +60,29 @@ def _annotate_for_torch_ddp() -> None:
 
 _annotate_for_torch_ddp()
 
-_Pending = tuple[Work, "torch.futures.Future[torch.Tensor]", torch.Tensor]
-_WAITERS: weakref.WeakKeyDictionary[Client, queue.SimpleQueue[_Pending | None]] = (
-    weakref.WeakKeyDictionary()
-)
-_WAITERS_LOCK = threading.Lock()
+#: Each client's completer (started on first use, stopped once the client is gone).
+_COMPLETERS: weakref.WeakKeyDictionary[Client, FutureCompleter] = weakref.WeakKeyDictionary()
+_COMPLETERS_LOCK = threading.Lock()
 
 
-def _waiter_for(client: Client) -> queue.SimpleQueue[_Pending | None]:
-    """The queue of the client's waiter thread (started on first use, stopped with the client)."""
-    with _WAITERS_LOCK:
-        pending = _WAITERS.get(client)
-        if pending is None:
-            pending = queue.SimpleQueue()
-            _WAITERS[client] = pending
-            threading.Thread(
-                target=_complete_futures, args=(pending,), name="gradsync-comm-hook", daemon=True
-            ).start()
-            weakref.finalize(client, pending.put, None)
-        return pending
+def _completer_for(client: Client) -> FutureCompleter:
+    """The client's completer: its futures complete in submission order, on its thread."""
+    with _COMPLETERS_LOCK:
+        completer = _COMPLETERS.get(client)
+        if completer is None:
+            completer = _COMPLETERS[client] = FutureCompleter("gradsync-comm-hook")
+            weakref.finalize(client, completer.stop)
+        return completer
 
 
-def _complete_futures(pending: queue.SimpleQueue[_Pending | None]) -> None:
-    """Complete each hook's future in submission order, with the result or the error."""
-    while (item := pending.get()) is not None:
-        work, future, tensor = item
-        try:
-            work.wait()
-        except GradsyncError as exc:
-            # torch's stub types the argument as the result type; it takes an exception.
-            future.set_exception(exc)  # type: ignore[arg-type]
-        else:
-            future.set_result(tensor)
+def _settle_when_done(
+    work: Work, future: torch.futures.Future[torch.Tensor], tensor: torch.Tensor
+) -> Callable[[], None]:
+    """Wait for the bucket's allreduce; what then completes its future, with the result or
+    the error."""
+    try:
+        work.wait()
+    except GradsyncError as exc:
+        # torch's stub types the argument as the result type; it takes an exception.
+        return functools.partial(future.set_exception, exc)  # type: ignore[arg-type]
+    return functools.partial(future.set_result, tensor)

@@ -2,16 +2,15 @@
 
 An `Operation` is one torch call: the gradsync collectives it became and the
 copies that follow them.  `TorchWork` is torch's handle on it.  Futures are
-completed by a `Completer` thread, never inline on the thread that issues
-collectives, and their callbacks run on a small pool of their own.
+completed by the group's `FutureCompleter` thread, never inline on the thread
+that issues collectives, and their callbacks run on a small pool of their own.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import datetime
-import queue
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, InvalidArgumentError
 
@@ -110,56 +110,19 @@ class Operation:
             self.done_callback()
 
 
-class Completer:
-    """Completes futures off the issuing thread, and runs their callbacks off its own.
+def future_of(operation: Operation, completer: FutureCompleter) -> torch.futures.Future[Any]:
+    """A future of `operation`'s output tensors (or its error), completed by `completer`."""
+    future: torch.futures.Future[Any] = torch.futures.Future()
 
-    One thread waits for operations in the order futures were asked for; each
-    result is handed to a small pool, because a callback may block on the next
-    collective's future (PowerSGD does), which this thread must still complete.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._pending: queue.SimpleQueue[tuple[Operation, torch.futures.Future[Any]] | None]
-        self._pending = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._callback_prefix = f"gradsync-callbacks-{name}"
-        self._callbacks = concurrent.futures.ThreadPoolExecutor(
-            max_workers=16, thread_name_prefix=self._callback_prefix
-        )
-        self._thread = threading.Thread(
-            target=self._run, name=f"gradsync-futures-{name}", daemon=True
-        )
-        self._thread.start()
-
-    def future_of(self, operation: Operation) -> torch.futures.Future[Any]:
-        future: torch.futures.Future[Any] = torch.futures.Future()
-        with self._lock:
-            if not self._closed:
-                self._pending.put((operation, future))
-                return future
-        # The group is shut down: its connection is closed, so this ends at once.
+    def job() -> Callable[[], None]:
         with contextlib.suppress(Exception):
             operation.complete()
-        _settle(operation, future)
-        return future
+        return functools.partial(_settle, operation, future)
 
-    def _run(self) -> None:
-        while (item := self._pending.get()) is not None:
-            operation, future = item
-            with contextlib.suppress(Exception):
-                operation.complete()
-            self._callbacks.submit(_settle, operation, future)
-
-    def close(self) -> None:
-        """Stop and join both; from a callback thread, the pool cannot wait for itself."""
-        with self._lock:
-            self._closed = True
-            self._pending.put(None)
-        current = threading.current_thread()
-        if current is not self._thread:
-            self._thread.join()
-        self._callbacks.shutdown(wait=not current.name.startswith(self._callback_prefix))
+    if not completer.submit(job):
+        # The group is shut down: its connection is closed, so this ends at once.
+        job()()
+    return future
 
 
 def _settle(operation: Operation, future: torch.futures.Future[Any]) -> None:
@@ -172,7 +135,7 @@ def _settle(operation: Operation, future: torch.futures.Future[Any]) -> None:
 class TorchWork(dist.Work):
     """torch's handle on one operation: wait, is_completed, get_future (output tensors)."""
 
-    def __init__(self, operation: Operation, completer: Completer) -> None:
+    def __init__(self, operation: Operation, completer: FutureCompleter) -> None:
         super().__init__()
         self._operation = operation
         self._completer = completer
@@ -197,5 +160,5 @@ class TorchWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         if self._future is None:
-            self._future = self._completer.future_of(self._operation)
+            self._future = future_of(self._operation, self._completer)
         return self._future
