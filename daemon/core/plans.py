@@ -1,16 +1,20 @@
-"""The collectives besides allreduce: argument rules, local execution, multi-node plans.
+"""Every collective: argument rules, local execution, multi-node plans.
 
 Every collective is described by the same few things: how big each rank's
 input and output must be (in units of the per-rank chunk c, with W ranks),
 what to do when all ranks are on this daemon (copies and reductions between
 the shared-memory slots), and, when ranks span daemons, a `Plan`: a work
 buffer, a local phase filling it, a schedule between daemons over it, and a
-local phase distributing the result.
+local phase distributing the result.  Allreduce is one of them; its plan is
+the one whose algorithm is chosen per call (ring, tree, rhd, star, or `auto`'s
+pick), and on one daemon its backend reduces the slots in place
+(run/local.py), with no plan.
 
 Sizes (c = chunk, W = world size of the job):
 
 | collective     | input                | output               | root |
 | -------------- | -------------------- | -------------------- | ---- |
+| allreduce      | c (in place)         | -                    |      |
 | broadcast      | c (in place)         | -                    | src  |
 | reduce         | c (in place at dst)  | -                    | dst  |
 | all_gather     | c                    | W·c                  |      |
@@ -27,19 +31,53 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradsync.daemon.algorithms import rooted
+from gradsync.daemon.algorithms import ALGORITHMS, rooted
+from gradsync.daemon.algorithms.cost_model import best_tree_chunks
 from gradsync.daemon.algorithms.schedule import Schedule
-from gradsync.daemon.backends.reduce import combine_into
+from gradsync.daemon.algorithms.tree import tree
+from gradsync.daemon.backends.reduce import (
+    broadcast_from_first,
+    combine_into,
+    reduce_into_first,
+)
+from gradsync.daemon.core.auto import CALIBRATING, model_terms
+from gradsync.daemon.core.membership import Formation
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import InvalidArgumentError
 
-REDUCING = frozenset({"reduce", "reduce_scatter"})
+ALLREDUCE = "allreduce"
+REDUCING = frozenset({ALLREDUCE, "reduce", "reduce_scatter"})
 ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+#: The collectives a client names in a `collective` request (allreduce has a
+#: request kind of its own on the wire, with the same handler).
 KINDS = frozenset({
     "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
 })
+#: Collectives whose inter-daemon algorithm is chosen per call (requested, or
+#: `auto`'s pick); every other one has the single plan below.
+CHOSEN_ALGORITHM = frozenset({ALLREDUCE})
 
 Views = dict[int, np.ndarray | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """What a matched collective is, the same on every local rank (their
+    fingerprints agree): its kind, element type, per-rank chunk, and the
+    reduction, root and requested algorithm where it has them."""
+
+    kind: str
+    dtype: np.dtype
+    chunk: int
+    op: ReduceOp | None = None
+    root: int | None = None
+    #: allreduce only: the algorithm asked for (None: the daemon's default).
+    algorithm: str | None = None
+
+    def moves_nothing(self) -> bool:
+        """True when there is nothing to do: no element anywhere.  An empty
+        allreduce still runs across daemons, as it always has (its ranks meet)."""
+        return self.chunk == 0 and self.kind != ALLREDUCE
 
 
 def chunk_count(
@@ -50,7 +88,7 @@ def chunk_count(
         if not condition:
             raise InvalidArgumentError(f"{kind} with world_size {world}: {what}")
 
-    if kind in ("broadcast", "reduce"):
+    if kind in (ALLREDUCE, "broadcast", "reduce"):
         need(out_count is None, "takes one buffer, in place")
         return count
     if kind == "all_gather":
@@ -163,23 +201,28 @@ class Plan:
     #: times; None for the other collectives.
     timed: tuple[str, int] | None = None
     #: ... and its terms in the cost model, (alphas, bytes at beta), where its
-    #: timing also calibrates `auto`'s figures (see cluster.CALIBRATING).
+    #: timing also calibrates `auto`'s figures (see auto.CALIBRATING).
     modelled: tuple[float, float] | None = None
 
 
 def make_plan(
-    kind: str,
+    collective: Collective,
+    formation: Formation,
     me: int,
-    ranks_by_daemon: tuple[tuple[int, ...], ...],
     ins: Views,
     outs: Views,
     world: int,
-    c: int,
-    op: ReduceOp | None,
-    root: int | None,
-    dtype: np.dtype,
+    algorithm: str | None = None,
 ) -> Plan:
-    """This daemon's plan; `ins`/`outs` hold the views of its local ranks."""
+    """Daemon `me`'s plan in `formation`; `ins`/`outs` hold the views of its
+    local ranks.  `algorithm`: the one chosen, for a kind in CHOSEN_ALGORITHM."""
+    kind, c, op, root, dtype = (collective.kind, collective.chunk, collective.op,
+                                collective.root, collective.dtype)
+    ranks_by_daemon = formation.ranks_by_daemon
+    if kind == ALLREDUCE:
+        assert op is not None and algorithm is not None
+        slots = [view for view in ins.values() if view is not None]  # in rank order
+        return _allreduce_plan(formation, me, slots, c, op, world, algorithm, dtype)
     size = len(ranks_by_daemon)
     local = ranks_by_daemon[me]
     owner = {rank: d for d, held in enumerate(ranks_by_daemon) for rank in held}
@@ -309,6 +352,38 @@ def make_plan(
     if kind == "all_to_all":
         return _all_to_all_plan(me, ranks_by_daemon, ins, outs, c, dtype)
     raise InvalidArgumentError(f"unknown collective {kind!r}")
+
+
+def _allreduce_plan(
+    formation: Formation, me: int, slots: list[np.ndarray], count: int, op: ReduceOp, world: int,
+    algorithm: str, dtype: np.dtype,
+) -> Plan:
+    """Reduce the local slots into the first, run `algorithm` over it between
+    the daemons, then write the result (divided, for avg) back to every slot."""
+    nbytes = count * dtype.itemsize
+    divide = world if op is ReduceOp.AVG else 1
+    daemons = len(formation.daemons)
+    work = slots[0] if slots else np.empty(0, dtype=np.uint8)
+
+    def before() -> None:
+        reduce_into_first(slots, 0, count, op)
+
+    def after() -> None:
+        broadcast_from_first(slots, 0, count, divide)
+
+    if algorithm == "tree":
+        # The chunk count the cost model priced; every daemon computes the same.
+        chunks = best_tree_chunks(daemons, nbytes, formation.alpha_s,
+                                  formation.beta_s_per_byte)
+        schedule = tree(me, daemons, count, chunks=chunks)
+    else:
+        schedule = ALGORITHMS[algorithm](me, daemons, count)
+    return Plan(
+        work, schedule, before if len(slots) > 1 else None,
+        after if len(slots) > 1 or (slots and divide != 1) else None,
+        algorithm, agree_first=False, timed=(algorithm, nbytes),
+        modelled=model_terms(algorithm, daemons, nbytes) if algorithm in CALIBRATING else None,
+    )
 
 
 def _all_to_all_plan(

@@ -24,9 +24,11 @@ from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.core.plans import (
+    ALLREDUCE,
     KINDS,
     REDUCING,
     ROOTED,
+    Collective,
     chunk_count,
 )
 from gradsync.daemon.run.fast_pages import FastPages
@@ -161,9 +163,7 @@ class GradsyncService:
                 self._attach(session, message)
             elif kind == "group_info":
                 self._group_info(session, message)
-            elif kind == "allreduce":
-                self._allreduce(session, message)
-            elif kind == "collective":
+            elif kind in ("allreduce", "collective"):
                 self._collective(session, message)
         except GradsyncError as exc:
             session.reply_error(request_id, exc)
@@ -311,7 +311,7 @@ class GradsyncService:
         self.buffers.release(segment_id)
         session.reply(messages.ok_reply(message["id"]))
 
-    # -- allreduce ----------------------------------------------------------
+    # -- collectives ----------------------------------------------------------
 
     @staticmethod
     def _dtype(message: Message) -> np.dtype:
@@ -338,48 +338,29 @@ class GradsyncService:
             raise InvalidArgumentError(f"timeout_s must be positive and finite, got {timeout_s}")
         return float(timeout_s)
 
-    def _allreduce(self, session: ClientSession, message: Message) -> None:
+    def _collective(self, session: ClientSession, message: Message) -> None:
+        """Every collective: an `allreduce` request, or a `collective` one naming
+        broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all."""
         job = self.jobs[session.job_name or ""]
         self.fast.note_socket(job.name, session.rank or 0, message["key"])
-        dtype_name, count = message["dtype"], message["count"]
+        if message["kind"] == ALLREDUCE:
+            kind = ALLREDUCE
+        else:
+            kind = message["collective"]
+            if kind not in KINDS:
+                raise InvalidArgumentError(
+                    f"unknown collective {messages.clip(kind)}; expected one of "
+                    f"{', '.join(KINDS)}"
+                )
+        dtype_name = message["dtype"]
         dtype = self._dtype(message)
-        op = self._op(message["op"], dtype_name)
+        op = self._op(message.get("op") or "", dtype_name) if kind in REDUCING else None
         algorithm = message.get("algorithm")
         if algorithm is not None and algorithm not in ALGORITHM_CHOICES:
             raise InvalidArgumentError(
                 f"unknown algorithm {messages.clip(algorithm)}; expected one of "
                 f"{', '.join(ALGORITHM_CHOICES)}"
             )
-        view, slab = self._view(session, message["segment"], message["offset"], dtype, count)
-        request_id = message["id"]
-        submission = Submission(
-            rank=session.rank or 0,
-            fingerprint=Fingerprint("allreduce", dtype_name, count, op.value, algorithm),
-            view=view,
-            slabs=(slab,) if slab is not None else (),
-            respond=lambda error, timing=None: session.complete(request_id, error, timing),
-            timeout_s=self._timeout(message),
-        )
-        waited_s = message.get("waited_s") or 0.0
-        if not (waited_s >= 0 and math.isfinite(waited_s)):
-            raise InvalidArgumentError(f"waited_s must be >= 0 and finite, got {waited_s}")
-        ready = self._submit(job, message["key"], submission, float(waited_s))
-        if ready is None:
-            return
-        self.runs.start_allreduce(job, ready, op)
-
-    def _collective(self, session: ClientSession, message: Message) -> None:
-        """broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all."""
-        job = self.jobs[session.job_name or ""]
-        self.fast.note_socket(job.name, session.rank or 0, message["key"])
-        kind = message["collective"]
-        if kind not in KINDS:
-            raise InvalidArgumentError(
-                f"unknown collective {messages.clip(kind)}; expected one of {', '.join(KINDS)}"
-            )
-        dtype_name = message["dtype"]
-        dtype = self._dtype(message)
-        op = self._op(message.get("op") or "", dtype_name) if kind in REDUCING else None
         root = message.get("root")
         if kind in ROOTED:
             if root is None or not 0 <= root < job.world_size:
@@ -400,17 +381,20 @@ class GradsyncService:
         submission = Submission(
             rank=rank,
             fingerprint=Fingerprint(kind, dtype_name, chunk, op.value if op else None,
-                                    None, root),
+                                    algorithm, root),
             view=view,
             respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=self._timeout(message),
             out=out,
             slabs=tuple(x for x in (slab, out_slab) if x is not None),
         )
-        ready = self._submit(job, message["key"], submission)
+        waited_s = message.get("waited_s") or 0.0
+        if not (waited_s >= 0 and math.isfinite(waited_s)):
+            raise InvalidArgumentError(f"waited_s must be >= 0 and finite, got {waited_s}")
+        ready = self._submit(job, message["key"], submission, float(waited_s))
         if ready is None:
             return
-        self.runs.start_collective(job, ready, kind, op, root, chunk, dtype)
+        self.runs.start(job, ready, Collective(kind, dtype, chunk, op, root, algorithm))
 
     def _submit(
         self, job: Job, key: Any, submission: Submission, waited_s: float = 0.0

@@ -24,8 +24,7 @@ from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.backends.reduce import split_ranges
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.matching import Job, PendingCollective
-from gradsync.daemon.core.membership import Formation
-from gradsync.daemon.core.plans import Plan, make_plan, run_local
+from gradsync.daemon.core.plans import ALLREDUCE, Collective, run_local
 from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
@@ -71,29 +70,25 @@ class LocalRuns:
     def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         self.cluster, self.runner = cluster, runner
 
-    def start_allreduce(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        """Run a matched allreduce: across daemons for a multi-node job, else here."""
-        if job.multi_node:
-            self._spawn(ready, self._run_multi_node(job, ready, op))
+    def start(self, job: Job, ready: PendingCollective, collective: Collective) -> None:
+        """Run a matched collective: a single-node allreduce straight on its
+        backend, every other one (and every multi-node one) through its plan."""
+        if collective.kind == ALLREDUCE and not job.multi_node:
+            assert collective.op is not None
+            self._reduce_here(job, ready, collective.op)
         else:
-            self._start(job, ready, op)
-
-    def start_collective(
-        self, job: Job, ready: PendingCollective, kind: str, op: ReduceOp | None,
-        root: int | None, chunk: int, dtype: np.dtype,
-    ) -> None:
-        """Run a matched broadcast, reduce, gather, ... (see core/plans.py)."""
-        self._spawn(ready, self._run_collective(job, ready, kind, op, root, chunk, dtype))
+            self._spawn(ready, self._run(job, ready, collective))
 
     def fail_in_flight(self, error: GradsyncError) -> None:
         """Answer every running collective with `error` (the daemon is stopping)."""
         for pending in list(self.in_flight.values()):
             self.fail(pending, error)
 
-    async def _run_collective(
-        self, job: Job, ready: PendingCollective, kind: str, op: ReduceOp | None,
-        root: int | None, chunk: int, dtype: np.dtype,
-    ) -> None:
+    async def _run(self, job: Job, ready: PendingCollective, collective: Collective) -> None:
+        """Run a collective here (`run_local`) or across daemons (its plan), on
+        host copies where its buffers are on a device that cannot run it."""
+        kind, op, root, chunk, dtype = (collective.kind, collective.op, collective.root,
+                                        collective.chunk, collective.dtype)
         order = sorted(ready.submissions)
         nbytes = chunk * dtype.itemsize * job.world_size * max(1, len(order))
         first = ready.submissions[order[0]].fingerprint
@@ -113,16 +108,7 @@ class LocalRuns:
 
         async def across(arrays: list[Any]) -> None:
             assert self.runner is not None
-            ins, outs = by_rank(arrays)
-
-            def plan_for(formation: Formation, me: int) -> Plan:
-                return make_plan(kind, me, formation.ranks_by_daemon, ins, outs,
-                                 job.world_size, chunk, op, root, dtype)
-
-            await self.runner.run_plan(
-                job, ready, op or ReduceOp.SUM,
-                first, plan_for,
-            )
+            await self.runner.run_plan(job, ready, collective, *by_rank(arrays))
 
         try:
             slabs, backend = self._backend(ready)
@@ -131,7 +117,7 @@ class LocalRuns:
                 and len({slab.device for slab in slabs}) == 1
                 and not (op is not None and first.dtype == "bfloat16")
             )
-            if chunk == 0:
+            if collective.moves_nothing():
                 pass  # nothing to move; every rank agreed on the fingerprint locally
             elif on_device and not job.multi_node:
                 ins, outs = by_rank(views)
@@ -186,8 +172,8 @@ class LocalRuns:
             copied = copy_back()  # queued, then the clients' done events after them
         await self.loop.run_in_executor(self.executor, copied)
 
-    def _start(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        """Run a matched collective: inline when small (or only queued, on a device),
+    def _reduce_here(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
+        """A single-node allreduce: inline when small (or only queued, on a device),
         else cut into ranges on the thread pool."""
         order = sorted(ready.submissions)
         slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
@@ -239,26 +225,6 @@ class LocalRuns:
             return
         self._succeed(job, ready)
 
-    async def _run_multi_node(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
-        assert self.runner is not None
-        runner = self.runner
-        order = sorted(ready.submissions)
-        first = ready.submissions[order[0]].fingerprint
-        slots = [v for v in (ready.submissions[r].view for r in order) if v is not None]
-
-        async def across(hosts: list[Any]) -> None:
-            await runner.run(
-                job, ready, op, hosts, first.count, first.algorithm, first,
-            )
-
-        try:
-            slabs, backend = self._backend(ready)
-            await self._staged(backend, slabs, slots, DTYPES[first.dtype], across)
-        except Exception as exc:
-            self._collective_failed(job, ready, exc)
-            return
-        self._succeed(job, ready)
-
     def _collective_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
         """Answer every member with the error; tell peer daemons of a multi-node job."""
         if isinstance(exc, GradsyncError):
@@ -280,23 +246,6 @@ class LocalRuns:
             work()
         else:
             await self.loop.run_in_executor(self.executor, work)
-
-    async def run_ranges(
-        self, kernel: Any, slots: list[np.ndarray], count: int, *extra: Any
-    ) -> None:
-        """Run `kernel(slots, start, stop, *extra)` over [0, count): inline or on the pool."""
-        if not slots or count == 0:
-            return
-        if slots[0].nbytes * len(slots) <= self.config.inline_reduce_bytes:
-            kernel(slots, 0, count, *extra)
-            return
-        parts = split_ranges(count, slots[0].itemsize, self.config.threads)
-        await asyncio.gather(
-            *(
-                self.loop.run_in_executor(self.executor, kernel, slots, begin, end, *extra)
-                for begin, end in parts
-            )
-        )
 
     def _succeed(self, job: Job, ready: PendingCollective) -> None:
         if self.state.shutting_down:

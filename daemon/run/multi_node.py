@@ -18,14 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.algorithms.calibration import CostMeter, Costs
-from gradsync.daemon.algorithms.cost_model import best_tree_chunks
-from gradsync.daemon.algorithms.tree import tree
-from gradsync.daemon.backends.reduce import broadcast_from_first, reduce_into_first
-from gradsync.daemon.core.auto import CALIBRATING, model_terms
 from gradsync.daemon.core.cluster import (
     MAX_TIMES_OFFERED,
     ClusterJobs,
@@ -36,14 +29,14 @@ from gradsync.daemon.core.cluster import (
 )
 from gradsync.daemon.core.cost_epochs import Offer, epoch_of, epoch_to_offer, explores
 from gradsync.daemon.core.membership import Formation
-from gradsync.daemon.core.plans import Plan
+from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
 from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, PeerLostError
-from gradsync.protocol.peer import Fingerprint, Slice
+from gradsync.protocol.peer import Slice
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
@@ -75,64 +68,23 @@ class CrossDaemonRunner:
         #: Reduce chunks that placed slices of every run take turns with.
         self.chunks = ChunkPool()
 
-    async def run(
-        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
-        count: int, requested_algorithm: str | None, fingerprint: Fingerprint,
-    ) -> None:
-        """An allreduce across daemons: local reduce, the chosen algorithm, write-back."""
-        nbytes = count * (slots[0].itemsize if slots else 0)
-        divide = job.world_size if op is ReduceOp.AVG else 1
-        auto = self.cluster.wants_auto(requested_algorithm)
-
-        def plan_for(formation: Formation, me: int) -> Plan:
-            epoch = epoch_of(ready.key)
-            # run_plan has waited for this epoch's agreement where auto needs one.
-            agreement = job.across.costs.agreed(formation.generation, epoch, formation.daemons) if (
-                epoch > 0 and auto) else None
-            algorithm = self.cluster.choose_algorithm(
-                requested_algorithm, formation, nbytes, job.name, epoch, agreement,
-                explores(ready.key))
-            work = slots[0] if slots else np.empty(0, dtype=np.uint8)
-
-            def before() -> None:
-                reduce_into_first(slots, 0, count, op)
-
-            def after() -> None:
-                broadcast_from_first(slots, 0, count, divide)
-
-            daemons = len(formation.daemons)
-            chunks = None
-            if algorithm == "tree":
-                # The chunk count the cost model priced; every daemon computes the same.
-                chunks = best_tree_chunks(daemons, nbytes, formation.alpha_s,
-                                          formation.beta_s_per_byte)
-                schedule = tree(me, daemons, count, chunks=chunks)
-            else:
-                schedule = ALGORITHMS[algorithm](me, daemons, count)
-            return Plan(
-                work, schedule, before if len(slots) > 1 else None,
-                after if len(slots) > 1 or (slots and divide != 1) else None,
-                algorithm, agree_first=False, timed=(algorithm, nbytes),
-                modelled=model_terms(algorithm, daemons, nbytes)
-                if algorithm in CALIBRATING else None,
-            )
-
-        await self.run_plan(job, ready, op, fingerprint, plan_for, agreed_costs=auto)
-
     async def run_plan(
         self,
         job: Job,
         ready: PendingCollective,
-        op: ReduceOp,
-        fingerprint: Fingerprint,
-        plan_for: Callable[[Formation, int], Plan],
-        agreed_costs: bool = False,
+        collective: Collective,
+        ins: Views,
+        outs: Views,
     ) -> None:
         """Any collective across daemons; raises the error the clients should get.
 
-        With `agreed_costs` the plan sees the formation with the link costs the
-        members agreed for this key's epoch (for `auto`).
+        An allreduce's plan runs the algorithm asked for or `auto`'s pick,
+        which sees the link costs the members agreed for this key's epoch.
         """
+        op = collective.op or ReduceOp.SUM
+        chosen = collective.kind in CHOSEN_ALGORITHM
+        agreed_costs = chosen and self.cluster.wants_auto(collective.algorithm)
+        fingerprint = ready.submissions[min(ready.submissions)].fingerprint
         deadline = ready.first_seen + ready.deadline_s
         formation = job.across.formation
         if formation is None:
@@ -152,7 +104,17 @@ class CrossDaemonRunner:
         self._offer_costs(job, formation, epoch_to_offer(ready.key))
         if agreed_costs:
             formation = await self._with_agreed_costs(job, formation, ready, deadline)
-        plan = plan_for(formation, me)
+        algorithm = None
+        if chosen:
+            epoch = epoch_of(ready.key)
+            # This epoch's agreement was awaited above where auto needs one.
+            agreement = job.across.costs.agreed(formation.generation, epoch, formation.daemons) if (
+                epoch > 0 and agreed_costs) else None
+            nbytes = collective.chunk * collective.dtype.itemsize
+            algorithm = self.cluster.choose_algorithm(
+                collective.algorithm, formation, nbytes, job.name, epoch, agreement,
+                explores(ready.key))
+        plan = make_plan(collective, formation, me, ins, outs, job.world_size, algorithm)
         algorithm = plan.algorithm
         fp = dataclasses.replace(fingerprint, algorithm=algorithm)
         phase_start = time.monotonic()
