@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import fnmatch
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -161,6 +163,97 @@ def start_daemon(short_tmp: str) -> Iterator[object]:
 def daemon(start_daemon: object) -> DaemonProcess:
     """One daemon with default settings."""
     return start_daemon()  # type: ignore[operator, no-any-return]
+
+
+# -- the fast tier ------------------------------------------------------------
+
+#: The fast tier, `python -m pytest -m fast`: test modules (file-name patterns)
+#: that need no daemon process.  Add a module here to put it in; in a listed
+#: module, a test that asks for one of FULL_TIER_FIXTURES stays in the full suite.
+FAST_MODULES = (
+    "test_calibration.py",
+    "test_config.py",
+    "test_core_*.py",
+    "test_cost_model.py",
+    "test_cuda_source.py",
+    "test_environment.py",
+    "test_executor.py",
+    "test_fast_page_compiled.py",
+    "test_keygen.py",
+    "test_peer_protocol.py",
+    "test_protocol_units.py",
+    "test_schedules.py",
+    "test_socket_io.py",
+)
+#: What a test asks for when it runs gradsyncd (start_daemon and daemon stand on short_tmp).
+FULL_TIER_FIXTURES = frozenset({"short_tmp", "start_daemon", "daemon"})
+
+
+def listed_as_fast(path: Path) -> bool:
+    return any(fnmatch.fnmatchcase(path.name, pattern) for pattern in FAST_MODULES)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m fast` alone, modules outside the tier are not even imported (seconds saved)."""
+    name = collection_path.name
+    if config.option.markexpr != "fast" or not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    return None if listed_as_fast(collection_path) else True
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if listed_as_fast(item.path) and not FULL_TIER_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.fast)
+
+
+def starts_a_daemon(args: Any) -> bool:
+    """Whether a command line runs gradsyncd, or `gradsync launch` / `gradsync demo`
+    (which start one)."""
+    if isinstance(args, str | bytes | os.PathLike):
+        text = os.fsdecode(args)
+        try:
+            words = shlex.split(text)
+        except ValueError:
+            words = text.split()
+    else:
+        words = [os.fsdecode(word) for word in args]
+    for index, word in enumerate(words):
+        after = words[index + 1 :]
+        module = after[0] if word == "-m" and after else ""
+        if os.path.basename(word) == "gradsyncd" or module.startswith("gradsync.daemon"):
+            return True
+        if os.path.basename(word) == "gradsync" or module.startswith("gradsync.client.cli"):
+            command = [w for w in (after[1:] if module else after) if not w.startswith("-")]
+            return bool(command) and command[0] in ("launch", "demo")
+    return False
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_runs_no_daemon(request: pytest.FixtureRequest) -> None:
+    """A test of the fast tier fails the moment it would start a daemon process."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+    where = (f"{request.node.nodeid} is in the fast tier (python -m pytest -m fast), "
+             "which starts no daemon process")
+    asked = sorted(FULL_TIER_FIXTURES & set(request.fixturenames))
+    if asked:
+        pytest.fail(f"{where}, but asks for {', '.join(asked)}: take it out of the tier "
+                    "(FAST_MODULES in tests/conftest.py)", pytrace=False)
+
+    class PopenWithoutDaemons(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+            if starts_a_daemon(args):
+                pytest.fail(f"{where}, but starts one: {args!r}; give the test the short_tmp "
+                            "fixture (it then runs in the full suite only) or take its module "
+                            "out of FAST_MODULES in tests/conftest.py", pytrace=False)
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setattr(subprocess, "Popen", PopenWithoutDaemons)
 
 
 @dataclasses.dataclass
