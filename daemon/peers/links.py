@@ -24,10 +24,14 @@ disconnection → `lost`) and our own liveness pings notice a peer that dies or
 stops answering within `peer_timeout_s`: see `health.py`.  When a link comes
 up, its latency and bandwidth are measured (`link_stats`).
 
+`PeerLinks` checks the settings, starts and stops the rest, and is what the
+daemon calls: sending, and what it knows of each link.  The rest, each in its
+module: the sockets, CURVE and the ZAP handler in `link_sockets.py` (the
+handler itself in `zap.py`); which peer is which in `link_table.py` (the key
+files in `keys.py`); the counters in `link_counters.py`; framing and sending
+in `outgoing.py`; checking and handing on what arrives in `incoming.py`; the
+data streams in `data_plane.py` (sealed on CURVE links: `stream_crypto.py`).
 The daemon hears what happens through one `PeerEvents` object (`events.py`).
-The key files and the matching of peers to keys are in `keys.py`; the ZAP
-handler in `zap.py`; the data streams in `data_plane.py` (sealed on CURVE links:
-`stream_crypto.py`).
 """
 
 from __future__ import annotations
@@ -40,84 +44,30 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import zmq
-import zmq.asyncio
 
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
-from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
-from gradsync.daemon.peers.events import PeerEvents, PeerMessage
-from gradsync.daemon.peers.health import DEALER_EVENTS, Link, LinkHealth, PeerState
-from gradsync.daemon.peers.keys import CurveConfig, load_peer_keys
+from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint
+from gradsync.daemon.peers.events import PeerEvents
+from gradsync.daemon.peers.health import Link, LinkHealth, PeerState
+from gradsync.daemon.peers.incoming import IncomingMessages
+from gradsync.daemon.peers.keys import CurveConfig
+from gradsync.daemon.peers.link_counters import LinkCounters
+from gradsync.daemon.peers.link_sockets import LinkSockets
+from gradsync.daemon.peers.link_table import LinkTable
+from gradsync.daemon.peers.outgoing import MessageFramer, Payload, raise_down, send_frames
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
-from gradsync.daemon.peers.socket_io import LoopSocket
-from gradsync.daemon.peers.stream import PayloadSink, StreamSender, message_head
-from gradsync.daemon.peers.wire import (
-    BULK,
-    MAX_PAYLOAD_FRAMES,
-    PING,
-    PONG,
-    check_kinds,
-    decode_header,
-    encode_header,
-)
-from gradsync.daemon.peers.zap import ZapHandler
-from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, is_integer
+from gradsync.daemon.peers.stream import StreamSender, message_head
+from gradsync.daemon.peers.wire import BULK, MAX_PAYLOAD_FRAMES, PING, check_kinds, encode_header
+from gradsync.protocol.codec import MAX_FRAME_BYTES, is_integer
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
     InvalidArgumentError,
     PeerLostError,
-    ProtocolError,
 )
 from gradsync.protocol.peer import CONTROL_KINDS, Probe
 
 log = logging.getLogger("gradsync.daemon.peers")
-
-#: Anything exporting a C-contiguous buffer: bytes, memoryview, a numpy array.
-Payload = Any
-
-_ZAP_DOMAIN = "gradsync-peers"
-#: Messages ZeroMQ queues per peer connection and direction.
-_PEER_QUEUE = 256
-_MAX_WARNINGS = 1024
-COUNTERS = (
-    "sent",  # application messages sent
-    "received",  # application messages accepted (handed to the events' `message`)
-    "malformed",  # dropped: undecodable header, wrong version, unknown kind, bad fields
-    "unknown_peer",  # dropped: sender is not one of our peers
-    "rejected_keys",  # CURVE handshakes refused by the ZAP handler
-    "handshake_failed",  # our DEALER's handshake with a peer failed
-    "peer_lost",  # up → lost transitions
-    "stream_sent",  # application messages sent over a data stream
-    "stream_received",  # ... and accepted from one
-    "stream_encrypted_sent",  # of those, sent over a sealed (AEAD) stream (CURVE links)
-    "stream_encrypted_received",  # ... and accepted from one
-    "stream_refused",  # incoming data streams closed: bad hello, wrong token, stranger
-    "stream_failed",  # data streams that could not open or broke
-    "stream_auth_failed",  # sealed streams refused: a hello or record failed authentication
-)
-
-
-def _find_self(
-    listen: TcpEndpoint, peers: Sequence[str]
-) -> tuple[str | None, list[tuple[str, TcpEndpoint]]]:
-    """This daemon's entry in `peers` (if any), and the other peers parsed."""
-    me = None
-    others: list[tuple[str, TcpEndpoint]] = []
-    for text in peers:
-        try:
-            endpoint = parse_tcp_endpoint(text)
-        except ValueError as exc:
-            raise ConfigError(f"bad value in 'peers': {exc}") from None
-        if same_endpoint(listen, endpoint):
-            me = me or text
-            continue
-        if endpoint.is_wildcard:
-            raise ConfigError(f"peer endpoint {text!r} is a wildcard; name a host to connect to")
-        for prior_name, prior in others:
-            if same_endpoint(prior, endpoint):
-                raise ConfigError(f"'peers' lists one daemon twice: {prior_name!r} and {text!r}")
-        others.append((text, endpoint))
-    return me, others
 
 
 class PeerLinks:
@@ -181,17 +131,11 @@ class PeerLinks:
             raise ConfigError(
                 "probe_rounds and io_threads must be at least 1, probe_bytes at least 0"
             )
-        me, others = _find_self(self._listen, peers)
-        if me is None and others and self._listen.is_wildcard:
-            raise ConfigError(
-                f"listening on {listen} but none of 'peers' is this daemon: list this "
-                "daemon's own address in 'peers' (the same list on every node)"
-            )
+        #: Which peer is which; raises ConfigError for bad or doubled `peers`.
+        self._table = LinkTable(listen, self._listen, peers)
         #: This daemon's name among peers, and its routing id on every DEALER.
-        self.endpoint: str = me or listen
-        if len(self.endpoint.encode()) > 255:
-            raise ConfigError(f"endpoint {self.endpoint!r} is longer than 255 bytes")
-        self._links = {name: Link(name, endpoint, None) for name, endpoint in others}
+        self.endpoint: str = self._table.endpoint
+        self._links = self._table.links
         if self._links and curve is None and not insecure:
             raise ConfigError(
                 "peer links need CURVE keys: pass --curve-secret FILE and "
@@ -216,60 +160,35 @@ class PeerLinks:
                 self._data_advertise = parse_tcp_endpoint("tcp://" + data_advertise)
             except ValueError as exc:
                 raise ConfigError(f"bad value for 'data_advertise': {exc}") from None
-        self._accepted = self._kinds | {PING, BULK}
         self._peer_timeout_s = float(peer_timeout_s)
         self._heartbeat_ivl_s = float(heartbeat)
         self._probe_rounds = probe_rounds
         self._probe_bytes = probe_bytes
         self._max_payload_bytes = max_payload_bytes
-        self._io_threads = io_threads
         self._events = events
-        self._place_min_bytes = place_min_bytes
-        #: Per peer, the stream message whose header `_on_stream_head` decoded.
-        self._stream_heads: dict[str, tuple[bytes, Message]] = {}
-        self._secret: tuple[bytes, bytes] | None = None
-        self._authorized: set[bytes] = set()
-        self._peer_by_key: dict[bytes, str] = {}
-        if curve is not None and self._links:
-            keys = load_peer_keys(
-                curve, {name: link.endpoint for name, link in self._links.items()}
-            )
-            self._secret = keys.secret
-            self._authorized = keys.authorized
-            for name, key in keys.server_keys.items():
-                self._links[name].server_key = key
-                self._peer_by_key[key] = name
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        keys = self._table.load_keys(curve) if curve is not None and self._links else None
+        self._counters = LinkCounters()
+        self.counters: dict[str, int] = self._counters.values
         self._health = LinkHealth(
             self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self.counters,
-            warn_once=self._warn_once, on_up=self._link_up, on_lost=self._link_lost,
+            warn_once=self._counters.warn_once, on_up=self._link_up, on_lost=self._link_lost,
             closed=lambda: self._closed,
         )
-        self._by_routing_id: dict[bytes, str | None] = {
-            name.encode(): name for name in self._links
-        }
-        self._context: zmq.asyncio.Context | None = None
-        self._router: LoopSocket | None = None
-        self._zap: ZapHandler | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._sockets = LinkSockets(
+            self._listen, self.endpoint, self._links, keys, self._health, self._counters,
+            max_payload_bytes=max_payload_bytes, io_threads=io_threads,
+        )
+        self._framer = MessageFramer(self.endpoint, self._kinds, max_payload_bytes)
+        self._incoming = IncomingMessages(
+            self._table, self._counters, events, kinds=self._kinds,
+            stream_kinds=self._stream_kinds, place_min_bytes=place_min_bytes,
+            closed=lambda: self._closed,
+        )
         self._changed = asyncio.Event()
-        self._warned: set[str] = set()
         self._started = False
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------
-
-    def _configure(self, sock: zmq.Socket[Any]) -> None:
-        """Options every peer socket shares: heartbeats (`health.py`), limits, no linger."""
-        sock.setsockopt(zmq.LINGER, 0)
-        self._health.configure(sock)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload_bytes)
-        # Explicit bounds on what ZeroMQ queues per connection (a full receive queue
-        # stops reading the TCP socket; a full send queue leaves the rest in our backlog).
-        sock.setsockopt(zmq.RCVHWM, _PEER_QUEUE)
-        sock.setsockopt(zmq.SNDHWM, _PEER_QUEUE)
-        if self._listen.is_ipv6 or any(link.endpoint.is_ipv6 for link in self._links.values()):
-            sock.setsockopt(zmq.IPV6, 1)
 
     async def start(self) -> None:
         """Bind the ROUTER, connect the DEALERs, start the background tasks."""
@@ -280,43 +199,24 @@ class PeerLinks:
             log.info("no other peers: peer links idle, nothing bound on %s", self._listen)
             return
         loop = asyncio.get_running_loop()
-        self._context = context = zmq.asyncio.Context(self._io_threads)
-        if self.insecure:
-            log.warning(
-                "peer links on %s are INSECURE: no authentication, no encryption; "
-                "anyone who can reach this port can send to this daemon", self.endpoint,
-            )
-        else:
-            self._zap = ZapHandler(context, self._authorized, self._rejected)
-            self._zap.start()
-        # The data sockets use the blocking API, driven by LoopSocket; the ZAP
-        # handler and the monitors keep zmq.asyncio (a few messages each).
-        sockets: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
-        router = sockets.socket(zmq.ROUTER)
-        self._configure(router)
-        # No ROUTER_HANDOVER: a second connection claiming a live peer's routing id
-        # would take the id over mid-message, and libzmq 4.3 aborts the whole process
-        # on that (`!_more` in fq.cpp, `!_io_error` in stream_engine_base.cpp) when the
-        # message has many frames.  Without it the newcomer is refused while the old
-        # connection lives; a restarted peer gets in once heartbeats drop its old one.
-        if self._secret is not None:
-            router.curve_server = True
-            router.curve_publickey, router.curve_secretkey = self._secret
-            router.zap_domain = _ZAP_DOMAIN.encode()
         try:
-            router.bind(str(self._listen))
-        except zmq.ZMQError as exc:
-            router.close(linger=0)
+            router = self._sockets.bind(loop, self._incoming.on_router_frames)
+        except ConfigError:
             await self.close()
-            raise ConfigError(f"cannot listen for peers on {self._listen}: {exc}") from None
-        self._router = LoopSocket(router, loop, self._on_router_frames, "the peer router")
+            raise
         if self._stream_kinds:
             self._start_data_plane(loop)
+        self._incoming.attach(router, self._data)
         for link in self._links.values():
-            self._connect(loop, link, sockets)
+            self._sockets.connect(loop, link, self._incoming.on_dealer_frames)
+            link.tasks = [
+                loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"),
+                loop.create_task(self._health.keep_alive(link),
+                                 name=f"peer-liveness {link.name}"),
+            ]
         log.info(
             "peer links of %s: %d peers, %s, peer timeout %gs (heartbeat every %gs)",
-            self.endpoint, len(self._links), "CURVE" if self._secret else "insecure",
+            self.endpoint, len(self._links), "insecure" if self.insecure else "CURVE",
             self._peer_timeout_s, self._heartbeat_ivl_s,
         )
 
@@ -324,10 +224,10 @@ class PeerLinks:
         """Listen for data streams; without them the slices stay on ZeroMQ."""
         plane = DataPlane(
             loop, self._listen, name=self.endpoint,
-            identify=lambda name: self._peer_named(name.encode()),
-            on_message=self._on_stream_message, on_event=self._on_stream_event,
+            identify=lambda name: self._table.peer_named(name.encode()),
+            on_message=self._incoming.on_stream_message, on_event=self._counters.stream_event,
             on_broken=self._stream_broken,
-            on_head=self._on_stream_head,
+            on_head=self._incoming.on_stream_head,
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
             connect_timeout_s=max(5.0, self._peer_timeout_s),
             dead_after_s=self._peer_timeout_s,
@@ -343,31 +243,6 @@ class PeerLinks:
         if self._data_advertise is not None:
             log.info("data streams listen on port %d, advertised to peers as %s:%d",
                      plane.port, self._data_advertise.host, self._data_advertise.port)
-
-    def _connect(
-        self, loop: asyncio.AbstractEventLoop, link: Link, sockets: zmq.Context[Any]
-    ) -> None:
-        assert self._context is not None
-        dealer = sockets.socket(zmq.DEALER)
-        self._configure(dealer)
-        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: no stale sends
-        dealer.setsockopt(zmq.ROUTING_ID, self.endpoint.encode())
-        if self._secret is not None:
-            dealer.curve_publickey, dealer.curve_secretkey = self._secret
-            dealer.curve_serverkey = link.server_key
-        monitor_address = f"inproc://gradsync-monitor-{id(link):x}"
-        dealer.monitor(monitor_address, DEALER_EVENTS)
-        link.monitor = self._context.socket(zmq.PAIR)
-        link.monitor.connect(monitor_address)
-        dealer.connect(link.name)
-        link.dealer = LoopSocket(
-            dealer, loop, lambda frames: self._on_dealer_frames(link, frames),
-            f"the link to {link.name}",
-        )
-        link.tasks = [
-            loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"),
-            loop.create_task(self._health.keep_alive(link), name=f"peer-liveness {link.name}"),
-        ]
 
     async def __aenter__(self) -> PeerLinks:
         await self.start()
@@ -385,11 +260,11 @@ class PeerLinks:
 
     def peer_state(self, peer: str) -> PeerState:
         """`connecting` (never up yet), `up`, or `lost` (was up, then went away)."""
-        return self._link(peer).state
+        return self._table.get(peer).state
 
     def link_stats(self, peer: str) -> LinkStats | None:
         """`(rtt_s, bytes_per_s)` measured when the link last came up, or None yet."""
-        return self._link(peer).stats
+        return self._table.get(peer).stats
 
     # -- the core's transport (daemon/core/cluster.py `PeerTransport`) ----------
 
@@ -439,13 +314,13 @@ class PeerLinks:
 
     def stream_open(self, peer: str) -> bool:
         """Whether our data stream to `peer` is open (stream kinds then take it)."""
-        self._link(peer)
+        self._table.get(peer)
         return self._data is not None and self._data.sender(peer) is not None
 
     def stream_state(self, peer: str) -> str | None:
         """How slices go to `peer`: over a "sealed" or "plain" data stream, or
         None while no stream is open (they take ZeroMQ then)."""
-        self._link(peer)
+        self._table.get(peer)
         sender = None if self._data is None else self._data.sender(peer)
         if sender is None:
             return None
@@ -457,7 +332,7 @@ class PeerLinks:
         Stays below `liveness_ivl_s` plus a round trip while the peer's event
         loop answers; grows while the peer is stopped, stuck or cut off.
         """
-        return self._health.heard_age_s(self._link(peer))
+        return self._health.heard_age_s(self._table.get(peer))
 
     async def wait_up(
         self, timeout_s: float, peers: Iterable[str] | None = None, measured: bool = True
@@ -468,7 +343,7 @@ class PeerLinks:
         """
         names = list(self._links if peers is None else peers)
         for name in names:
-            self._link(name)
+            self._table.get(name)
 
         def pending() -> list[str]:
             return [
@@ -503,16 +378,16 @@ class PeerLinks:
         data stream always returns once the kernel has every byte.  Raises
         `PeerLostError` if the peer is not up or is lost before the message left.
         """
-        link = self._link(peer)
+        link = self._table.get(peer)
         if self._stream_for(link, header) is not None:
             written = self.send_nowait(peer, header, payloads)  # checks and counts it
             down = link.down
             assert down is not None  # send_nowait checked that the link is up
             await asyncio.wait((written, down), return_when=asyncio.FIRST_COMPLETED)
             if not written.done() or written.exception() is not None:
-                self._raise_down(link, down)
+                raise_down(link, down)
             return
-        await self._send_frames(link, self._frames(header, payloads), wait_sent)
+        await send_frames(link, self._framer.frames(header, payloads), wait_sent, self._closed)
         self.counters["sent"] += 1
 
     def send_nowait(
@@ -531,8 +406,8 @@ class PeerLinks:
         Raises `PeerLostError` if the peer is not up; the future fails with it if
         the peer is lost while the message still waits for room in ZeroMQ's queue.
         """
-        link = self._link(peer)
-        frames = self._frames(header, payloads)
+        link = self._table.get(peer)
+        frames = self._framer.frames(header, payloads)
         if self._closed:
             raise DaemonShuttingDownError("peer links are closed")
         if link.state != "up" or link.dealer is None:
@@ -559,31 +434,12 @@ class PeerLinks:
             return None
         return self._data.sender(link.name)
 
-    def _frames(self, header: Mapping[str, Any], payloads: Sequence[Payload]) -> list[Any]:
-        kind = header.get("kind")
-        if kind not in self._kinds:
-            raise InvalidArgumentError(f"message kind {kind!r} was not declared in `kinds`")
-        frames: list[Any] = [encode_header(self.endpoint, header)]
-        for index, payload in enumerate(payloads):
-            view = memoryview(payload)
-            if not view.c_contiguous:
-                raise InvalidArgumentError(f"payload {index} is not C-contiguous")
-            if view.nbytes > self._max_payload_bytes:
-                raise InvalidArgumentError(
-                    f"payload {index} is {view.nbytes} bytes, above max_payload_bytes "
-                    f"({self._max_payload_bytes}); cut it into slices"
-                )
-            frames.append(view)
-        if len(frames) - 1 > MAX_PAYLOAD_FRAMES:
-            raise InvalidArgumentError(f"more than {MAX_PAYLOAD_FRAMES} payload frames")
-        return frames
-
     async def close(self) -> None:
         """Stop every task and close every socket at once (linger 0); idempotent."""
         if self._closed:
             return
         self._closed = True
-        tasks = list(self._tasks)
+        tasks: list[asyncio.Task[None]] = []
         for link in self._links.values():
             tasks += link.tasks
             if link.probe is not None:
@@ -594,230 +450,15 @@ class PeerLinks:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._data is not None:
             await self._data.close(DaemonShuttingDownError("peer links are closed"))
-        if self._zap is not None:
-            await self._zap.close()
-        closed = DaemonShuttingDownError("peer links are closed")
-        for link in self._links.values():
-            if link.dealer is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    link.dealer.sock.disable_monitor()
-                link.dealer.close(closed)
-            if link.monitor is not None:
-                link.monitor.close(linger=0)
-        if self._router is not None:
-            self._router.close(closed)
-        if self._context is not None:
-            self._context.destroy(linger=0)
+        await self._sockets.close()
         self._notify()
 
-    # -- sending --------------------------------------------------------------
-
-    def _link(self, peer: str) -> Link:
-        try:
-            return self._links[peer]
-        except KeyError:
-            raise InvalidArgumentError(
-                f"{peer!r} is not a peer of {self.endpoint}; peers: {', '.join(self._links)}"
-            ) from None
-
-    async def _send_frames(self, link: Link, frames: list[Any], wait_sent: bool) -> None:
-        """Queue a message on the link's DEALER; give up if the link goes down."""
-        if self._closed:
-            raise DaemonShuttingDownError("peer links are closed")
-        down = link.down
-        if link.state != "up" or down is None or down.done() or link.dealer is None:
-            raise PeerLostError(
-                f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
-            )
-        # Already done when the message fit in the queue at once: the common case.
-        sending = link.dealer.send(frames, wait_sent)
-        if not sending.done():
-            await asyncio.wait((sending, down), return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
-                sending.cancel()
-                self._raise_down(link, down)
-        tracker = sending.result()
-        if wait_sent and tracker is not None:
-            delay = 0.0
-            while not tracker.done:
-                await asyncio.sleep(delay)
-                delay = min(max(2 * delay, 50e-6), 2e-3)
-            if down.done():
-                self._raise_down(link, down)
-
-    def _raise_down(self, link: Link, down: asyncio.Future[None]) -> None:
-        exc = down.exception() if down.done() and not down.cancelled() else None
-        if isinstance(exc, DaemonShuttingDownError):
-            raise DaemonShuttingDownError(exc.message)
-        raise PeerLostError(
-            f"peer {link.name} was lost while sending to it",
-            {"peer": link.name, "state": link.state},
-        )
-
-    # -- receiving ------------------------------------------------------------
-
-    def _drop(self, counter: str, peer: str, reason: str) -> None:
-        """Count a dropped message; warn once per peer and counter."""
-        self.counters[counter] += 1
-        self._warn_once(f"{counter}:{peer}", "dropped a message from %s: %s", peer, reason)
-
-    def _warn_once(self, key: str, text: str, *args: object) -> None:
-        if key in self._warned:
-            log.debug(text, *args)
-            return
-        if len(self._warned) < _MAX_WARNINGS:
-            self._warned.add(key)
-        log.warning(text, *args)
-
-    def _sender(self, frames: list[zmq.Frame]) -> str | None:
-        """Which peer sent a message, or None for a stranger.
-
-        By routing id (the sender's endpoint); under CURVE the key the ZAP
-        handler accepted must also be the one recorded for that endpoint, so an
-        authorised daemon cannot speak in the name of another.
-        """
-        peer = self._peer_named(frames[0].bytes)
-        if self._secret is not None and peer is not None:
-            try:
-                user_id = str(frames[1].get("User-Id")).encode()
-            except zmq.ZMQError:
-                return None
-            if self._peer_by_key.get(user_id) != peer:
-                return None
-        return peer
-
-    def _peer_named(self, routing_id: bytes) -> str | None:
-        """The peer a routing id (or stream hello) names, remembered: matching
-        a name that is not a peer's own may resolve host names."""
-        if routing_id not in self._by_routing_id:
-            if len(self._by_routing_id) > _MAX_WARNINGS + len(self._links):
-                self._by_routing_id = {name.encode(): name for name in self._links}
-            self._by_routing_id[routing_id] = self._match_routing_id(routing_id)
-        return self._by_routing_id[routing_id]
-
-    def _match_routing_id(self, routing_id: bytes) -> str | None:
-        """The peer whose endpoint is the same socket as the one a routing id names."""
-        try:
-            endpoint = parse_tcp_endpoint(routing_id.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return None
-        for link in self._links.values():
-            if same_endpoint(link.endpoint, endpoint):
-                return link.name
-        return None
-
-    def _on_router_frames(self, frames: list[zmq.Frame]) -> None:
-        """One message on the ROUTER: answer a probe, or hand the message on."""
-        message = self._accept(frames)
-        if message is None:
-            return
-        self._links[message.peer].last_heard = time.monotonic()
-        kind = message.header["kind"]
-        if kind in (PING, BULK):
-            assert self._router is not None
-            answer = Probe(PONG, message.header["seq"])
-            if self._data is not None:
-                # Over CURVE the answer reaches this peer alone, encrypted: it carries
-                # our offer of a sealed stream to it (stream_crypto.py).
-                answer = Probe(PONG, answer.seq, **self._data.advert(message.peer))
-            pong = encode_header(self.endpoint, answer.to_wire())
-            # A probe answer that does not fit is dropped, never waited for.
-            self._router.try_send([frames[0], pong])
-            return
-        self._deliver(message)
-
-    def _deliver(self, message: PeerMessage) -> None:
-        """Hand an accepted application message to the events."""
-        self.counters["received"] += 1
-        self._events.message(message)
-
-    def _stream_header(self, name: str, body: bytes) -> Message:
-        """A data stream message's header, checked; raises ProtocolError and co."""
-        header = decode_header(body, self._stream_kinds)
-        if header["src"] != name:
-            raise ProtocolError(f"'src' {header['src'][:80]!r} is not the stream's sender")
-        return header
-
-    def _on_stream_head(
-        self, peer: str, name: str, body: bytes, sizes: list[int]
-    ) -> Sequence[PayloadSink | None] | None:
-        """A stream message's header is in: ask the events where its payloads go."""
-        if sum(sizes) < self._place_min_bytes:
-            return None
-        try:
-            header = self._stream_header(name, body)
-        except (ProtocolError, ValueError, TypeError):
-            return None  # dropped, and counted, once the whole message is in
-        # One stream per peer: its next message is this one, so decode it once.
-        self._stream_heads[peer] = (body, header)
-        return self._events.place(peer, header, sizes)
-
-    def _on_stream_message(
-        self, peer: str, name: str, body: bytes, payloads: list[memoryview | PayloadSink]
-    ) -> None:
-        """One message from a data stream (`name`: the sender, as its hello said)."""
-        decoded = self._stream_heads.pop(peer, None)
-        try:
-            header = (decoded[1] if decoded is not None and decoded[0] is body
-                      else self._stream_header(name, body))
-        except (ProtocolError, ValueError, TypeError) as exc:
-            self._drop("malformed", peer, str(exc))
-            return
-        self._links[peer].last_heard = time.monotonic()
-        self.counters["stream_received"] += 1
-        if self._data is not None and self._data.sealed:
-            self.counters["stream_encrypted_received"] += 1
-        self._deliver(PeerMessage(peer, header, list(payloads)))
-
-    def _on_stream_event(self, counter: str, peer: str, reason: str) -> None:
-        self.counters[counter] += 1
-        self._warn_once(f"{counter}:{peer}", "peer %s: %s", peer, reason)
+    # -- link health (health.py) and broken data streams -----------------------
 
     def _stream_broken(self, peer: str, why: str) -> None:
+        """A data stream broke and may have lost a message (`data_plane.py`): tell the daemon."""
         if not self._closed:
             self._call(self._events.stream_broken, peer, why)
-
-    def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
-        """Check one message from the ROUTER; count and drop it if it is bad."""
-        peer = self._sender(frames) if len(frames) >= 2 else None
-        if peer is None:
-            label = frames[0].bytes.decode("utf-8", errors="replace")[:80]
-            self._drop("unknown_peer", label, "sender is not one of our peers")
-            return None
-        if len(frames) - 2 > MAX_PAYLOAD_FRAMES:
-            self._drop("malformed", peer, f"{len(frames) - 2} payload frames")
-            return None
-        try:
-            header = decode_header(frames[1].bytes, self._accepted)
-            if header["src"].encode() != frames[0].bytes:
-                raise ProtocolError(f"'src' {header['src'][:80]!r} is not the sender's id")
-        except (ProtocolError, ValueError, TypeError) as exc:
-            self._drop("malformed", peer, str(exc))
-            return None
-        return PeerMessage(peer, header, frames[2:])
-
-    def _on_dealer_frames(self, link: Link, frames: list[zmq.Frame]) -> None:
-        """An answer to one of our probes, back over the link's DEALER."""
-        try:
-            header = decode_header(frames[0].bytes, frozenset({PONG}))
-            if len(frames) != 1:
-                raise ProtocolError("a pong carries no payload")
-            pong = Probe.from_wire(header)
-        except ProtocolError as exc:
-            self._drop("malformed", link.name, str(exc))
-            return
-        link.last_heard = time.monotonic()
-        if self._data is not None and link.state == "up" and not self._closed:
-            self._data.offer(link.name, link.endpoint.host, header)
-        waiter = link.pongs.pop(pong.seq, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- link health (health.py) and ZAP refusals ---------------------------------
-
-    def _rejected(self, address: str, reason: str) -> None:
-        self.counters["rejected_keys"] += 1
-        self._warn_once(f"zap:{address}", "refused a peer connection from %s: %s", address, reason)
 
     def _link_up(self, link: Link) -> None:
         """The link just came up (`LinkHealth.mark_up`): measure it, tell the daemon."""
@@ -876,7 +517,7 @@ class PeerLinks:
             kind = BULK if payload else PING
             header = encode_header(self.endpoint, Probe(kind, seq).to_wire())
             try:
-                await self._send_frames(link, [header, *payload], wait_sent=False)
+                await send_frames(link, [header, *payload], False, self._closed)
                 await asyncio.wait_for(waiter, timeout_s)
             finally:
                 link.pongs.pop(seq, None)
