@@ -12,24 +12,19 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, overload
+from typing import Any, overload
 
 import numpy as np
 
+from gradsync.client.array_checks import Checked, check_array
 from gradsync.client.buffers import ScratchPool, ScratchSlot, SegmentRegistry
 from gradsync.client.connection import Connection
-from gradsync.client.cuda import (
-    DeviceArrayInfo,
-    DeviceBuffers,
-    describe,
-    is_device_array,
-    parse_device,
-)
+from gradsync.client.cuda import DeviceArrayInfo, DeviceBuffers, parse_device
 from gradsync.client.environment import resolve_identity
 from gradsync.client.fast_path import FastPath
 from gradsync.client.work import Work
 from gradsync.protocol.codec import is_integer
-from gradsync.protocol.dtypes import ReduceOp, check_op_for_dtype, dtype_name, parse_reduce_op
+from gradsync.protocol.dtypes import ReduceOp, dtype_name, parse_reduce_op
 from gradsync.protocol.errors import (
     CollectiveTimeoutError,
     DaemonShuttingDownError,
@@ -54,18 +49,6 @@ class Placed:
 #: A collective's buffer: a numpy array, a cupy array or a CUDA torch tensor.
 Buffer = Any
 
-
-class Checked(NamedTuple):
-    """A collective's array, checked: wire dtype, op, element count, and for a
-    device array its description (None for host arrays)."""
-
-    dtype: str
-    op: ReduceOp
-    elements: int
-    device: DeviceArrayInfo | None
-
-#: (numpy dtype, op as given) → (wire dtype, ReduceOp), for pairs already checked.
-_CHECKED_HOST: dict[tuple[Any, Any], tuple[str, ReduceOp]] = {}
 
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
@@ -594,34 +577,8 @@ class Client:
 
     def _check_array(self, array: Any, op: str | ReduceOp) -> Checked:
         """What a collective needs to know of its array, after checking it."""
-        if is_device_array(array):
-            info = describe(array, self._device_buffers().cp)
-            try:
-                reduce_op = parse_reduce_op(op)
-                check_op_for_dtype(reduce_op, info.dtype)
-            except ValueError as exc:
-                raise InvalidArgumentError(str(exc)) from None
-            return Checked(info.dtype, reduce_op, info.count, info)
-        if not isinstance(array, np.ndarray):
-            raise InvalidArgumentError(
-                f"expected a numpy array, a CUDA tensor or a cupy array, "
-                f"got {type(array).__name__}"
-            )
-        if not array.flags.c_contiguous:
-            raise InvalidArgumentError(
-                "array must be C-contiguous; pass np.ascontiguousarray(a) and copy back"
-            )
-        if not array.flags.writeable:
-            raise InvalidArgumentError("array is read-only; collectives write in place")
-        checked = _CHECKED_HOST.get((array.dtype, op))
-        if checked is None:
-            try:
-                wire_dtype = dtype_name(array.dtype)
-                reduce_op = parse_reduce_op(op)
-                check_op_for_dtype(reduce_op, wire_dtype)
-            except ValueError as exc:
-                raise InvalidArgumentError(str(exc)) from None
-            checked = (wire_dtype, reduce_op)
-            if len(_CHECKED_HOST) < 256:
-                _CHECKED_HOST[(array.dtype, op)] = checked
-        return Checked(checked[0], checked[1], int(array.size), None)
+        return check_array(array, op, self._cupy)
+
+    def _cupy(self) -> Any:
+        """cupy, as the device buffers loaded it (for a device array's description)."""
+        return self._device_buffers().cp
