@@ -151,8 +151,8 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
     assert "withdraw" in transport.kinds()  # peers hear that we stop counting on it
 
 
-def _star_run(job: Job, transport: FakeTransport, loop: asyncio.AbstractEventLoop,
-              buffer: np.ndarray) -> ScheduleRun:
+def _star_run(cluster: ClusterJobs, job: Job, transport: FakeTransport,
+              loop: asyncio.AbstractEventLoop, buffer: np.ndarray) -> ScheduleRun:
     """The root's side (daemon 0) of a star allreduce over the job's formation."""
     assert job.across.formation is not None
     schedule = ALGORITHMS["star"](0, 2, buffer.size)
@@ -163,7 +163,7 @@ def _star_run(job: Job, transport: FakeTransport, loop: asyncio.AbstractEventLoo
 
     run = ScheduleRun(schedule, buffer, ReduceOp.SUM, send, 1 << 20, loop,
                       fingerprint=fingerprint, algorithm="star")
-    job.across.runs[0] = run
+    cluster.run_started(job, 0, run)
     run.start()
     return run
 
@@ -184,7 +184,7 @@ def test_a_peer_leaving_after_its_last_slices_does_not_fail_the_collective(
     job = local_job(cluster, jobs, loop)
     cluster.on_message(PEER, announce(5), ())
     ours, theirs = np.full(8, 1.0, np.float32), np.full(8, 2.0, np.float32)
-    run = _star_run(job, transport, loop, ours)
+    run = _star_run(cluster, job, transport, loop, ours)
     cluster.on_message(PEER, _slice_from_peer(job, theirs), (theirs.tobytes(),))
     cluster.on_message(PEER, withdraw(5, clean=True), ())
     assert isinstance(job.broken, RankLostError) and job.across.ended_cleanly
@@ -198,7 +198,7 @@ def test_a_peer_leaving_before_its_slices_fails_the_collective_naming_it(
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     cluster.on_message(PEER, announce(5), ())
-    run = _star_run(job, transport, loop, np.full(8, 1.0, np.float32))
+    run = _star_run(cluster, job, transport, loop, np.full(8, 1.0, np.float32))
     cluster.on_message(PEER, withdraw(5), ())
     error = run.done.exception()
     assert isinstance(error, RankLostError) and PEER in error.message, error
@@ -219,15 +219,15 @@ def test_slices_before_the_job_forms_are_kept_and_replayed(
     early = wire.Slice(job.name, formation.generation, 0,
                        wire.Fingerprint("allreduce", "float32", 8, "sum", "star"), 0, 0, 0)
     cluster.on_message(PEER, early.to_wire(), (theirs.tobytes(),))
-    assert job.across.early_bytes == theirs.nbytes and job.across.formation is None
+    assert job.across.early.nbytes == theirs.nbytes and job.across.formation is None
     cluster.on_message(PEER, announce(5), ())
     assert job.across.formation == formation
     # Now it waits for its collective (key 0) to start here.
-    assert list(job.across.early_by_key) == [0] and not job.across.early_slices
+    assert list(job.across.early.by_key) == [0] and not job.across.early.unformed
     ours = np.full(8, 1.0, np.float32)
-    run = _star_run(job, transport, loop, ours)
-    for peer_name, message, frames in job.across.early_by_key.pop(0):
-        cluster.on_slice(job, peer_name, message, frames)
+    run = _star_run(cluster, job, transport, loop, ours)
+    cluster.feed_early(job, 0, run)
+    assert job.across.early.nbytes == 0
     assert run.done.done() and run.done.exception() is None
     np.testing.assert_array_equal(ours, np.full(8, 3.0, np.float32))
 

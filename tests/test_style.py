@@ -6,6 +6,7 @@ would run them; a tool that is not installed skips its test with the reason.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -38,3 +39,41 @@ def test_ruff_check_passes() -> None:
 def test_mypy_passes() -> None:
     result = run_tool("mypy", timeout_s=580)
     assert result.returncode == 0, f"mypy found problems:\n{result.stdout}{result.stderr}"
+
+
+#: Layers the daemon's core must not import (DESIGN.md, "Rules of the layout"):
+#: what it needs from them, it names as a Protocol of its own (core/interfaces.py).
+ABOVE_THE_CORE = ("gradsync.daemon.run", "gradsync.daemon.io", "gradsync.daemon.peers")
+
+
+def imports_from_above(source: str) -> list[str]:
+    """Every module `source` imports from the layers above the core, including
+    imports under `if TYPE_CHECKING:` (a type the core borrows is still a tie)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [name for name in names
+                  if any(name == top or name.startswith(top + ".") for top in ABOVE_THE_CORE)]
+    return found
+
+
+def test_the_layering_check_sees_an_upward_import() -> None:
+    source = ("from typing import TYPE_CHECKING\nimport gradsync.daemon.core.plans\n"
+              "if TYPE_CHECKING:\n    from gradsync.daemon.run.executor import ScheduleRun\n"
+              "import gradsync.daemon.peers.links\n")
+    assert sorted(imports_from_above(source)) == ["gradsync.daemon.peers.links",
+                                                  "gradsync.daemon.run.executor"]
+
+
+def test_the_core_imports_nothing_above_it() -> None:
+    offenders = {
+        str(path.relative_to(REPO)): found
+        for path in sorted((REPO / "daemon" / "core").glob("*.py"))
+        if (found := imports_from_above(path.read_text()))
+    }
+    assert not offenders, f"daemon/core imports from run/, io/ or peers/: {offenders}"

@@ -1,40 +1,43 @@
 """Multi-node jobs: membership across daemons, the peers' messages, failures.
 
-The service hands a collective here once all local ranks have submitted it.
-This module reduces the local slots into the first one, waits until the job is
-formed across daemons (see `membership.py`), runs the chosen algorithm's
-schedule over the peer links (`executor.py`), then writes the result back to
-every local slot.  It also reacts to peers: announcements, withdrawals, data
-slices, aborts, and peers lost.
+`ClusterJobs` forms a job across daemons once its local ranks are in (see
+`membership.py`), hands peers' slices to the collectives running here (or
+keeps them until those start), and reacts to announcements, withdrawals,
+aborts and lost peers.  It alone writes a job's cross-daemon state
+(`cluster_job.py`): the runner (run/multi_node.py) and the request handlers
+tell it what happened through its methods.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from gradsync.daemon.algorithms import ALGORITHMS
-from gradsync.daemon.algorithms.calibration import Costs, measured_pick
-from gradsync.daemon.core.auto import auto_pick
-from gradsync.daemon.core.cost_epochs import Agreement, Offer
+from gradsync.daemon.core.cluster_job import payload_bytes
+from gradsync.daemon.core.interfaces import (
+    NOT_CONNECTED,
+    CollectiveRun,
+    IncomingMessage,
+    PeerTransport,
+    PlacedPayload,
+    is_placed,
+)
 from gradsync.daemon.core.membership import (
     BOOT,
     Announcement,
-    Formation,
+    Withdrawals,
     conflicts,
     form,
     new_incarnation,
+    ranks_not_announced,
 )
-from gradsync.daemon.run.executor import is_placed
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.errors import (
     CollectiveError,
     GradsyncError,
-    InvalidArgumentError,
     MismatchError,
     PeerLostError,
     ProtocolError,
@@ -47,8 +50,6 @@ from gradsync.protocol.peer import Abort, Announce, Key, Slice, Withdraw
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
     from gradsync.daemon.core.matching import Job
-    from gradsync.daemon.peers.events import PeerMessage
-    from gradsync.daemon.run.executor import Placement, ScheduleRun
 
 #: A slice's payload as the links hand it on: a buffer (memoryview, bytes, a
 #: ZeroMQ frame's buffer) or, for a slice received in place, its placement.
@@ -56,54 +57,10 @@ Frame = Any
 
 log = logging.getLogger("gradsync.daemon.cluster")
 
-#: Withdrawals remembered, to drop an announcement they overtook (see `_on_withdraw`).
-WITHDRAWALS_KEPT = 4096
-
-#: Timings (algorithm, size) a daemon offers per epoch at most: the groups of
-#: its remembered collectives that first ran most recently.
-MAX_TIMES_OFFERED = 64
 
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
 DEFAULT_BETA_S_PER_BYTE = 1 / 1e9
-
-
-class PeerTransport(Protocol):
-    """What the cluster needs from the peer links (`PeerLinks` is one)."""
-
-    endpoint: str
-
-    @property
-    def peers(self) -> Sequence[str]: ...
-
-    def post(
-        self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
-        zero_copy: bool = False,
-    ) -> Any: ...
-
-    def link_costs(self) -> tuple[float, float] | None: ...
-
-    def is_up(self, peer: str) -> bool: ...
-
-
-class _NotConnected:
-    """The transport of a `ClusterJobs` not yet connected to its links."""
-
-    endpoint = ""
-    peers: tuple[str, ...] = ()
-
-    def post(self, peer: str, header: dict[str, Any], payloads: Sequence[Any] = (),
-             zero_copy: bool = False) -> Any:
-        raise RuntimeError("ClusterJobs.connect() was not called")
-
-    def link_costs(self) -> tuple[float, float] | None:
-        return None
-
-    def is_up(self, peer: str) -> bool:
-        return False
-
-
-_NOT_CONNECTED = _NotConnected()
 
 
 @dataclasses.dataclass
@@ -138,13 +95,11 @@ class ClusterJobs:
         self.stats = stats
         self.counters = ClusterCounters()
         self.remote: dict[str, dict[str, Announcement]] = {}
-        #: (job, peer) -> (boot, newest incarnation) that peer withdrew, oldest first.
-        self.withdrawn: collections.OrderedDict[tuple[str, str], tuple[int, int]] = (
-            collections.OrderedDict()
-        )
+        #: The newest incarnation of each (job, peer) that peer withdrew.
+        self.withdrawn = Withdrawals()
         #: Peers whose link went down (after being up) and has not come back.
         self.lost: set[str] = set()
-        self.transport: PeerTransport = _NOT_CONNECTED
+        self.transport: PeerTransport = NOT_CONNECTED
 
     def connect(self, transport: PeerTransport) -> None:
         """Send through `transport` (the peer links, which report to this object:
@@ -153,7 +108,7 @@ class ClusterJobs:
 
     # -- PeerEvents: the links report here, from the event loop ---------------
 
-    def message(self, message: PeerMessage) -> None:
+    def message(self, message: IncomingMessage) -> None:
         """An accepted peer message."""
         self.on_message(message.peer, message.header, message.payloads)
 
@@ -196,6 +151,38 @@ class ClusterJobs:
         for peer in self.transport.peers:
             self.transport.post(peer, withdraw)
 
+    # -- what the layers above report: this object alone writes `job.across` --
+
+    def run_started(self, job: Job, key: Key, run: CollectiveRun) -> None:
+        """Collective `key` began its inter-daemon phase here: its slices go to `run`."""
+        job.across.runs[key] = run
+
+    def feed_early(self, job: Job, key: Key, run: CollectiveRun) -> None:
+        """Hand `run` (just started) the slices that came for it before it ran."""
+        for peer, message, frames in job.across.early.take(key):
+            self.replay(job, peer, message, frames)
+        if job.broken is not None:  # it broke while this run's task was queued
+            job.across.fail_if_waiting_on_gone(run, job.broken)
+
+    def run_ended(self, job: Job, key: Key) -> None:
+        """Collective `key`'s inter-daemon phase is over here (done or failed); a
+        withdrawal that waited for the job's running collectives goes out now."""
+        job.across.runs.pop(key, None)
+        if job.across.withdrawal is not None and not job.across.runs:
+            self.withdraw(job, job.across.withdrawal)
+
+    def ended_cleanly(self, job: Job) -> None:
+        """A rank said bye with nothing in flight: the job's normal end, which its
+        withdrawal tells the peers, so that they do not warn."""
+        job.across.ended_cleanly = True
+
+    def broke_here(self, job: Job, error: GradsyncError) -> None:
+        """The job broke on this daemon (a rank lost): fail its running collectives
+        here and on every member, and withdraw it."""
+        for key in list(job.across.runs):
+            self.abort(job, key, as_collective_error(error))
+        self.withdraw(job, error)
+
     def _try_form(self, job: Job) -> None:
         across = job.across
         ours = across.announcement
@@ -226,10 +213,7 @@ class ClusterJobs:
             self.stats.job_formed(job.name, formation.alpha_s, formation.beta_s_per_byte)
         if not job.across.formed.done():
             job.across.formed.set_result(formation)
-        early = job.across.early_slices
-        job.across.early_slices = []
-        job.across.early_bytes -= payload_bytes(early)
-        for peer, message, frames in early:
+        for peer, message, frames in job.across.early.take_unformed():
             self.replay(job, peer, message, frames)
 
     # -- messages from peers ------------------------------------------------
@@ -263,9 +247,7 @@ class ClusterJobs:
             log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
     def _on_announce(self, peer: str, message: Announce, job: Job | None) -> None:
-        withdrawn = self.withdrawn.get((message.job, peer))
-        if (withdrawn is not None and withdrawn[0] == message.boot
-                and withdrawn[1] >= message.incarnation):
+        if self.withdrawn.overtook(message.job, peer, message.boot, message.incarnation):
             self.counters.stale_membership += 1  # its withdrawal overtook it
             return
         table = self.remote.setdefault(message.job, {})
@@ -304,7 +286,7 @@ class ClusterJobs:
         if held is not None and held.share.boot == boot and held.share.incarnation > incarnation:
             self.counters.stale_membership += 1
             return
-        self._remember_withdrawal(name, peer, boot, incarnation)
+        self.withdrawn.remember(name, peer, boot, incarnation)
         if held is not None:
             del table[peer]
             if not table:
@@ -330,16 +312,7 @@ class ClusterJobs:
             job.across.gone.add(peer)
             self._break(job, error, fail_runs=False, level=level)
             for run in list(job.across.runs.values()):
-                fail_if_waiting_on_gone(job, run, error)
-
-    def _remember_withdrawal(self, name: str, peer: str, boot: int, incarnation: int) -> None:
-        key = (name, peer)
-        previous = self.withdrawn.pop(key, None)
-        if previous is not None and previous[0] == boot:
-            incarnation = max(incarnation, previous[1])
-        self.withdrawn[key] = (boot, incarnation)
-        while len(self.withdrawn) > WITHDRAWALS_KEPT:
-            self.withdrawn.popitem(last=False)
+                job.across.fail_if_waiting_on_gone(run, error)
 
     def _on_abort(self, peer: str, message: Abort, job: Job | None) -> None:
         formation = job.across.formation if job is not None else None
@@ -356,7 +329,7 @@ class ClusterJobs:
 
     def _on_costs(self, peer: str, message: peer_wire.Costs, job: Job | None) -> None:
         """A member's figures for one epoch of `auto` (see cost_epochs.py)."""
-        generation, epoch = message.gen, message.epoch
+        generation = message.gen
         if job is None:
             self.counters.dropped_unknown_job += 1
             return
@@ -366,17 +339,12 @@ class ClusterJobs:
             return
         if formation is not None and peer not in formation.daemons:
             raise ProtocolError(f"costs from {peer}, not a member of {job.describe()}")
-        # Before this daemon formed the job, keep them: the generation decides later.
-        job.across.costs.add(generation, epoch, peer, Offer(
-            Costs(message.alpha_s, message.beta_s_per_byte), message.times,
-            message.explore_factor))
-        if formation is not None:
-            job.across.costs.notify(generation, epoch, formation.daemons)
+        job.across.auto.heard(formation, peer, message)
 
     def place(
         self, peer: str, header: dict[str, Any], sizes: list[int]
-    ) -> list[Placement] | None:
-        """Where a slice's payload can go before it arrives (see `ScheduleRun.place`).
+    ) -> list[PlacedPayload] | None:
+        """Where a slice's payload can go before it arrives (see `CollectiveRun.place`).
 
         Only a slice that `on_slice` would hand to a running collective's current
         step is placed; everything else (and everything odd) arrives the usual
@@ -390,7 +358,7 @@ class ClusterJobs:
 
     def _placement(
         self, peer: str, header: dict[str, Any], sizes: list[int]
-    ) -> list[Placement] | None:
+    ) -> list[PlacedPayload] | None:
         if header.get("kind") != Slice.kind or len(sizes) != 1:
             return None
         try:
@@ -461,12 +429,11 @@ class ClusterJobs:
             return  # nothing of this generation will run any more
         nbytes = payload_bytes([(peer, message, frames)])
         limit = self.config.max_shm_bytes
-        if job.across.early_bytes + nbytes > limit:
+        early = job.across.early
+        if early.nbytes + nbytes > limit:
             self.counters.early_refused += 1
-            held = job.across.early_bytes
-            job.across.early_slices.clear()
-            job.across.early_by_key.clear()
-            job.across.early_bytes = 0
+            held = early.nbytes
+            early.clear()
             self._break(job, CollectiveError(
                 f"peer daemon {peer} sent {held + nbytes} bytes of slices for collectives "
                 f"of {job.describe()} not started on {self.transport.endpoint}, more than "
@@ -474,11 +441,7 @@ class ClusterJobs:
                 {"job": job.name, "peer": peer, "limit": limit},
             ))
             return
-        job.across.early_bytes += nbytes
-        if key is None:
-            job.across.early_slices.append((peer, message, frames))
-        else:
-            job.across.early_by_key.setdefault(key, []).append((peer, message, frames))
+        early.keep(key, (peer, message, frames), nbytes)
 
     def replay(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
         """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
@@ -488,7 +451,7 @@ class ClusterJobs:
             self.counters.malformed += 1
             log.warning("dropped an early slice of %s from %s: %s", job.describe(), peer, exc)
 
-    def _mismatch(self, job: Job, key: Key, run: ScheduleRun, peer: str, message: Slice) -> None:
+    def _mismatch(self, job: Job, key: Key, run: CollectiveRun, peer: str, message: Slice) -> None:
         theirs = message.fp.describe()
         formation = job.across.formation
         assert formation is not None
@@ -512,7 +475,7 @@ class ClusterJobs:
         """Fail one collective here and on every member daemon (once per key)."""
         already_known = key in job.failed
         job.remember_failure(key, error)
-        job.across.early_bytes -= payload_bytes(job.across.early_by_key.pop(key, []))  # now useless
+        job.across.early.take(key)  # now useless
         run = job.across.runs.get(key)
         if run is not None:
             run.fail(error)
@@ -553,7 +516,7 @@ class ClusterJobs:
         if across.formation is not None or across.announcement is None or job.broken is not None:
             return
         table = self.remote.get(job.name, {})
-        missing = ranks_not_announced(table, job)
+        missing = ranks_not_announced(table, job.members, job.world_size)
         if not missing:
             return
         others = [p for p in self.transport.peers if p != self.transport.endpoint]
@@ -606,7 +569,7 @@ class ClusterJobs:
         if job.broken is None:
             job.broken = error
         log.log(level, "%s", error.message)
-        job.across.costs.fail(error)
+        job.across.auto.epochs.fail(error)
         if fail_runs:
             for run in list(job.across.runs.values()):
                 run.fail(error)
@@ -623,62 +586,3 @@ class ClusterJobs:
             # The collectives still running here may send slices their peers need
             # yet: the withdrawal follows them, once they end (see `_on_withdraw`).
             job.across.withdrawal = error
-
-    # -- the auto policy, per collective -----------------------------------
-
-    def wants_auto(self, requested: str | None) -> bool:
-        return (requested or self.config.algorithm) == "auto"
-
-    def choose_algorithm(
-        self, requested: str | None, formation: Formation, nbytes: int, job_name: str = "",
-        epoch: int = 0, agreement: Agreement | None = None, explore: bool = False,
-    ) -> str:
-        """The algorithm to run; `auto` prices them with the formation's figures and,
-        given the members' `agreement` for this epoch, lets timings decide close
-        calls (timing untried ones where it may `explore`)."""
-        name = requested or self.config.algorithm
-        if name != "auto":
-            if name not in ALGORITHMS:
-                raise InvalidArgumentError(
-                    f"unknown algorithm {name!r}; expected auto or one of {', '.join(ALGORITHMS)}"
-                )
-            return name
-        daemons = len(formation.daemons)
-        best, estimates = auto_pick(daemons, nbytes, formation.alpha_s, formation.beta_s_per_byte)
-        basis = "model"
-        factor = agreement.explore_factor if agreement is not None else 1.0
-        if agreement is not None and factor > 1:
-            picked = agreement.picks.get((nbytes, explore))
-            if picked is None:
-                picked = agreement.picks[(nbytes, explore)] = measured_pick(
-                    best, estimates, nbytes, agreement.times, factor, explore)
-            best, basis = picked
-        if self.stats is not None:
-            self.stats.auto_picked(job_name, nbytes, best, basis,
-                                   Costs(formation.alpha_s, formation.beta_s_per_byte), epoch)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("auto picked %s (%s) for %d bytes over %d daemons; estimates %s", best,
-                      basis, nbytes, daemons,
-                      {k: f"{v * 1e6:.0f}us" for k, v in estimates})
-        return best
-
-
-def fail_if_waiting_on_gone(job: Job, run: ScheduleRun, error: GradsyncError) -> None:
-    """A run that still needs data from a member daemon that left or was lost
-    cannot finish; one that already holds everything from them can."""
-    assert job.across.formation is not None
-    if any(run.needs_from(job.across.formation.index_of(gone)) for gone in job.across.gone):
-        run.fail(error)
-
-
-def payload_bytes(slices: Sequence[tuple[str, Slice, Sequence[Frame]]]) -> int:
-    """Payload bytes of kept slices."""
-    return sum(memoryview(frame).nbytes for _, _, frames in slices for frame in frames)
-
-
-def ranks_not_announced(remote: dict[str, Announcement], job: Job) -> list[int]:
-    held = set(job.members)
-    for announcement in remote.values():
-        held |= set(announcement.share.ranks)
-    return sorted(set(range(job.world_size)) - held)
-

@@ -1,23 +1,66 @@
 """What one job is across daemons, beside its local matching (`matching.Job`).
 
 Kept apart from `Job` so that matching stays about the local ranks: this is
-the state `cluster.py` (membership, peer messages, failures) and
-`run/multi_node.py` (the inter-daemon phase) share for a job whose world is
-larger than this daemon's ranks.
+the state of a job whose world is larger than this daemon's ranks.  Its one
+writer is `ClusterJobs` (cluster.py): the inter-daemon phase (run/multi_node.py)
+and the request handlers (io/service.py) tell it what happened, and read.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from gradsync.daemon.core.cost_epochs import CostEpochs
+from gradsync.daemon.core.auto import AutoPolicy
+from gradsync.daemon.core.interfaces import CollectiveRun
 from gradsync.daemon.core.membership import Announcement, Formation
 from gradsync.protocol.errors import GradsyncError
 from gradsync.protocol.peer import Key, Slice
 
-if TYPE_CHECKING:  # the run layer's type only: the core never calls into it
-    from gradsync.daemon.run.executor import ScheduleRun
+#: A kept slice: the peer it came from, its header, and its payload frames.
+KeptSlice = tuple[str, Slice, Any]
+
+
+def payload_bytes(slices: Sequence[KeptSlice]) -> int:
+    """Payload bytes of kept slices."""
+    return sum(memoryview(frame).nbytes for _, _, frames in slices for frame in frames)
+
+
+class EarlySlices:
+    """Slices that came before their job formed here, or before their collective
+    started here, and the payload bytes they hold (checked against max_shm_bytes)."""
+
+    def __init__(self) -> None:
+        #: For a job not formed yet (their key is judged once it forms).
+        self.unformed: list[KeptSlice] = []
+        #: For collectives this daemon's ranks have not submitted yet.
+        self.by_key: dict[Key, list[KeptSlice]] = {}
+        self.nbytes = 0
+
+    def keep(self, key: Key | None, kept: KeptSlice, nbytes: int) -> None:
+        """Hold a slice of collective `key` (None: the job has not formed)."""
+        self.nbytes += nbytes
+        if key is None:
+            self.unformed.append(kept)
+        else:
+            self.by_key.setdefault(key, []).append(kept)
+
+    def take_unformed(self) -> list[KeptSlice]:
+        taken, self.unformed = self.unformed, []
+        self.nbytes -= payload_bytes(taken)
+        return taken
+
+    def take(self, key: Key) -> list[KeptSlice]:
+        """The slices kept for `key`, no longer held (its collective runs, or failed)."""
+        taken = self.by_key.pop(key, [])
+        self.nbytes -= payload_bytes(taken)
+        return taken
+
+    def clear(self) -> None:
+        self.unformed.clear()
+        self.by_key.clear()
+        self.nbytes = 0
 
 
 class ClusterJob:
@@ -37,12 +80,18 @@ class ClusterJob:
         self.end_origin: tuple[str, str] | None = None
         self.formation: Formation | None = None
         self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
-        self.runs: dict[Key, ScheduleRun] = {}
-        self.early_slices: list[tuple[str, Slice, Any]] = []
-        self.early_by_key: dict[Key, list[tuple[str, Slice, Any]]] = {}
-        #: Payload bytes held in `early_slices` and `early_by_key`.
-        self.early_bytes = 0
+        #: The collectives whose inter-daemon phase runs here now, by key.
+        self.runs: dict[Key, CollectiveRun] = {}
+        self.early = EarlySlices()
         #: Member daemons that withdrew or were lost since the job formed.
         self.gone: set[str] = set()
-        #: `auto`'s link costs as the members agree on them, epoch by epoch.
-        self.costs = CostEpochs()
+        #: `auto` for this job: the link costs the members agree on, epoch by
+        #: epoch, and its picks.
+        self.auto = AutoPolicy()
+
+    def fail_if_waiting_on_gone(self, run: CollectiveRun, error: GradsyncError) -> None:
+        """A run that still needs data from a member daemon that left or was lost
+        cannot finish; one that already holds everything from them can."""
+        assert self.formation is not None
+        if any(run.needs_from(self.formation.index_of(gone)) for gone in self.gone):
+            run.fail(error)

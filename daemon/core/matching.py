@@ -31,6 +31,7 @@ from gradsync.protocol.peer import Fingerprint
 
 if TYPE_CHECKING:  # other layers' types only: the core never calls into them
     from gradsync.daemon.backends import Slab
+    from gradsync.daemon.core.deadlines import Timer
 
 Key = int | str
 
@@ -63,7 +64,7 @@ class PendingCollective:
     first_seen: float
     deadline_s: float
     submissions: dict[int, Submission] = dataclasses.field(default_factory=dict)
-    timer: asyncio.TimerHandle | None = None  # the deadline's, owned by the daemon
+    timer: Timer | None = None  # the deadline's (core/deadlines.py)
     matched_at: float = 0.0  # when the last local rank submitted
     job_name: str = ""
     stall_reported: bool = False
@@ -88,8 +89,11 @@ class Job:
         world_size: int,
         local_world_size: int,
         loop: asyncio.AbstractEventLoop | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
+        #: Now, in seconds of CLOCK_MONOTONIC (a fake in core tests).
+        self.clock = clock
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.members: dict[int, Member] = {}
@@ -171,14 +175,14 @@ class Job:
                                failed.details)
         pending = self.pending.get(key)
         if pending is None:
-            now = time.monotonic()
+            now = self.clock()
             pending = PendingCollective(key, now, submission.timeout_s, job_name=self.name)
             self.pending[key] = pending
         if submission.rank in pending.submissions:
             raise InvalidArgumentError(
                 f"rank {submission.rank} submitted key {key!r} of {self.describe()} twice"
             )
-        submission.submitted_at = time.monotonic()
+        submission.submitted_at = self.clock()
         pending.submissions[submission.rank] = submission
         if len(pending.submissions) < self.local_world_size:
             return None

@@ -18,6 +18,7 @@ within one boot.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -25,6 +26,7 @@ import os
 import secrets
 import statistics
 import time
+from collections.abc import Iterable
 
 from gradsync.protocol.peer import Announce
 
@@ -104,3 +106,44 @@ def conflicts(announcements: dict[str, Announcement], world_size: int) -> str | 
                 return f"rank {rank} is held by both {owners[rank]} and {announcement.daemon}"
             owners[rank] = announcement.daemon
     return None
+
+
+def ranks_not_announced(
+    remote: dict[str, Announcement], members: Iterable[int], world_size: int
+) -> list[int]:
+    """Ranks of a job of `world_size` that neither this daemon's `members` nor
+    any peer's announcement in `remote` holds."""
+    held = set(members)
+    for announcement in remote.values():
+        held |= set(announcement.share.ranks)
+    return sorted(set(range(world_size)) - held)
+
+
+#: Withdrawals remembered, to drop an announcement they overtook.
+WITHDRAWALS_KEPT = 4096
+
+
+class Withdrawals:
+    """The newest incarnation each peer withdrew of each job, per boot of that
+    peer: an announcement no newer than it, from the same boot, was overtaken
+    by it (a withdrawal takes the data stream, an announcement ZeroMQ)."""
+
+    def __init__(self) -> None:
+        #: (job, peer) -> (boot, newest incarnation withdrawn), oldest first.
+        self._newest: collections.OrderedDict[tuple[str, str], tuple[int, int]] = (
+            collections.OrderedDict()
+        )
+
+    def remember(self, job: str, peer: str, boot: int, incarnation: int) -> None:
+        key = (job, peer)
+        previous = self._newest.pop(key, None)
+        if previous is not None and previous[0] == boot:
+            incarnation = max(incarnation, previous[1])
+        self._newest[key] = (boot, incarnation)
+        while len(self._newest) > WITHDRAWALS_KEPT:
+            self._newest.popitem(last=False)
+
+    def overtook(self, job: str, peer: str, boot: int, incarnation: int) -> bool:
+        """True if an announcement of this boot and incarnation is stale."""
+        withdrawn = self._newest.get((job, peer))
+        return withdrawn is not None and withdrawn[0] == boot and withdrawn[1] >= incarnation

@@ -266,7 +266,7 @@ async def _watch_for_stalls(service: GradsyncService) -> None:
     interval = min(1.0, service.config.stall_warn_s / 4)
     while True:
         await asyncio.sleep(interval)
-        service.runs.report_stalls(service.fast)
+        service.report_stalls()
 
 
 async def _keep_systemd_informed(notifier: Notifier, service: GradsyncService) -> None:

@@ -15,13 +15,13 @@ import functools
 import logging
 import math
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.core.plans import (
     ALLREDUCE,
@@ -31,6 +31,7 @@ from gradsync.daemon.core.plans import (
     Collective,
     chunk_count,
 )
+from gradsync.daemon.io.loop_clock import LoopClock
 from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.local import LocalRuns
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
@@ -47,7 +48,6 @@ from gradsync.protocol.errors import (
     JobError,
     ProtocolError,
     ShmExhaustedError,
-    as_collective_error,
 )
 from gradsync.protocol.peer import ALGORITHM_CHOICES, Fingerprint
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
@@ -59,10 +59,6 @@ log = logging.getLogger("gradsync.daemon")
 
 MAX_LOCAL_RANKS = 1024
 MAX_WORLD_SIZE = 1 << 20
-#: How long past a fast-path key's deadline the daemon waits for the ranks that
-#: published it there to follow it to the socket, so that all get one error.
-_FAST_FOLLOW_S = 2.0
-_FAST_FOLLOW_POLL_S = 0.002
 
 
 class GradsyncService:
@@ -92,6 +88,10 @@ class GradsyncService:
         #: The single-node jobs' shared-memory fast path.
         self.fast = FastPages(self.buffers, config.fast_path_bytes, loop)
         state.fast_counters = self.fast.counters
+        #: Time as the core sees it: the event loop's clock and timers.
+        self.clock = LoopClock(loop)
+        #: Every waiting key's deadline (the core decides; the loop only calls back).
+        self.deadlines = Deadlines(self.jobs, self.clock, self.fast.fast_ranks, self.runs.fail)
 
     def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         """Serve multi-node jobs too: membership through `cluster`, the
@@ -120,15 +120,11 @@ class GradsyncService:
             self.fast.break_job(job.name)
         for pending in failed:
             self.runs.fail(pending, job.broken or JobError(f"{job.describe()} broke"))
-        if not was_broken and session.closed_cleanly and not failed:
-            # A rank that said bye with nothing in flight: the job's normal end,
-            # which the withdrawal tells the peers, so that they do not warn.
-            job.across.ended_cleanly = True
-        if job.multi_node and self.cluster is not None and job.broken is not None:
-            error = job.broken
-            for key in list(job.across.runs):
-                self.cluster.abort(job, key, as_collective_error(error))
-            self.cluster.withdraw(job, error)
+        if self.cluster is not None and job.multi_node:
+            if not was_broken and session.closed_cleanly and not failed:
+                self.cluster.ended_cleanly(job)
+            if job.broken is not None:
+                self.cluster.broke_here(job, job.broken)
         level = logging.INFO if session.closed_cleanly else logging.WARNING
         log.log(level, "rank %d (pid %s) of %s %s", session.rank, session.pid,
                 job.describe(), reason)
@@ -219,7 +215,7 @@ class GradsyncService:
         job = self.jobs.get(job_name)
         forming = job is None
         if job is None:
-            job = Job(job_name, world, local_world, self.loop)
+            job = Job(job_name, world, local_world, self.loop, self.clock.now)
         job.check_compatible(world, local_world)
         job.add_member(Member(rank, local_rank, message["pid"], session.session_id))
         self.jobs[job_name] = job
@@ -402,30 +398,13 @@ class GradsyncService:
         """Match a submission; the collective once all local ranks are in and agree.
 
         `waited_s`: how long the submitter already waited for this key on the
-        fast path; its deadline counts from then, as if it had come here first.
+        fast path (its deadline counts from then, see core/deadlines.py).
         """
         ready = job.submit(key, submission)
         if ready is None:
-            pending = job.pending[key]
-            if pending.timer is None and waited_s > 0:
-                pending.first_seen -= waited_s
-            # The earliest deadline any submitter asked for wins; the first one's
-            # counts from its submission (on the fast path, if it began there).
-            remaining_s = max(0.0, submission.timeout_s - waited_s)
-            deadline_s = (
-                time.monotonic() - pending.first_seen + remaining_s if pending.timer
-                else submission.timeout_s  # exactly its timeout_s, which errors quote
-            )
-            if pending.timer is None or deadline_s < pending.deadline_s:
-                if pending.timer is not None:
-                    pending.timer.cancel()
-                pending.deadline_s = deadline_s
-                pending.timer = self.loop.call_later(
-                    remaining_s, self._expire, job.name, key
-                )
+            self.deadlines.waiting(job, job.pending[key], submission, waited_s)
             return None
-        if ready.timer is not None:
-            ready.timer.cancel()
+        self.deadlines.settled(ready)
         mismatch = job.mismatch(ready)
         if mismatch is not None:
             log.warning("%s", mismatch.message)
@@ -466,24 +445,14 @@ class GradsyncService:
             )
         return slab.view(offset, count, dtype), slab
 
-    def _expire(self, job_name: str, key: Any) -> None:
-        job = self.jobs.get(job_name)
-        pending = job.pending.get(key) if job else None
-        if pending is not None and pending.timer is not None:
-            # Ranks that published the key on the fast path follow a withdrawal to the
-            # socket within milliseconds: wait for them, so that all get one error.
-            coming = self.fast.fast_ranks(job_name, key) - set(pending.submissions)
-            overdue = time.monotonic() - pending.first_seen - pending.deadline_s
-            if coming and overdue < _FAST_FOLLOW_S:
-                pending.timer = self.loop.call_later(
-                    _FAST_FOLLOW_POLL_S, self._expire, job_name, key
-                )
-                return
-        expired = job.expire(key) if job else None
-        if expired is not None:
-            pending, error = expired
-            log.warning("%s", error.message)
-            self.runs.fail(pending, error)
+    def report_stalls(self) -> None:
+        """Log, once per collective, one waiting longer than `stall_warn_s` and for whom
+        (on the jobs' fast pages, on the socket path, and between daemons)."""
+        limit = self.config.stall_warn_s
+        for job in list(self.jobs.values()):
+            self.fast.report_stalls(job.name, limit, job.describe(),
+                                    job.local_world_size - len(job.members))
+        self.deadlines.report_stalls(limit, self.runs.in_flight.values())
 
     def shut_down(self) -> None:
         """Fail everything in flight, unlink every segment."""

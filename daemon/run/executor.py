@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from gradsync.daemon.backends.reduce import combine_into
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
 from gradsync.protocol.peer import Fingerprint
@@ -433,7 +434,7 @@ def _released(peer: int, sending: Any) -> bool:
     return tracker is None or bool(tracker.done)
 
 
-class Placement:
+class Placement(PlacedPayload):
     """Where one placed slice of the current step goes as it arrives (a `PayloadSink`).
 
     Once `cancel`led (the run ended), the rest of the payload is read and
@@ -467,17 +468,8 @@ class Placement:
     def advance(self, count: int) -> None:
         raise NotImplementedError
 
-    def absorb(self, data: memoryview) -> int:
-        """None taken: the bytes go through `window` (see `PayloadSink.absorb`)."""
-        return 0
-
     def _drop_target(self) -> None:
         raise NotImplementedError
-
-
-def is_placed(payload: Any) -> bool:
-    """True for a payload that was received in place (see `ScheduleRun.place`)."""
-    return isinstance(payload, Placement)
 
 
 class _CopyPlacement(Placement):

@@ -23,9 +23,9 @@ import numpy as np
 from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.backends.reduce import split_ranges
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, PendingCollective
 from gradsync.daemon.core.plans import ALLREDUCE, Collective, run_local
-from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
@@ -279,40 +279,8 @@ class LocalRuns:
         self.fail(ready, GradsyncError(f"reduction failed in the daemon: {exc}"))
 
     def fail(self, pending: PendingCollective, error: GradsyncError) -> None:
-        if pending.timer is not None:
-            pending.timer.cancel()
+        Deadlines.settled(pending)
         self.state.requests.failed += 1
         self.stats.collective_failed(pending.job_name or None, error.code)
         for submission in pending.submissions.values():
             submission.respond(error)
-
-    def report_stalls(self, fast: FastPages | None = None) -> None:
-        """Log, once per collective, one waiting longer than `stall_warn_s` and for whom
-        (on the socket path, between daemons, and on the jobs' fast pages)."""
-        now = time.monotonic()
-        limit = self.config.stall_warn_s
-        for job in list(self.state.jobs.values()):
-            if fast is not None:
-                fast.report_stalls(job.name, limit, job.describe(),
-                                   job.local_world_size - len(job.members))
-            for pending in job.pending.values():
-                if not pending.stall_reported and now - pending.first_seen > limit:
-                    pending.stall_reported = True
-                    missing = sorted(set(job.members) - set(pending.submissions))
-                    absent = job.local_world_size - len(job.members)
-                    log.warning(
-                        "key %r of %s has waited %.0fs for ranks %s%s", pending.key,
-                        job.describe(), now - pending.first_seen, missing,
-                        f" ({absent} local ranks not connected)" if absent else "",
-                    )
-            for key, run in list(job.across.runs.items()):
-                ready = next((p for p in self.in_flight.values() if p.key == key
-                              and p.job_name == job.name), None)
-                if (ready is not None and not ready.stall_reported
-                        and now - ready.first_seen > limit and job.across.formation is not None):
-                    ready.stall_reported = True
-                    log.warning(
-                        "key %r of %s has waited %.0fs at step %d/%d of %s for peer daemons %s",
-                        key, job.describe(), now - ready.first_seen, run.step + 1, run.steps,
-                        run.algorithm, [job.across.formation.daemons[i] for i in run.waiting_for()],
-                    )

@@ -18,22 +18,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gradsync.daemon.algorithms.calibration import CostMeter, Costs
-from gradsync.daemon.core.cluster import (
-    MAX_TIMES_OFFERED,
-    ClusterJobs,
-    PeerTransport,
-    fail_if_waiting_on_gone,
-    payload_bytes,
-    ranks_not_announced,
-)
-from gradsync.daemon.core.cost_epochs import Offer, epoch_of, epoch_to_offer, explores
-from gradsync.daemon.core.membership import Formation
+from gradsync.daemon.algorithms.calibration import CostMeter
+from gradsync.daemon.core.auto import epoch_of, epoch_to_offer, wants_auto
+from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.interfaces import PeerTransport
+from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
 from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
-from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, PeerLostError
 from gradsync.protocol.peer import Slice
@@ -83,7 +76,7 @@ class CrossDaemonRunner:
         """
         op = collective.op or ReduceOp.SUM
         chosen = collective.kind in CHOSEN_ALGORITHM
-        agreed_costs = chosen and self.cluster.wants_auto(collective.algorithm)
+        auto = chosen and wants_auto(collective.algorithm, self.config.algorithm)
         fingerprint = ready.submissions[min(ready.submissions)].fingerprint
         deadline = ready.first_seen + ready.deadline_s
         formation = job.across.formation
@@ -93,7 +86,8 @@ class CrossDaemonRunner:
                     asyncio.shield(job.across.formed), max(0.0, deadline - time.monotonic())
                 )
             except TimeoutError:
-                missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job)
+                missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job.members,
+                                              job.world_size)
                 raise CollectiveTimeoutError(
                     f"key {ready.key!r} of {job.describe()} timed out after "
                     f"{ready.deadline_s:g}s: the job never formed; ranks {missing} did not "
@@ -102,18 +96,14 @@ class CrossDaemonRunner:
                 ) from None
         me = formation.index_of(self.transport.endpoint)
         self._offer_costs(job, formation, epoch_to_offer(ready.key))
-        if agreed_costs:
+        if auto:
             formation = await self._with_agreed_costs(job, formation, ready, deadline)
         algorithm = None
         if chosen:
-            epoch = epoch_of(ready.key)
-            # This epoch's agreement was awaited above where auto needs one.
-            agreement = job.across.costs.agreed(formation.generation, epoch, formation.daemons) if (
-                epoch > 0 and agreed_costs) else None
-            nbytes = collective.chunk * collective.dtype.itemsize
-            algorithm = self.cluster.choose_algorithm(
-                collective.algorithm, formation, nbytes, job.name, epoch, agreement,
-                explores(ready.key))
+            algorithm = job.across.auto.choose(
+                collective.algorithm, self.config.algorithm, formation,
+                collective.chunk * collective.dtype.itemsize, ready.key, self.stats,
+                job.name).algorithm
         plan = make_plan(collective, formation, me, ins, outs, job.world_size, algorithm)
         algorithm = plan.algorithm
         fp = dataclasses.replace(fingerprint, algorithm=algorithm)
@@ -139,16 +129,14 @@ class CrossDaemonRunner:
             ] if plan.agree_first else [],
             chunks=self.chunks,
         )
-        job.across.runs[ready.key] = run
+        self.cluster.run_started(job, ready.key, run)
         data_phase = time.monotonic()
         try:
             await self._with_job_context(job, ready.key, run, self._drive(
                 job, ready, run, formation, algorithm, deadline))
         finally:
-            job.across.runs.pop(ready.key, None)
+            self.cluster.run_ended(job, ready.key)
             run.release()
-            if job.across.withdrawal is not None and not job.across.runs:
-                self.cluster.withdraw(job, job.across.withdrawal)
         if plan.timed is not None and len(formation.daemons) > 1:
             self.meter.record(len(formation.daemons), plan.timed,
                               time.monotonic() - data_phase, plan.modelled)
@@ -165,25 +153,14 @@ class CrossDaemonRunner:
 
     def _offer_costs(self, job: Job, formation: Formation, epoch: int) -> None:
         """Send this daemon's figures for `epoch` to every member, once."""
-        daemons = formation.daemons
-        epochs = job.across.costs
-        if epoch < 1 or len(daemons) < 2 or not epochs.first_offer(formation.generation, epoch):
+        costs = job.across.auto.offer(job.name, formation, epoch, self.transport.endpoint,
+                                      self.meter, self.config.auto_explore_factor)
+        if costs is None:
             return
-        # What the members agreed last is the best guess for what these timings
-        # cannot tell (see CostMeter.fit), better than the start-up probes.
-        prior = epochs.latest or Costs(formation.alpha_s, formation.beta_s_per_byte)
-        own = self.meter.fit(len(daemons), prior) or prior
-        times = dict(list(self.meter.timings(len(daemons)).items())[-MAX_TIMES_OFFERED:])
-        factor = self.config.auto_explore_factor
-        epochs.add(formation.generation, epoch, self.transport.endpoint, Offer(own, times, factor))
-        epochs.notify(formation.generation, epoch, daemons)
-        log.debug("%s epoch %d: offering alpha %.0f us, beta %.3f ns/byte", job.describe(),
-                  epoch, own.alpha_s * 1e6, own.beta_s_per_byte * 1e9)
-        costs = peer_wire.Costs(job.name, formation.generation, epoch, own.alpha_s,
-                                own.beta_s_per_byte, times, factor).to_wire()
-        for peer in daemons:
+        message = costs.to_wire()
+        for peer in formation.daemons:
             if peer != self.transport.endpoint:
-                self.transport.post(peer, costs)
+                self.transport.post(peer, message)
 
     async def _with_agreed_costs(
         self, job: Job, formation: Formation, ready: PendingCollective, deadline: float,
@@ -192,33 +169,30 @@ class CrossDaemonRunner:
         epoch = epoch_of(ready.key)
         if epoch < 1 or len(formation.daemons) < 2:
             return formation
+        policy = job.across.auto
         generation, daemons = formation.generation, formation.daemons
-        agreement = job.across.costs.agreed(generation, epoch, daemons)
+        agreement = policy.agreement(formation, ready.key)
         if agreement is None:
             self._offer_costs(job, formation, epoch)
-            agreement = job.across.costs.agreed(generation, epoch, daemons)
+            agreement = policy.agreement(formation, ready.key)
         if agreement is None:
             if job.broken is not None:
                 raise job.broken
             try:
                 agreement = await asyncio.wait_for(
-                    asyncio.shield(job.across.costs.waiter(generation, epoch)),
+                    asyncio.shield(policy.epochs.waiter(generation, epoch)),
                     max(0.0, deadline - time.monotonic()),
                 )
             except TimeoutError:
-                job.across.costs.forget_waiter(generation, epoch)
-                missing = job.across.costs.missing(generation, epoch, daemons)
+                policy.epochs.forget_waiter(generation, epoch)
+                missing = policy.epochs.missing(generation, epoch, daemons)
                 raise CollectiveTimeoutError(
                     f"key {ready.key!r} of {job.describe()} timed out after "
                     f"{ready.deadline_s:g}s waiting for the link costs of epoch {epoch} "
                     f"(auto) from peer daemons {missing}",
                     {"job": job.name, "key": ready.key, "waiting_for": missing},
                 ) from None
-        if agreement.priced is None:
-            agreement.priced = dataclasses.replace(
-                formation, alpha_s=agreement.costs.alpha_s,
-                beta_s_per_byte=agreement.costs.beta_s_per_byte)
-        return agreement.priced
+        return policy.priced(formation, agreement)
 
     @staticmethod
     async def _with_job_context(
@@ -243,12 +217,7 @@ class CrossDaemonRunner:
     ) -> None:
         """Start the schedule, feed it what came early, wait until done and sent."""
         run.start()
-        early = job.across.early_by_key.pop(ready.key, [])
-        job.across.early_bytes -= payload_bytes(early)
-        for peer, message, frames in early:
-            self.cluster.replay(job, peer, message, frames)
-        if job.broken is not None:  # it broke while this run's task was queued
-            fail_if_waiting_on_gone(job, run, job.broken)
+        self.cluster.feed_early(job, ready.key, run)
         try:
             await asyncio.wait_for(
                 asyncio.shield(run.done), max(0.0, deadline - time.monotonic())
