@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -23,6 +24,7 @@ from gradsync.client.cuda import DeviceArrayInfo, DeviceBuffers, parse_device
 from gradsync.client.environment import resolve_identity
 from gradsync.client.fast_path import FastPath
 from gradsync.client.work import Work
+from gradsync.protocol import requests as wire
 from gradsync.protocol.codec import is_integer
 from gradsync.protocol.dtypes import ReduceOp, dtype_name, parse_reduce_op
 from gradsync.protocol.errors import (
@@ -34,6 +36,7 @@ from gradsync.protocol.errors import (
 )
 from gradsync.protocol.fastpath import fingerprint
 from gradsync.protocol.peer import ALGORITHM_CHOICES
+from gradsync.protocol.requests import ALLREDUCE
 
 
 @dataclasses.dataclass
@@ -340,19 +343,13 @@ class Client:
                 raise DaemonShuttingDownError("daemon shutting down")
             # It could not end on the fast page: the socket path answers for this key.
         placed = self._place(array, copy_in=True, copy_out=True, device=device)
-        fields: dict[str, Any] = {
-            "segment": placed.segment,
-            "offset": placed.offset,
-            "count": count,
-            "dtype": wire_dtype,
-            "op": reduce_op.value,
-            "timeout_s": self.timeout_s,
-            "algorithm": algorithm,
-        }
-        if waited_s is not None:
-            fields["waited_s"] = waited_s
+        request = functools.partial(
+            wire.Collective, ALLREDUCE, segment=placed.segment, offset=placed.offset,
+            count=count, dtype=wire_dtype, op=reduce_op, timeout_s=self.timeout_s,
+            algorithm=algorithm, waited_s=waited_s or 0.0,
+        )
         return self._issue(
-            "allreduce", fields, [placed], async_op,
+            request, [placed], async_op,
             f"all_reduce ({wire_dtype}[{count}] {reduce_op.value})", key,
         )
 
@@ -440,20 +437,14 @@ class Client:
                                 device=checked[id(input)].device if input is not None else None)
         placed_out = self._place(output, copy_in=False, copy_out=True,
                                  device=checked[id(output)].device if output is not None else None)
-        fields: dict[str, Any] = {
-            "collective": kind,
-            "segment": placed_in.segment,
-            "offset": placed_in.offset,
-            "count": 0 if input is None else checked[id(input)].elements,
-            "out_segment": placed_out.segment,
-            "out_offset": placed_out.offset,
-            "out_count": None if output is None else checked[id(output)].elements,
-            "dtype": names[0],
-            "op": reduce_op.value if reduce_op else None,
-            "root": root,
-            "timeout_s": self.timeout_s,
-        }
-        return self._issue("collective", fields, [placed_in, placed_out], async_op, kind)
+        request = functools.partial(
+            wire.Collective, kind, segment=placed_in.segment, offset=placed_in.offset,
+            count=0 if input is None else checked[id(input)].elements,
+            out_segment=placed_out.segment, out_offset=placed_out.offset,
+            out_count=None if output is None else checked[id(output)].elements,
+            dtype=names[0], op=reduce_op, root=root, timeout_s=self.timeout_s,
+        )
+        return self._issue(request, [placed_in, placed_out], async_op, kind)
 
     def _place(
         self, array: Any, copy_in: bool, copy_out: bool, device: DeviceArrayInfo | None = None
@@ -486,10 +477,11 @@ class Client:
         )
 
     def _issue(
-        self, kind: str, fields: dict[str, Any], placed: list[Placed], async_op: bool,
+        self, request: Callable[..., wire.Collective], placed: list[Placed], async_op: bool,
         what: str, key: int | None = None,
     ) -> Work | None:
-        """Send one collective with `key` (default: the next one); wait unless `async_op`."""
+        """Send one collective, `request(key=...)`, with `key` (default: the next
+        one); wait unless `async_op`."""
         successes = [p.on_success for p in placed if p.on_success is not None]
         finishes = [p.on_finish for p in placed if p.on_finish is not None]
 
@@ -506,7 +498,7 @@ class Client:
                 key = self._sequence
                 self._sequence += 1
             try:
-                request_id = self._connection.send(kind, key=key, **fields)
+                request_id = self._connection.send_message(request(key=key).to_wire)
             except GradsyncError:
                 on_finish()
                 raise

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from gradsync.protocol import messages
@@ -89,9 +90,15 @@ class Connection:
 
     def send(self, kind: str, expect_reply: bool = True, **fields: Any) -> int:
         """Send one request; returns its id to wait on."""
+        return self.send_message(
+            lambda request_id: messages.request(kind, request_id, **fields), expect_reply)
+
+    def send_message(self, build: Callable[[int], Message], expect_reply: bool = True) -> int:
+        """Send the request `build(id)` makes for its id (a typed request's
+        `to_wire`); returns the id to wait on."""
         with self._send_lock:
             request_id = next(self._ids)
-            frame = encode_frame(messages.request(kind, request_id, **fields))
+            frame = encode_frame(build(request_id))
             with self._cond:
                 if self._dead is not None:
                     raise self._dead

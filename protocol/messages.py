@@ -1,10 +1,11 @@
-"""Message kinds, their schema, and validation of decoded headers.
+"""The client wire's envelope: decoding and checking requests and replies.
 
 Every message is a map with `v` (protocol version), `id` (request number,
-echoed by the reply) and `kind`, plus the fields its kind declares.  Unknown
-kinds, missing or extra fields and wrong types are refused with a
-`ProtocolError` that names the field, so one bad client cannot confuse the
-daemon.
+echoed by the reply) and `kind`, plus the fields its kind declares (each
+request's schema is its class's in requests.py).  Unknown kinds, missing or
+extra fields and wrong types are refused with a `ProtocolError` that names the
+field, so one bad client cannot confuse the daemon; `requests.parse_request`
+then checks the values.
 """
 
 from __future__ import annotations
@@ -14,63 +15,12 @@ from typing import Any
 
 from gradsync.protocol.codec import Message, decode_body
 from gradsync.protocol.errors import ProtocolError, VersionMismatchError
+from gradsync.protocol.requests import REQUEST_SCHEMAS
+from gradsync.protocol.requests import clip as clip  # echoing user input, for both ends
 from gradsync.protocol.version import PROTOCOL_VERSION
 
-_NONE = type(None)
-_KEY_TYPES: tuple[type, ...] = (int, str)
-
-#: kind → field → (accepted types, required).  `bool` is never an int here.
-REQUESTS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "hello": {
-        "job": ((str,), True),
-        "rank": ((int,), True),
-        "world_size": ((int,), True),
-        "local_rank": ((int,), True),
-        "local_world_size": ((int,), True),
-        "pid": ((int,), True),
-    },
-    "ping": {},
-    "bye": {},
-    "alloc": {
-        "nbytes": ((int,), True),
-        # A CUDA device ordinal for device memory (None: host shared memory), and
-        # the client's interprocess event handle for the slab.
-        "device": ((int, _NONE), False),
-        "event": ((bytes, _NONE), False),
-    },
-    "free": {"segment": ((int,), True)},
-    # Map memory the client already shares (a descriptor of its own, by number): a
-    # torch storage moved to shared memory becomes a segment, so it needs no staging.
-    "attach": {"fd": ((int,), True), "nbytes": ((int,), True)},
-    "group_info": {},
-    "collective": {
-        "collective": ((str,), True),
-        "key": (_KEY_TYPES, True),
-        "segment": ((int, _NONE), True),
-        "offset": ((int,), True),
-        "count": ((int,), True),
-        "out_segment": ((int, _NONE), False),
-        "out_offset": ((int,), False),
-        "out_count": ((int, _NONE), False),
-        "dtype": ((str,), True),
-        "op": ((str, _NONE), False),
-        "root": ((int, _NONE), False),
-        "timeout_s": ((float, int, _NONE), False),
-    },
-    "allreduce": {
-        "key": (_KEY_TYPES, True),
-        "segment": ((int, _NONE), True),
-        "offset": ((int,), True),
-        "count": ((int,), True),
-        "dtype": ((str,), True),
-        "op": ((str,), True),
-        "timeout_s": ((float, int, _NONE), False),
-        "algorithm": ((str, _NONE), False),
-        # Seconds this rank already waited for the key on the shared-memory fast
-        # path (protocol/fastpath.py) before it came here: its deadline counts from then.
-        "waited_s": ((float, int, _NONE), False),
-    },
-}
+#: kind → field → (accepted types, required), from the typed requests (requests.py).
+REQUESTS = REQUEST_SCHEMAS
 
 REPLIES: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "ok": {},
@@ -90,10 +40,7 @@ MAX_KEY_CHARS = 256
 MAX_ERROR_CHARS = 4096
 
 
-def clip(value: Any, limit: int = 80) -> str:
-    """`repr(value)` cut to `limit` characters: echoing user input must stay small."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+_NONE = type(None)
 
 
 def _type_ok(value: Any, types: tuple[type, ...]) -> bool:

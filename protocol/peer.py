@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeGuard
 
+from gradsync.protocol import algorithm_names
 from gradsync.protocol.codec import is_integer, is_number
 from gradsync.protocol.errors import ProtocolError
 from gradsync.protocol.messages import check_version
@@ -28,10 +29,9 @@ PEER_PROTOCOL_VERSION = 3
 #: their wire names; a stream's hello gives its cipher's index here.
 STREAM_CIPHERS: tuple[str, ...] = ("aes-256-gcm", "chacha20-poly1305")
 
-#: The allreduce algorithms between daemons, named once for both wires.
-ALGORITHM_NAMES: tuple[str, ...] = ("ring", "tree", "rhd", "star")
-#: What a client or a daemon's configuration may ask for.
-ALGORITHM_CHOICES: tuple[str, ...] = ("auto", *ALGORITHM_NAMES)
+#: The allreduce algorithms between daemons (and what a client may ask for).
+ALGORITHM_NAMES = algorithm_names.ALGORITHM_NAMES
+ALGORITHM_CHOICES = algorithm_names.ALGORITHM_CHOICES
 
 #: Link-layer kinds (latency and bandwidth probes), answered by the links themselves.
 PING = "link.ping"

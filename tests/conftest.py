@@ -181,6 +181,7 @@ FAST_MODULES = (
     "test_fast_page_compiled.py",
     "test_keygen.py",
     "test_peer_protocol.py",
+    "test_protocol_requests.py",
     "test_protocol_units.py",
     "test_schedules.py",
     "test_socket_io.py",

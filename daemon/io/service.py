@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +22,8 @@ from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
-from gradsync.daemon.core.plans import (
-    ALLREDUCE,
-    KINDS,
-    REDUCING,
-    ROOTED,
-    Collective,
-    chunk_count,
-)
+from gradsync.daemon.core.plans import Collective as CoreCollective
+from gradsync.daemon.core.plans import chunk_count
 from gradsync.daemon.io.loop_clock import LoopClock
 from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.local import LocalRuns
@@ -40,7 +33,7 @@ from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
-from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
+from gradsync.protocol.dtypes import DTYPES
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
     GradsyncError,
@@ -49,7 +42,18 @@ from gradsync.protocol.errors import (
     ProtocolError,
     ShmExhaustedError,
 )
-from gradsync.protocol.peer import ALGORITHM_CHOICES, Fingerprint
+from gradsync.protocol.peer import Fingerprint
+from gradsync.protocol.requests import (
+    ALLREDUCE,
+    ROOTED,
+    Alloc,
+    Attach,
+    Collective,
+    Free,
+    GroupInfo,
+    Hello,
+    parse_request,
+)
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:
@@ -57,8 +61,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradsync.daemon")
 
-MAX_LOCAL_RANKS = 1024
-MAX_WORLD_SIZE = 1 << 20
 
 
 class GradsyncService:
@@ -148,19 +150,25 @@ class GradsyncService:
                 session.closed_cleanly = True
                 session.outstanding.discard(request_id)
             elif kind == "hello":
-                self._hello(session, message)
+                self._hello(session, Hello.from_wire(message), request_id)
             elif session.job_name is None:
                 raise ProtocolError(f"{kind!r} before 'hello': introduce the client first")
-            elif kind == "alloc":
-                self._alloc(session, message)
-            elif kind == "free":
-                self._free(session, message)
-            elif kind == "attach":
-                self._attach(session, message)
-            elif kind == "group_info":
-                self._group_info(session, message)
-            elif kind in ("allreduce", "collective"):
-                self._collective(session, message)
+            else:
+                if kind in (ALLREDUCE, Collective.kind):
+                    # Ranks waiting for this key on the fast page follow it to the
+                    # socket, whatever becomes of this request.
+                    self.fast.note_socket(session.job_name, session.rank or 0, message["key"])
+                request = parse_request(message)
+                if isinstance(request, Collective):
+                    self._collective(session, request, request_id)
+                elif isinstance(request, Alloc):
+                    self._alloc(session, request, request_id)
+                elif isinstance(request, Free):
+                    self._free(session, request, request_id)
+                elif isinstance(request, Attach):
+                    self._attach(session, request, request_id)
+                elif isinstance(request, GroupInfo):
+                    self._group_info(session, request_id)
         except GradsyncError as exc:
             session.reply_error(request_id, exc)
         except Exception as exc:  # a bug: say so to the client and the log, keep serving
@@ -185,28 +193,11 @@ class GradsyncService:
             "peers": len(self.cluster.transport.peers) if self.cluster is not None else 0,
         }
 
-    def _hello(self, session: ClientSession, message: Message) -> None:
+    def _hello(self, session: ClientSession, hello: Hello, request_id: int) -> None:
         if session.job_name is not None:
             raise ProtocolError("second 'hello' on one connection")
-        job_name, rank = message["job"], message["rank"]
-        world, local_world = message["world_size"], message["local_world_size"]
-        local_rank = message["local_rank"]
-        if not job_name or len(job_name) > 128:
-            raise InvalidArgumentError("job name must have 1 to 128 characters")
-        if local_world > MAX_LOCAL_RANKS or world > MAX_WORLD_SIZE:
-            raise InvalidArgumentError(
-                f"at most {MAX_LOCAL_RANKS} ranks per daemon and {MAX_WORLD_SIZE} in a job, "
-                f"got local_world_size={local_world}, world_size={world}"
-            )
-        if not (0 < local_world <= world):
-            raise InvalidArgumentError(
-                f"need 0 < local_world_size <= world_size, got {local_world} and {world}"
-            )
-        if not (0 <= rank < world) or not (0 <= local_rank < local_world):
-            raise InvalidArgumentError(
-                f"rank {rank} / local_rank {local_rank} out of range for "
-                f"world_size {world} / local_world_size {local_world}"
-            )
+        job_name, rank = hello.job, hello.rank
+        world, local_world = hello.world_size, hello.local_world_size
         if world != local_world and self.cluster is None:
             raise JobError(
                 f"world_size {world} > local_world_size {local_world} needs peer daemons; "
@@ -217,15 +208,15 @@ class GradsyncService:
         if job is None:
             job = Job(job_name, world, local_world, self.loop, self.clock.now)
         job.check_compatible(world, local_world)
-        job.add_member(Member(rank, local_rank, message["pid"], session.session_id))
+        job.add_member(Member(rank, hello.local_rank, hello.pid, session.session_id))
         self.jobs[job_name] = job
         if forming and not job.multi_node:
             self._create_fast_page(job)
-        session.job_name, session.rank, session.pid = job_name, rank, message["pid"]
+        session.job_name, session.rank, session.pid = job_name, rank, hello.pid
         fast_page = self.fast.describe(job_name)
         extra = {} if fast_page is None else {"fast_page": fast_page}
-        session.reply(messages.ok_reply(message["id"], **self._identity(), **extra))
-        log.debug("rank %d (pid %d) joined %s", rank, message["pid"], job.describe())
+        session.reply(messages.ok_reply(request_id, **self._identity(), **extra))
+        log.debug("rank %d (pid %d) joined %s", rank, hello.pid, job.describe())
         if job.multi_node and len(job.members) == job.local_world_size and self.cluster:
             self.cluster.local_complete(job)
 
@@ -236,10 +227,8 @@ class GradsyncService:
         except (ShmExhaustedError, OSError) as exc:
             log.warning("%s runs without the shared-memory fast path: %s", job.describe(), exc)
 
-    def _alloc(self, session: ClientSession, message: Message) -> None:
-        nbytes = message["nbytes"]
-        if nbytes <= 0:
-            raise InvalidArgumentError(f"alloc needs a positive size, got {nbytes}")
+    def _alloc(self, session: ClientSession, alloc: Alloc, request_id: int) -> None:
+        nbytes = alloc.nbytes
         if nbytes > self.config.max_shm_bytes:
             raise ShmExhaustedError(
                 f"allocating {nbytes} bytes for rank {session.rank} of job "
@@ -248,23 +237,24 @@ class GradsyncService:
                 {"requested": nbytes, "limit": self.config.max_shm_bytes},
             )
         slab = self.buffers.allocate(
-            nbytes, f"rank {session.rank} of job {session.job_name!r}", message
+            nbytes, f"rank {session.rank} of job {session.job_name!r}",
+            {"device": alloc.device, "event": alloc.event},
         )
         session.segments.add(slab.segment_id)
         session.reply(
             messages.ok_reply(
-                message["id"], segment=slab.segment_id, nbytes=slab.nbytes,
+                request_id, segment=slab.segment_id, nbytes=slab.nbytes,
                 **slab.backend.export(slab),
             )
         )
 
-    def _attach(self, session: ClientSession, message: Message) -> None:
+    def _attach(self, session: ClientSession, attach: Attach, request_id: int) -> None:
         """Map memory the client shares by a descriptor of its own: zero-copy from then on.
 
         Only for a client of the daemon's own user, checked by the kernel's
         credentials (SO_PEERCRED); others get an error and keep staging.
         """
-        fd, nbytes = message["fd"], message["nbytes"]
+        fd, nbytes = attach.fd, attach.nbytes
         who = f"rank {session.rank} of job {session.job_name!r}"
         if session.peer_pid is None or session.peer_uid != os.getuid():
             raise InvalidArgumentError(
@@ -280,18 +270,18 @@ class GradsyncService:
                 f"attach from {who}: cannot map its descriptor {fd} ({nbytes} bytes): {exc}"
             ) from None
         session.segments.add(slab.segment_id)
-        session.reply(messages.ok_reply(message["id"], segment=slab.segment_id))
+        session.reply(messages.ok_reply(request_id, segment=slab.segment_id))
 
-    def _group_info(self, session: ClientSession, message: Message) -> None:
+    def _group_info(self, session: ClientSession, request_id: int) -> None:
         """Which ranks of the caller's job are connected here (to size a sub-group)."""
         job = self.jobs[session.job_name or ""]
         session.reply(messages.ok_reply(
-            message["id"], members=sorted(job.members),
+            request_id, members=sorted(job.members),
             complete=len(job.members) == job.local_world_size,
         ))
 
-    def _free(self, session: ClientSession, message: Message) -> None:
-        segment_id = message["segment"]
+    def _free(self, session: ClientSession, free: Free, request_id: int) -> None:
+        segment_id = free.segment
         owner = next(
             (
                 other for other in [session, *self.sessions.values()]
@@ -305,92 +295,41 @@ class GradsyncService:
             raise InvalidArgumentError(f"segment {segment_id} does not belong to this client")
         owner.segments.discard(segment_id)
         self.buffers.release(segment_id)
-        session.reply(messages.ok_reply(message["id"]))
+        session.reply(messages.ok_reply(request_id))
 
     # -- collectives ----------------------------------------------------------
 
-    @staticmethod
-    def _dtype(message: Message) -> np.dtype:
-        dtype = DTYPES.get(message["dtype"])
-        if dtype is None:
-            raise InvalidArgumentError(
-                f"unsupported dtype {messages.clip(message['dtype'])}; "
-                f"supported: {', '.join(DTYPES)}"
-            )
-        return dtype
-
-    @staticmethod
-    def _op(name: str, dtype_name: str) -> ReduceOp:
-        try:
-            op = parse_reduce_op(name)
-            check_op_for_dtype(op, dtype_name)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        return op
-
-    def _timeout(self, message: Message) -> float:
-        timeout_s = message.get("timeout_s") or self.config.collective_timeout_s
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
-            raise InvalidArgumentError(f"timeout_s must be positive and finite, got {timeout_s}")
-        return float(timeout_s)
-
-    def _collective(self, session: ClientSession, message: Message) -> None:
-        """Every collective: an `allreduce` request, or a `collective` one naming
-        broadcast, reduce, all_gather, reduce_scatter, gather, scatter, all_to_all."""
+    def _collective(self, session: ClientSession, request: Collective, request_id: int) -> None:
+        """Every collective, its values checked by `Collective.from_wire`; here what
+        needs the job: the root's range and the buffers' sizes and segments."""
         job = self.jobs[session.job_name or ""]
-        self.fast.note_socket(job.name, session.rank or 0, message["key"])
-        if message["kind"] == ALLREDUCE:
-            kind = ALLREDUCE
-        else:
-            kind = message["collective"]
-            if kind not in KINDS:
-                raise InvalidArgumentError(
-                    f"unknown collective {messages.clip(kind)}; expected one of "
-                    f"{', '.join(KINDS)}"
-                )
-        dtype_name = message["dtype"]
-        dtype = self._dtype(message)
-        op = self._op(message.get("op") or "", dtype_name) if kind in REDUCING else None
-        algorithm = message.get("algorithm")
-        if algorithm is not None and algorithm not in ALGORITHM_CHOICES:
+        kind, op, root = request.collective, request.op, request.root
+        if kind in ROOTED and (root is None or not 0 <= root < job.world_size):
             raise InvalidArgumentError(
-                f"unknown algorithm {messages.clip(algorithm)}; expected one of "
-                f"{', '.join(ALGORITHM_CHOICES)}"
+                f"{kind} needs a root rank in [0, {job.world_size}), got {root}"
             )
-        root = message.get("root")
-        if kind in ROOTED:
-            if root is None or not 0 <= root < job.world_size:
-                raise InvalidArgumentError(
-                    f"{kind} needs a root rank in [0, {job.world_size}), got {root}"
-                )
-        else:
-            root = None
         rank = session.rank or 0
-        count, out_count = message["count"], message.get("out_count")
-        chunk = chunk_count(kind, rank, root, count, out_count, job.world_size)
-        view, slab = self._view(session, message["segment"], message["offset"], dtype, count)
+        dtype = DTYPES[request.dtype]
+        chunk = chunk_count(kind, rank, root, request.count, request.out_count, job.world_size)
+        view, slab = self._view(session, request.segment, request.offset, dtype, request.count)
         out, out_slab = None, None
-        if out_count is not None:
-            out, out_slab = self._view(session, message.get("out_segment"),
-                                       message.get("out_offset", 0), dtype, out_count)
-        request_id = message["id"]
+        if request.out_count is not None:
+            out, out_slab = self._view(session, request.out_segment, request.out_offset, dtype,
+                                       request.out_count)
         submission = Submission(
             rank=rank,
-            fingerprint=Fingerprint(kind, dtype_name, chunk, op.value if op else None,
-                                    algorithm, root),
+            fingerprint=Fingerprint(kind, request.dtype, chunk, op.value if op else None,
+                                    request.algorithm, root),
             view=view,
             respond=lambda error, timing=None: session.complete(request_id, error, timing),
-            timeout_s=self._timeout(message),
+            timeout_s=request.timeout_s or self.config.collective_timeout_s,
             out=out,
             slabs=tuple(x for x in (slab, out_slab) if x is not None),
         )
-        waited_s = message.get("waited_s") or 0.0
-        if not (waited_s >= 0 and math.isfinite(waited_s)):
-            raise InvalidArgumentError(f"waited_s must be >= 0 and finite, got {waited_s}")
-        ready = self._submit(job, message["key"], submission, float(waited_s))
+        ready = self._submit(job, request.key, submission, request.waited_s)
         if ready is None:
             return
-        self.runs.start(job, ready, Collective(kind, dtype, chunk, op, root, algorithm))
+        self.runs.start(job, ready, CoreCollective(kind, dtype, chunk, op, root, request.algorithm))
 
     def _submit(
         self, job: Job, key: Any, submission: Submission, waited_s: float = 0.0
@@ -428,8 +367,6 @@ class GradsyncService:
         count: int,
     ) -> tuple[Any, Slab | None]:
         """The submitter's slot as a typed array, after checking its bounds, and its slab."""
-        if count < 0 or offset < 0:
-            raise InvalidArgumentError(f"negative count {count} or offset {offset}")
         if count == 0:
             return None, None
         if segment_id is None or not self._may_use(session, segment_id):
