@@ -71,9 +71,6 @@ class DaemonState:
             "stale_generation": cluster.stale_generation,
             "stale_membership": cluster.stale_membership,
             "dropped_unknown_job": cluster.dropped_unknown_job,
-            # Kept for readers of older output; CURVE refusals on the peer links
-            # are links_rejected_keys, on the stats endpoint stats_rejected_keys.
-            "rejected_keys": 0,
             "stats_rejected_keys": stats.stats_rejected_keys,
             "slices_placed": cluster.slices_placed,
             "early_refused": cluster.early_refused,
