@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gradsync.protocol.algorithm_names import ALGORITHM_CHOICES
-from gradsync.protocol.dtypes import DTYPES, ReduceOp, check_op_for_dtype, parse_reduce_op
 from gradsync.protocol.errors import InvalidArgumentError
 from gradsync.protocol.version import PROTOCOL_VERSION
+
+if TYPE_CHECKING:  # protocol/dtypes.py imports numpy: `gradsync --help` must not
+    from gradsync.protocol.dtypes import ReduceOp
 
 _NONE = type(None)
 _KEY_TYPES: tuple[type, ...] = (int, str)
@@ -247,6 +249,8 @@ class Collective:
 
     @classmethod
     def from_wire(cls, message: dict[str, Any]) -> Collective:
+        from gradsync.protocol.dtypes import DTYPES, check_op_for_dtype, parse_reduce_op
+
         if message["kind"] == ALLREDUCE:
             collective = ALLREDUCE
         else:
@@ -301,7 +305,7 @@ class Collective:
             message = {
                 **head, "kind": ALLREDUCE, "key": self.key, "segment": self.segment,
                 "offset": self.offset, "count": self.count, "dtype": self.dtype,
-                "op": (self.op or ReduceOp.SUM).value, "timeout_s": self.timeout_s,
+                "op": self.op.value if self.op else "sum", "timeout_s": self.timeout_s,
                 "algorithm": self.algorithm,
             }
             if self.waited_s:
