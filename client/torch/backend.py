@@ -76,7 +76,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._group_desc = ""
         timeout_s = timeout.total_seconds()
         self._timeout_s = timeout_s if timeout_s > 0 else None
-        identity = resolve_identity(None, None, None, None, None, None, None)
+        # Rank, size, store and timeout are torch's (what init_process_group or
+        # new_group was given); the environment only says where the daemon is and
+        # names the job.  Local ranks come from the store exchange below.
+        identity = resolve_identity(None, None, rank, size, 0, 1)
         self._daemon = identity.daemon
         self._registry = registry_for(self._daemon)
         self._job = job_name(store, rank, identity.job)

@@ -1,0 +1,123 @@
+"""torch.distributed frameworks on backend "gradsync", unchanged.
+
+The backend registers itself through torch's `torch.backends` entry point (so
+no program here imports gradsync), takes rank and world size from what torch
+is given, never from RANK/WORLD_SIZE, and runs under PyTorch Lightning's
+DDPStrategy like gloo does.  Real daemons, real torch, real Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from cluster import free_ports
+
+from conftest import PROGRAMS, DaemonProcess, assert_all_exited_0, collect, spawn_ranks
+
+torch = pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fresh_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`code` in a new interpreter (nothing imported yet), with `env` added."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(150)
+def test_import_torch_registers_the_backend_cheaply_and_it_can_be_turned_off() -> None:
+    probe = """
+        import sys, torch, torch.distributed as dist
+        heavy = sorted(m for m in sys.modules if m.startswith("gradsync.client.torch.")
+                       or m in ("gradsync.client.torch", "gradsync.client.client"))
+        print("gradsync" in dist.Backend.backend_list, heavy)
+    """
+    result = fresh_python(probe)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "True", result.stdout
+    # The creator imports the backend on first use: `import torch` loads none of it.
+    assert result.stdout.strip().endswith("[]"), result.stdout
+    off = fresh_python(probe, {"GRADSYNC_TORCH_AUTOLOAD": "0"})
+    assert off.returncode == 0 and off.stdout.split()[0] == "False", off.stdout + off.stderr
+
+
+@pytest.mark.timeout(150)
+def test_a_broken_backend_module_leaves_import_torch_working_and_says_so_on_use() -> None:
+    """gradsync's backend module failing to import (a broken install) must not break
+    `import torch`: the failure surfaces, naming it, when a gradsync group is made."""
+    result = fresh_python("""
+        import importlib.abc, sys
+        class Broken(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "gradsync.client.torch.backend":
+                    raise ImportError("simulated broken install of " + name)
+                return None
+        sys.meta_path.insert(0, Broken())
+        import torch, torch.distributed as dist
+        print("imported", "gradsync" in dist.Backend.backend_list)
+        store = dist.HashStore()
+        try:
+            dist.init_process_group("gradsync", store=store, rank=0, world_size=1)
+        except Exception as exc:
+            print("refused:", type(exc).__name__, exc)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "imported True" in result.stdout, result.stdout
+    assert "simulated broken install of gradsync.client.torch.backend" in result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_a_program_that_never_imports_gradsync_and_passes_its_rank_itself(
+    daemon: DaemonProcess, short_tmp: str,
+) -> None:
+    """No RANK in the environment, WORLD_SIZE present (Lightning's first process):
+    the backend takes rank and size from init_process_group; object collectives
+    (all_gather_object, broadcast_object_list) run on it."""
+    init = f"file://{short_tmp}/store"
+    results = collect(spawn_ranks(daemon.endpoint, "torch_plain_ranks.py", 2, [init]), 120)
+    assert_all_exited_0(results)
+    records = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    for record in records:
+        assert record["registered"] and record["loaded_before_init"] == []
+        assert record["sum"] == 3.0
+        assert record["gathered"] == [{"rank": 0, "text": ""}, {"rank": 1, "text": "x" * 100}]
+        assert record["broadcast"] == [{"from": 1, "values": [0, 1, 2, 3, 4]}]
+
+
+LIGHTNING_SCRIPT = PROGRAMS / "lightning_fit.py"
+
+
+def lightning_fit(backend: str, out: Path, env: dict[str, str]) -> dict[int, list[float]]:
+    """Run tests/programs/lightning_fit.py (Lightning starts the second process)."""
+    result = subprocess.run(
+        [sys.executable, str(LIGHTNING_SCRIPT), backend, str(out)], capture_output=True,
+        text=True, timeout=240, env={**os.environ, **env}, cwd=out.parent,
+    )
+    assert result.returncode == 0, f"{backend}:\n{result.stdout}\n{result.stderr}"
+    return {rank: json.loads((out.parent / f"{out.name}.{rank}").read_text())
+            for rank in (0, 1)}
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(300)
+def test_lightning_ddp_strategy_trains_like_gloo(daemon: DaemonProcess, tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="Lightning is installed by the dev extra")
+    port = free_ports(1)[0]
+    env = {"GRADSYNC_DAEMON": daemon.endpoint, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    ours = lightning_fit("gradsync", tmp_path / "gradsync", env)
+    env["MASTER_PORT"] = str(free_ports(1)[0])
+    theirs = lightning_fit("gloo", tmp_path / "gloo", env)
+    assert ours[0] == ours[1], "the two ranks' parameters differ"
+    assert theirs[0] == theirs[1]
+    worst = max(abs(a - b) for a, b in zip(ours[0], theirs[0], strict=True))
+    assert worst <= 1e-6, f"gradsync and gloo runs differ by {worst}"
