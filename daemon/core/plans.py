@@ -44,15 +44,8 @@ from gradsync.daemon.core.auto import CALIBRATING, model_terms
 from gradsync.daemon.core.membership import Formation
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import InvalidArgumentError
+from gradsync.protocol.requests import ALLREDUCE  # the collectives' names: the wire's
 
-ALLREDUCE = "allreduce"
-REDUCING = frozenset({ALLREDUCE, "reduce", "reduce_scatter"})
-ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
-#: The collectives a client names in a `collective` request (allreduce has a
-#: request kind of its own on the wire, with the same handler).
-KINDS = frozenset({
-    "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
-})
 #: Collectives whose inter-daemon algorithm is chosen per call (requested, or
 #: `auto`'s pick); every other one has the single plan below.
 CHOSEN_ALGORITHM = frozenset({ALLREDUCE})

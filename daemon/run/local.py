@@ -25,7 +25,7 @@ from gradsync.daemon.backends.reduce import split_ranges
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, PendingCollective
-from gradsync.daemon.core.plans import ALLREDUCE, Collective, run_local
+from gradsync.daemon.core.plans import Collective, run_local
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
@@ -37,6 +37,7 @@ from gradsync.protocol.errors import (
     MismatchError,
     as_collective_error,
 )
+from gradsync.protocol.requests import ALLREDUCE
 
 log = logging.getLogger("gradsync.daemon")
 
