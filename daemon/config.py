@@ -50,6 +50,13 @@ class DaemonConfig:
     stats: str | None = None
     #: A collective waiting longer than this logs, once, what it waits for.
     stall_warn_s: float = 60.0
+    #: Exit (cleanly, as on SIGTERM) once no client has been connected for this
+    #: long; 0: never.  The torch backend's private daemons use it, so a daemon
+    #: started for a job ends with the job's ranks on its node.
+    exit_when_idle_s: float = 0.0
+    #: The socket's folder is this daemon's alone (the torch backend made it for
+    #: one job): remove the folder and all in it when the daemon exits.
+    own_folder: bool = False
     # Peers (multi-node jobs).
     listen: str | None = None
     peers: tuple[str, ...] = ()
@@ -150,6 +157,15 @@ def _positive_float(value: Any) -> float:
     if not number > 0 or number == float("inf"):
         raise ValueError(f"must be a positive finite number, got {value!r}")
     return number
+
+
+def _seconds_or_zero(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number of seconds")
+    number = float(value)
+    if number == 0:
+        return 0.0
+    return _positive_float(number)
 
 
 def _log_level(value: Any) -> str:
@@ -263,6 +279,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "group_access": _boolean,
     "stats": _stats_endpoint,
     "stall_warn_s": _positive_float,
+    "exit_when_idle_s": _seconds_or_zero,
+    "own_folder": _boolean,
     "listen": _tcp_endpoint,
     "peers": _endpoint_list,
     "peers_file": _optional_path,

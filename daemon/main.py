@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="log once what a collective waits for after this long (default 60)",
     )
     parser.add_argument(
+        "--exit-when-idle-s", metavar="S",
+        help="exit cleanly once no client has been connected for S seconds "
+        "(default 0: never; the torch backend's private daemons use it)",
+    )
+    parser.add_argument(
+        "--own-folder", action="store_true", default=None,
+        help="the socket's folder is this daemon's alone: remove it, and all in it, on exit",
+    )
+    parser.add_argument(
         "--group-access", action="store_true", default=None,
         help="let the daemon's group use it: socket 0660, segments 0660 (default: owner only)",
     )

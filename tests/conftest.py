@@ -180,6 +180,7 @@ FAST_MODULES = (
     "test_executor.py",
     "test_fast_page_compiled.py",
     "test_keygen.py",
+    "test_node_address.py",
     "test_peer_protocol.py",
     "test_protocol_requests.py",
     "test_protocol_units.py",

@@ -97,6 +97,15 @@ def generate_keypair(
     return public_path, secret_path
 
 
+def write_public_certificate(path: str, public_key: str, endpoint: str) -> None:
+    """Write another daemon's public certificate (its key and where it listens) to `path`."""
+    check_endpoint(endpoint)
+    text = _certificate(_PUBLIC_BANNER, public_key, None, endpoint)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(path, flags, 0o644), "w", encoding="ascii") as handle:
+        handle.write(text)
+
+
 def add_keygen_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", metavar="DIR", help="folder for the two files")
     parser.add_argument("--name", required=True, help="base name: writes NAME.key, "

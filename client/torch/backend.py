@@ -31,6 +31,7 @@ from gradsync.client.environment import resolve_identity
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.point_to_point import PairJobs
+from gradsync.client.torch.private_daemon import choose_daemon
 from gradsync.client.torch.rendezvous import job_name, node_identities
 from gradsync.client.torch.storage_sharing import SHARER, registry_for
 from gradsync.client.torch.tensors import (
@@ -80,9 +81,11 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         # new_group was given); the environment only says where the daemon is and
         # names the job.  Local ranks come from the store exchange below.
         identity = resolve_identity(None, None, rank, size, 0, 1)
-        self._daemon = identity.daemon
-        self._registry = registry_for(self._daemon)
         self._job = job_name(store, rank, identity.job)
+        # The daemon running on this node, or one started for the job when none is.
+        self._daemon = choose_daemon(store, rank, size, self._job, identity.daemon,
+                                     timeout_s if timeout_s > 0 else 300.0)
+        self._registry = registry_for(self._daemon)
         nodes = node_identities(store, rank, size, self._daemon)
         local = [r for r in range(size) if nodes[r] == nodes[rank]]
         self._client = self._connect(self._job, rank, size, local.index(rank), len(local))

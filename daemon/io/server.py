@@ -14,6 +14,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -195,6 +196,9 @@ class Daemon:
         notifier.notify("READY=1", f"MAINPID={os.getpid()}", f"STATUS={_status(service)}")
         self._tasks = [loop.create_task(_keep_systemd_informed(notifier, service)),
                        loop.create_task(_watch_for_stalls(service))]
+        if config.exit_when_idle_s > 0:
+            self._tasks.append(loop.create_task(
+                _exit_when_idle(service, config.exit_when_idle_s, self._stop)))
 
     async def serve(self) -> None:
         """Run until told to stop, then stop."""
@@ -233,6 +237,9 @@ class Daemon:
         if self._notifier is not None:
             self._notifier.close()
         self._exits.close()
+        if self.config.own_folder:
+            folder = os.path.dirname(parse_ipc_endpoint(self.config.socket))
+            shutil.rmtree(folder, ignore_errors=True)
         log.info("gradsyncd stopped")
 
     async def _close_endpoints(self) -> None:
@@ -267,6 +274,29 @@ async def _watch_for_stalls(service: GradsyncService) -> None:
     while True:
         await asyncio.sleep(interval)
         service.report_stalls()
+
+
+#: A daemon that exits when idle waits at least this long for its first client:
+#: the ranks that started it connect only once every node has its daemon.
+FIRST_CLIENT_GRACE_S = 60.0
+
+
+async def _exit_when_idle(service: GradsyncService, idle_s: float, stop: asyncio.Event) -> None:
+    """Set `stop` once no client has been connected for `idle_s` seconds."""
+    loop = asyncio.get_running_loop()
+    reached = False
+    idle_since = loop.time()
+    while True:
+        await asyncio.sleep(min(0.25, idle_s / 4))
+        now = loop.time()
+        if service.sessions:
+            reached, idle_since = True, now
+            continue
+        waited = now - idle_since
+        if waited >= (idle_s if reached else max(idle_s, FIRST_CLIENT_GRACE_S)):
+            log.info("no client for %.1fs: exiting (exit_when_idle_s)", waited)
+            stop.set()
+            return
 
 
 async def _keep_systemd_informed(notifier: Notifier, service: GradsyncService) -> None:
