@@ -311,6 +311,7 @@ class Client:
         op: str | ReduceOp = "sum",
         async_op: bool = False,
         algorithm: str | None = None,
+        timeout_s: float | None = None,
     ) -> Work | None:
         """Reduce `array` across all ranks, in place.
 
@@ -321,8 +322,10 @@ class Client:
         daemon's kernels, so work queued on it after reads the result.
         `algorithm` (ring, tree, rhd, star or auto) overrides the daemons'
         choice between nodes; it defaults to `GRADSYNC_ALGO`, else the daemon's.
+        `timeout_s`: this collective's deadline (default: the client's).
         """
         self._check_open()
+        timeout_s = timeout_s or self.timeout_s
         algorithm = algorithm or self.algorithm
         if algorithm is not None and algorithm not in ALGORITHMS:
             raise InvalidArgumentError(
@@ -336,7 +339,7 @@ class Client:
             with fast.lock:
                 key = self._next_key()
                 waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key,
-                                           self.timeout_s or self._daemon_timeout_s)
+                                           timeout_s or self._daemon_timeout_s)
             if waited_s is None:
                 return None
             if fast.page.stopping:  # the socket path's answer, which it can no longer give
@@ -345,12 +348,12 @@ class Client:
         placed = self._place(array, copy_in=True, copy_out=True, device=device)
         request = functools.partial(
             wire.Collective, ALLREDUCE, segment=placed.segment, offset=placed.offset,
-            count=count, dtype=wire_dtype, op=reduce_op, timeout_s=self.timeout_s,
+            count=count, dtype=wire_dtype, op=reduce_op, timeout_s=timeout_s,
             algorithm=algorithm, waited_s=waited_s or 0.0,
         )
         return self._issue(
             request, [placed], async_op,
-            f"all_reduce ({wire_dtype}[{count}] {reduce_op.value})", key,
+            f"all_reduce ({wire_dtype}[{count}] {reduce_op.value})", key, timeout_s,
         )
 
     def _next_key(self) -> int:
@@ -402,11 +405,16 @@ class Client:
         """Equal splits: rank i's j-th input chunk becomes rank j's i-th output chunk."""
         return self._collective("all_to_all", input, output, async_op)
 
-    def barrier(self, async_op: bool = False) -> Work | None:
-        """Return once every rank of the job has reached its barrier."""
+    def barrier(self, async_op: bool = False, timeout_s: float | None = None) -> Work | None:
+        """Return once every rank of the job has reached its barrier.
+
+        On timeout the `CollectiveTimeoutError` names the ranks that did not
+        arrive (`details["missing"]`): the daemon knows who submitted.
+        """
         if self._barrier_buffer is None:
             self._barrier_buffer = self.empty(1, np.int8)
-        return self.all_reduce(self._barrier_buffer, "max", async_op=async_op)
+        return self.all_reduce(self._barrier_buffer, "max", async_op=async_op,
+                               timeout_s=timeout_s)
 
     def _collective(
         self,
@@ -478,7 +486,7 @@ class Client:
 
     def _issue(
         self, request: Callable[..., wire.Collective], placed: list[Placed], async_op: bool,
-        what: str, key: int | None = None,
+        what: str, key: int | None = None, timeout_s: float | None = None,
     ) -> Work | None:
         """Send one collective, `request(key=...)`, with `key` (default: the next
         one); wait unless `async_op`."""
@@ -502,7 +510,7 @@ class Client:
             except GradsyncError:
                 on_finish()
                 raise
-        timeout = self.timeout_s or self._daemon_timeout_s
+        timeout = timeout_s or self.timeout_s or self._daemon_timeout_s
         work = Work(
             self._connection,
             request_id,

@@ -121,3 +121,49 @@ def test_lightning_ddp_strategy_trains_like_gloo(daemon: DaemonProcess, tmp_path
     assert theirs[0] == theirs[1]
     worst = max(abs(a - b) for a, b in zip(ours[0], theirs[0], strict=True))
     assert worst <= 1e-6, f"gradsync and gloo runs differ by {worst}"
+
+
+def framework_calls(daemon: DaemonProcess, scenario: str, world: int,
+                    *args: str) -> list[dict[str, object]]:
+    """tests/programs/torch_framework_calls.py SCENARIO on `world` env:// ranks."""
+    port = free_ports(1)[0]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    ranks = spawn_ranks(daemon.endpoint, "torch_framework_calls.py", world, [scenario, *args],
+                        env=env)
+    results = collect(ranks, 150)
+    assert_all_exited_0(results)
+    return [result.records()[-1] for result in results]
+
+
+@pytest.mark.timeout(180)
+def test_monitored_barrier_names_the_rank_held_back(daemon: DaemonProcess) -> None:
+    records = framework_calls(daemon, "monitored_barrier", 3)
+    for record in records[:2]:
+        assert record["error"] is not None, record
+        assert "ranks [2] of process group" in str(record["error"]), record
+        assert "did not arrive within 1.5s" in str(record["error"]), record
+        # It fails at its own timeout, not the group's (60 s).
+        assert 1.4 <= float(record["waited_s"]) < 30, record  # type: ignore[arg-type]
+    assert records[2]["error"] is None
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(240)
+def test_dcp_saves_and_loads_a_sharded_fsdp2_state_dict(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    records = framework_calls(daemon, "dcp", 2, str(tmp_path / "checkpoint"))
+    for record in records:
+        assert record["keys"] == [f"{i}.{p}" for i in range(4) for p in ("bias", "weight")]
+        assert record["sharded"], "FSDP2 did not shard the parameters"
+        assert record["differed_before"], "the fresh model already held the saved values"
+        assert record["equal_after"], record
+    assert any(name.endswith(".distcp") for name in os.listdir(tmp_path / "checkpoint"))
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(240)
+def test_pipelining_gpipe_over_send_recv_matches_the_whole_model(daemon: DaemonProcess) -> None:
+    records = framework_calls(daemon, "pipelining", 2)
+    assert [r["grads_match"] for r in records] == [True, True], records
+    assert records[0]["losses"] == [] and len(records[1]["losses"]) == 4  # type: ignore[arg-type]

@@ -20,6 +20,8 @@ else in gradsync does.  Its modules, one job each:
   `tensors.py`: torch tensors as daemon buffers; `work.py`: its torch Work;
 - `completer.py`: `FutureCompleter`, which completes every torch future here
   (the process group's and `comm_hook`'s);
+- `private_daemon.py`: the job's own daemons, started when none runs;
+- `monitored_barrier.py`: a barrier whose error names the ranks missing;
 - `fsdp.py` (imported on its own): FSDP2 buffers in daemon memory.
 """
 
@@ -28,10 +30,11 @@ from __future__ import annotations
 from gradsync.client.torch.backend import ProcessGroupGradsync, empty, register
 from gradsync.client.torch.ddp import BucketTiming, DistributedDataParallel, StepRecord
 from gradsync.client.torch.ddp_comm_hook import comm_hook
+from gradsync.client.torch.monitored_barrier import monitored_barrier
 
 __all__ = [
     "BucketTiming", "DistributedDataParallel", "ProcessGroupGradsync", "StepRecord", "comm_hook",
-    "empty",
+    "empty", "monitored_barrier",
 ]
 
 register()  # the torch.distributed backend "gradsync"
