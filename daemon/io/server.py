@@ -282,18 +282,21 @@ FIRST_CLIENT_GRACE_S = 60.0
 
 
 async def _exit_when_idle(service: GradsyncService, idle_s: float, stop: asyncio.Event) -> None:
-    """Set `stop` once no client has been connected for `idle_s` seconds."""
+    """Set `stop` once no client has been connected for `idle_s` seconds (or, before
+    any rank joined a job here, for `FIRST_CLIENT_GRACE_S`)."""
     loop = asyncio.get_running_loop()
-    reached = False
+    seen = (0, 0)
     idle_since = loop.time()
     while True:
         await asyncio.sleep(min(0.25, idle_s / 4))
         now = loop.time()
-        if service.sessions:
-            reached, idle_since = True, now
+        # A whole job can join and leave between two polls: the counters still move.
+        members = (service.members_joined, service.members_left)
+        if service.sessions or members != seen:
+            seen, idle_since = members, now
             continue
         waited = now - idle_since
-        if waited >= (idle_s if reached else max(idle_s, FIRST_CLIENT_GRACE_S)):
+        if waited >= (idle_s if seen[0] else max(idle_s, FIRST_CLIENT_GRACE_S)):
             log.info("no client for %.1fs: exiting (exit_when_idle_s)", waited)
             stop.set()
             return

@@ -79,6 +79,10 @@ class GradsyncService:
         )
         self.jobs = state.jobs
         self.sessions = state.sessions
+        #: Sessions that said hello to a job, and those of them gone since: the
+        #: idle exit (`--exit-when-idle-s`) sees a job come and go between its polls.
+        self.members_joined = 0
+        self.members_left = 0
         #: The multi-node side, when this daemon has peers (`join_cluster`).
         self.cluster: ClusterJobs | None = None
         self.stats = StatsRecorder()
@@ -109,6 +113,8 @@ class GradsyncService:
     def session_closed(self, session: ClientSession) -> None:
         """A client went away: free its segments, break its job for the others."""
         self.sessions.pop(session.session_id, None)
+        if session.job_name is not None:
+            self.members_left += 1
         for segment_id in session.segments:
             self.buffers.release(segment_id)
         session.segments.clear()
@@ -213,6 +219,7 @@ class GradsyncService:
         if forming and not job.multi_node:
             self._create_fast_page(job)
         session.job_name, session.rank, session.pid = job_name, rank, hello.pid
+        self.members_joined += 1
         fast_page = self.fast.describe(job_name)
         extra = {} if fast_page is None else {"fast_page": fast_page}
         session.reply(messages.ok_reply(request_id, **self._identity(), **extra))
