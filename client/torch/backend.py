@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from gradsync.client.client import Client
 from gradsync.client.environment import resolve_identity
@@ -32,7 +33,7 @@ from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.point_to_point import PairJobs
 from gradsync.client.torch.private_daemon import choose_daemon
-from gradsync.client.torch.rendezvous import job_name, node_identities
+from gradsync.client.torch.rendezvous import fresh_round, node_identities
 from gradsync.client.torch.storage_sharing import SHARER, registry_for
 from gradsync.client.torch.tensors import (
     NUMPY_DTYPES,
@@ -81,10 +82,14 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         # new_group was given); the environment only says where the daemon is and
         # names the job.  Local ranks come from the store exchange below.
         identity = resolve_identity(None, None, rank, size, 0, 1)
-        self._job = job_name(store, rank, identity.job)
+        wait_s = timeout_s if timeout_s > 0 else 300.0
+        # A fresh round names the job and scopes every key below: the store may
+        # still hold a dead attempt's (torchrun --max-restarts).
+        round_ = fresh_round(store, rank, size, wait_s)
+        store = PrefixStore(f"gradsync/{round_}/", store)
+        self._job = f"{identity.job}/torch-{round_[:12]}"
         # The daemon running on this node, or one started for the job when none is.
-        self._daemon = choose_daemon(store, rank, size, self._job, identity.daemon,
-                                     timeout_s if timeout_s > 0 else 300.0)
+        self._daemon = choose_daemon(store, rank, size, self._job, identity.daemon, wait_s)
         self._registry = registry_for(self._daemon)
         nodes = node_identities(store, rank, size, self._daemon)
         local = [r for r in range(size) if nodes[r] == nodes[rank]]

@@ -29,7 +29,7 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from gradsync.client.node_address import (
     route_address,
 )
 from gradsync.client.ping import query
+from gradsync.client.torch.rendezvous import values
 from gradsync.protocol.errors import GradsyncError
 
 __all__ = ["AUTOSTART_VARIABLE", "IDLE_EXIT_S", "choose_daemon"]
@@ -55,15 +56,6 @@ AUTOSTART_VARIABLE = "GRADSYNC_AUTOSTART"
 IDLE_EXIT_S = 2.0
 _MANAGED = "managed"
 _START_TIMEOUT_S = 60.0
-
-
-def _values(store: Any, keys: Sequence[str]) -> list[str]:
-    """The store's values for `keys`, waiting (up to the store's timeout) for each."""
-    if hasattr(store, "multi_get"):
-        values = store.multi_get(list(keys))
-    else:
-        values = [store.get(key) for key in keys]
-    return [bytes(value).decode() for value in values]
 
 
 def _answers(endpoint: str, timeout_s: float = 5.0) -> bool:
@@ -82,7 +74,7 @@ def choose_daemon(
     allowed = os.environ.get(AUTOSTART_VARIABLE, "1").strip() != "0"
     mine = _MANAGED if explicit or not allowed or _answers(configured) else node_key()
     store.set(f"gradsync/where/{rank}", mine)
-    where = _values(store, [f"gradsync/where/{r}" for r in range(size)])
+    where = values(store, [f"gradsync/where/{r}" for r in range(size)])
     managed = [r for r, w in enumerate(where) if w == _MANAGED]
     if managed and len(managed) < size:
         others = [r for r in range(size) if r not in managed]
@@ -179,7 +171,7 @@ def _peer_args(store: Any, folder: str, count: int, index: int) -> list[str]:
     authorized = os.path.join(folder, "authorized")
     os.mkdir(authorized, 0o700)
     peers = []
-    for other, value in enumerate(_values(store, [f"gradsync/daemon/{i}" for i in range(count)])):
+    for other, value in enumerate(values(store, [f"gradsync/daemon/{i}" for i in range(count)])):
         peer, key = value.split(" ")
         write_public_certificate(os.path.join(authorized, f"node{other}.key"), key, peer)
         peers.append(peer)
