@@ -254,6 +254,10 @@ class Connection:
     def close(self, reason: str = "the client was closed") -> None:
         with self._cond:
             self._mark_dead(DaemonUnavailableError(reason, {"endpoint": self.endpoint}))
+        # shutdown() wakes a reader blocked in poll() on another thread (close()
+        # alone does not), so an abort ends every waiting Work at once.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
 

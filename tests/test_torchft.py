@@ -1,0 +1,99 @@
+"""torchft on gradsync: a lost replica costs a step, not the job (real torchft, real daemons)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+from torchft._torchft import LighthouseServer
+
+from tests.conftest import PROGRAMS, DaemonProcess
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+
+STEPS = 20
+KILL_AT = 5
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[LighthouseServer]:
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500)
+    yield server
+    server.shutdown()
+
+
+def spawn_replica(
+    replica: int, endpoint: str, lighthouse: str, markers: Path, victim: bool
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "GRADSYNC_DAEMON": endpoint, "TORCHFT_LIGHTHOUSE": lighthouse,
+           "GRADSYNC_JOB": "torchft-test"}
+    return subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "torchft_replica.py"), f"replica{replica}", str(STEPS),
+         str(KILL_AT), "1" if victim else "0", str(markers)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(process: subprocess.Popen[str], timeout_s: float, what: str) -> list[dict[str, Any]]:
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"{what} hung:\n{out[-3000:]}\n{err[-5000:]}") from None
+    assert process.returncode == 0, f"{what} exited {process.returncode}:\n{out}\n{err[-5000:]}"
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """3 replicas, min 2: replica 2 dies mid-allreduce at step 5; 0 and 1 discard
+    that step, commit on with 2 participants; replica 2 restarts, heals from a
+    live one and rejoins; after step 20 all three hold identical parameters."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    address = lighthouse.address()
+    replicas = [spawn_replica(r, daemon.endpoint, address, markers, victim=r == 2)
+                for r in range(3)]
+    try:
+        victim = replicas[2]
+        out, err = victim.communicate(timeout=90)
+        assert victim.returncode == -9, f"replica 2 should have killed itself:\n{out}\n{err}"
+        restarted = spawn_replica(2, daemon.endpoint, address, markers, victim=True)
+        records = [finish(replicas[r], 120, f"replica {r}") for r in range(2)]
+        records.append(finish(restarted, 60, "restarted replica 2"))
+        killed_at = next(json.loads(line)["killed_at"] for line in out.splitlines()
+                         if "killed_at" in line)
+    finally:
+        for process in replicas:
+            if process.poll() is None:
+                process.kill()
+    steps = [[r for r in rs if "step" in r] for rs in records]
+    finals = [next(r for r in rs if "final_step" in r) for rs in records]
+    for survivor in steps[:2]:
+        by_step = {}
+        for record in survivor:
+            by_step.setdefault(record["step"], []).append(record)
+        # The step of the kill was discarded (not committed) and retried ...
+        assert not by_step[KILL_AT][0]["committed"], by_step[KILL_AT]
+        # ... then steps committed with the two survivors ...
+        two = [r for r in survivor if r["committed"] and r["participants"] == 2]
+        assert any(r["step"] >= KILL_AT for r in two), survivor
+        # ... and the last ones with all three again.
+        assert survivor[-1]["committed"] and survivor[-1]["participants"] == 3, survivor[-1]
+    healed = steps[2]
+    assert healed[0]["healed"] and healed[0]["step"] > killed_at, healed[0]
+    assert all(f["final_step"] == STEPS for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
+    assert finals[0]["checksum"] == finals[1]["checksum"] == finals[2]["checksum"]
+    # torchft counts 3 batches per 3-replica step, 2 per 2-replica one: survivors agree.
+    assert finals[0]["batches_committed"] == finals[1]["batches_committed"]
