@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer
 
-from tests.conftest import PROGRAMS, DaemonProcess
+from tests.conftest import PROGRAMS, DaemonProcess, launch_daemon, poll_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 
@@ -31,13 +31,14 @@ def lighthouse() -> Iterator[LighthouseServer]:
 
 
 def spawn_replica(
-    replica: int, endpoint: str, lighthouse: str, markers: Path, victim: bool
+    replica: int, endpoint: str, lighthouse: str, markers: Path, victim: bool,
+    kill_at: int = KILL_AT, steps: int = STEPS,
 ) -> subprocess.Popen[str]:
     env = {**os.environ, "GRADSYNC_DAEMON": endpoint, "TORCHFT_LIGHTHOUSE": lighthouse,
            "GRADSYNC_JOB": "torchft-test"}
     return subprocess.Popen(
-        [sys.executable, str(PROGRAMS / "torchft_replica.py"), f"replica{replica}", str(STEPS),
-         str(KILL_AT), "1" if victim else "0", str(markers)],
+        [sys.executable, str(PROGRAMS / "torchft_replica.py"), f"replica{replica}", str(steps),
+         str(kill_at), "1" if victim else "0", str(markers), "3"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -97,3 +98,40 @@ def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
     assert finals[0]["checksum"] == finals[1]["checksum"] == finals[2]["checksum"]
     # torchft counts 3 batches per 3-replica step, 2 per 2-replica one: survivors agree.
     assert finals[0]["batches_committed"] == finals[1]["batches_committed"]
+
+
+def test_daemon_restart_mid_training_fails_a_step_and_training_goes_on(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """The daemon restarted on its socket (systemctl restart) at step 4: the step in
+    flight is discarded, the replicas reconnect at the next quorum, no trainer exits,
+    and they end identical."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    steps = 12
+    replicas = [spawn_replica(r, daemon.endpoint, lighthouse.address(), markers, victim=False,
+                              kill_at=-1, steps=steps) for r in range(3)]
+    restarted: DaemonProcess | None = None
+    try:
+        def at_step_4() -> bool:
+            assert all(p.poll() is None for p in replicas), [finish(p, 1, "a replica")
+                                                              for p in replicas]
+            return any(int(m.name.rsplit("-", 1)[1]) >= 4 for m in markers.glob("*-step-*"))
+
+        poll_until(at_step_4, 90, "a replica at step 4")
+        assert daemon.stop() == 0, daemon.log()
+        restarted = launch_daemon(daemon.folder, name="d0")
+        records = [finish(p, 120, f"replica {r}") for r, p in enumerate(replicas)]
+    finally:
+        for process in replicas:
+            if process.poll() is None:
+                process.kill()
+        if restarted is not None:
+            assert restarted.stop() == 0, restarted.log()
+    finals = [next(r for r in rs if "final_step" in r) for rs in records]
+    assert all(f["final_step"] == steps for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
+    for replica in records:
+        discarded = [r for r in replica if "step" in r and not r["committed"]]
+        assert discarded, f"no step was discarded across the restart: {replica}"
+        assert replica[-2]["committed"] and replica[-2]["participants"] == 3, replica[-2]

@@ -16,12 +16,16 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupWrapper
 
+from gradsync.client.environment import resolve_identity
+from gradsync.client.ping import query
 from gradsync.client.torch import backend
+from gradsync.protocol.errors import DaemonUnavailableError
 
 __all__ = ["ProcessGroupGradsync"]
 
@@ -49,6 +53,7 @@ class ProcessGroupGradsync(ProcessGroupWrapper):  # type: ignore[misc]
         """A fresh gradsync job for this quorum (named through the quorum's store)."""
         with self._error_lock:
             self._error, self._outstanding = None, []
+        self._wait_for_daemon()
         pg = backend.ProcessGroupGradsync(
             store, rank, world_size, self._timeout,
             group_id=f"torchft-{self._replica_id}-q{self._quorum_id}",
@@ -56,6 +61,23 @@ class ProcessGroupGradsync(ProcessGroupWrapper):  # type: ignore[misc]
         _LOG.info("gradsync: quorum %s: rank %d of %d in job %s", self._quorum_id, rank,
                   world_size, pg.gradsync_job)
         return pg
+
+    def _wait_for_daemon(self) -> None:
+        """Wait (up to the timeout) for the local daemon to answer: after a daemon
+        restart (systemd's Restart=) the next quorum waits for it, not fails."""
+        endpoint = resolve_identity(None, None, 0, 1, 0, 1).daemon
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            try:
+                query(endpoint, 2.0)
+                return
+            except DaemonUnavailableError as exc:
+                if time.monotonic() > deadline:
+                    raise dist.DistBackendError(
+                        f"gradsync: no daemon answers at {endpoint} within "
+                        f"{self._timeout.total_seconds()}s for quorum {self._quorum_id}: {exc}"
+                    ) from exc
+                time.sleep(0.1)
 
     def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
         """Keep the Work so that `errored()` can see it fail."""

@@ -1,15 +1,15 @@
 """Replica program: one torchft replica group of one rank, training on gradsync.
 
-Usage: torchft_replica.py REPLICA_ID STEPS KILL_AT VICTIM MARKER_DIR
+Usage: torchft_replica.py REPLICA_ID STEPS KILL_AT VICTIM MARKER_DIR REPLICAS
 Environment: TORCHFT_LIGHTHOUSE (the Lighthouse), GRADSYNC_DAEMON.
 Trains a small model with torchft's Manager (min_replica_size 2), one
 `Manager.allreduce` per gradient, torchft's OptimizerWrapper, until torchft's
 step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
 (once; its restart, which finds its first marker, does not).  It writes
 MARKER_DIR/started-REPLICA_ID (restarted-... when restarted) once its Manager
-is up; from step KILL_AT+3 on, a replica that did not kill itself waits (60 s
-at most) for the restarted replica's marker, so the rejoin happens before the
-run ends.  Prints one JSON line per step and a final one.
+is up; the others hold at some steps for those markers (`hold`), so that all
+REPLICAS take part and the rejoin happens before the run ends.  Prints one
+JSON line per step and a final one.
 """
 
 from __future__ import annotations
@@ -35,9 +35,26 @@ def emit(record: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def hold(markers: Path, step: int, kill_at: int, replicas: int) -> None:
+    """Wait (60 s at most) where the run must not go on alone: from step 3 until
+    every replica has started, and 3 steps after the kill until its restart has.
+    Every wait ends at a marker a replica writes before it asks for a quorum."""
+    def count(prefix: str) -> int:
+        return sum(1 for p in markers.iterdir() if p.name.startswith(prefix))
+
+    killed = markers / "killed"
+    deadline = time.monotonic() + 60
+    while ((step >= 3 and count("started-") < replicas)
+           or (kill_at >= 0 and killed.exists() and step >= int(killed.read_text() or 0) + 3
+               and count("restarted-") == 0)):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"step {step}: a replica did not (re)start within 60 s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     replica_id, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    victim, markers = sys.argv[4] == "1", Path(sys.argv[5])
+    victim, markers, replicas = sys.argv[4] == "1", Path(sys.argv[5]), int(sys.argv[6])
     restarted = (markers / f"started-{replica_id}").exists()
     torch.manual_seed(0)  # every replica starts equal; torchft syncs step 0 anyway
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -56,18 +73,13 @@ def main() -> None:
     )
     optimizer = Optimizer(manager, inner)
     (markers / f"{'restarted' if restarted else 'started'}-{replica_id}").touch()
-    waited = False
     while manager.current_step() < steps:
         step = manager.current_step()
-        if not waited and not victim and 0 <= kill_at <= step - 3:
-            deadline = time.monotonic() + 60
-            while not any(p.name.startswith("restarted-") for p in markers.iterdir()):
-                if time.monotonic() > deadline:
-                    raise SystemExit("the killed replica was not restarted within 60 s")
-                time.sleep(0.05)
-            waited = True
+        if not victim:
+            hold(markers, step, kill_at, replicas)
         optimizer.zero_grad()  # starts the quorum (a healing replica gets its step here)
         step = manager.current_step()
+        (markers / f"{replica_id}-step-{step}").touch()  # for a test that acts mid-run
         generator = torch.Generator().manual_seed(1000 * manager.current_step()
                                                   + (manager.participating_rank() or 0))
         x = torch.randn(16, 32, generator=generator)
@@ -76,6 +88,7 @@ def main() -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if victim and not restarted and step >= kill_at:
             emit({"replica": replica_id, "killed_at": step})
+            (markers / "killed").write_text(str(step))
             manager.allreduce(grads[0])  # the first of the step's allreduces, then death:
             time.sleep(0.2)  # the others wait in the second one by now
             os.kill(os.getpid(), signal.SIGKILL)
