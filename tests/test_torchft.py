@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer
 
+from tests.cluster import curve_args, free_ports, peer_args
 from tests.conftest import PROGRAMS, DaemonProcess, launch_daemon, poll_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
@@ -25,7 +26,9 @@ KILL_AT = 5
 
 @pytest.fixture
 def lighthouse() -> Iterator[LighthouseServer]:
-    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=500)
+    # A short join timeout: a quorum waits 0.1 s (not 60 s) for a heartbeating replica.
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100,
+                              quorum_tick_ms=20)
     yield server
     server.shutdown()
 
@@ -43,14 +46,19 @@ def spawn_replica(
     )
 
 
-def finish(process: subprocess.Popen[str], timeout_s: float, what: str) -> list[dict[str, Any]]:
+def finish(
+    process: subprocess.Popen[str], timeout_s: float, what: str,
+    logs: Sequence[Callable[[], str]] = (),
+) -> list[dict[str, Any]]:
     try:
         out, err = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
         out, err = process.communicate()
         raise AssertionError(f"{what} hung:\n{out[-3000:]}\n{err[-5000:]}") from None
-    assert process.returncode == 0, f"{what} exited {process.returncode}:\n{out}\n{err[-5000:]}"
+    daemons = "\n".join(log()[-3000:] for log in logs)
+    assert process.returncode == 0, (
+        f"{what} exited {process.returncode}:\n{out}\n{err[-5000:]}\n{daemons}")
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -60,18 +68,39 @@ def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
     """3 replicas, min 2: replica 2 dies mid-allreduce at step 5; 0 and 1 discard
     that step, commit on with 2 participants; replica 2 restarts, heals from a
     live one and rejoins; after step 20 all three hold identical parameters."""
-    markers = Path(short_tmp) / "markers"
+    sigkill_heal_rejoin([daemon.endpoint] * 3, lighthouse, Path(short_tmp))
+
+
+@pytest.mark.parametrize("security", ["insecure", "curve"])
+def test_sigkilled_replica_on_the_other_daemon(
+    start_daemon: Any, lighthouse: LighthouseServer, short_tmp: str, security: str
+) -> None:
+    """The same with 2 + 1 replicas on two daemons: the victim alone on the second."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    flags = (curve_args(Path(short_tmp) / "keys", endpoints) if security == "curve"
+             else [["--insecure"]] * 2)
+    daemons = [start_daemon(*peer_args(i, endpoints, *flags[i])) for i in range(2)]
+    where = [daemons[0].endpoint, daemons[0].endpoint, daemons[1].endpoint]
+    sigkill_heal_rejoin(where, lighthouse, Path(short_tmp), [d.log for d in daemons])
+
+
+def sigkill_heal_rejoin(
+    endpoints: list[str], lighthouse: LighthouseServer, folder: Path,
+    logs: Sequence[Callable[[], str]] = (),
+) -> None:
+    """Replica r on daemon endpoints[r]; replica 2 dies, restarts, heals, rejoins."""
+    markers = folder / "markers"
     markers.mkdir()
     address = lighthouse.address()
-    replicas = [spawn_replica(r, daemon.endpoint, address, markers, victim=r == 2)
+    replicas = [spawn_replica(r, endpoints[r], address, markers, victim=r == 2)
                 for r in range(3)]
     try:
         victim = replicas[2]
         out, err = victim.communicate(timeout=90)
         assert victim.returncode == -9, f"replica 2 should have killed itself:\n{out}\n{err}"
-        restarted = spawn_replica(2, daemon.endpoint, address, markers, victim=True)
-        records = [finish(replicas[r], 120, f"replica {r}") for r in range(2)]
-        records.append(finish(restarted, 60, "restarted replica 2"))
+        restarted = spawn_replica(2, endpoints[2], address, markers, victim=True)
+        records = [finish(replicas[r], 120, f"replica {r}", logs) for r in range(2)]
+        records.append(finish(restarted, 60, "restarted replica 2", logs))
         killed_at = next(json.loads(line)["killed_at"] for line in out.splitlines()
                          if "killed_at" in line)
     finally:
@@ -81,14 +110,12 @@ def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
     steps = [[r for r in rs if "step" in r] for rs in records]
     finals = [next(r for r in rs if "final_step" in r) for rs in records]
     for survivor in steps[:2]:
-        by_step = {}
-        for record in survivor:
-            by_step.setdefault(record["step"], []).append(record)
-        # The step of the kill was discarded (not committed) and retried ...
-        assert not by_step[KILL_AT][0]["committed"], by_step[KILL_AT]
+        at_kill = [r for r in survivor if r["step"] == killed_at]
+        # The step of the kill was discarded (not committed), then retried ...
+        assert not at_kill[0]["committed"] and at_kill[-1]["committed"], at_kill
         # ... then steps committed with the two survivors ...
         two = [r for r in survivor if r["committed"] and r["participants"] == 2]
-        assert any(r["step"] >= KILL_AT for r in two), survivor
+        assert any(r["step"] >= killed_at for r in two), survivor
         # ... and the last ones with all three again.
         assert survivor[-1]["committed"] and survivor[-1]["participants"] == 3, survivor[-1]
     healed = steps[2]
