@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gradsync.protocol.errors import (
     CollectiveError,
     CollectiveTimeoutError,
+    DaemonLostError,
     DaemonShuttingDownError,
     DaemonUnavailableError,
     GradsyncError,
@@ -46,6 +47,7 @@ __all__ = [
     "Client",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "DaemonLostError",
     "DaemonShuttingDownError",
     "DaemonUnavailableError",
     "GradsyncError",

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import os
 import threading
@@ -56,6 +57,7 @@ Buffer = Any
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
 _HELLO_TIMEOUT_S = 30.0
+_LOG = logging.getLogger("gradsync.client")
 ALGORITHMS = ALGORITHM_CHOICES
 
 
@@ -109,17 +111,16 @@ class Client:
         #: Global ranks of a sub-group's members (None for a job's own client).
         self.ranks: tuple[int, ...] | None = None
         self._connection = Connection(self.daemon)
+        self._fast: FastPath | None = None
+        self._open_session()
+
+    def _open_session(self) -> None:
+        """Say hello on `self._connection`: join the job as a new session."""
         try:
             welcome = self._connection.call(
-                "hello",
-                timeout_s=_HELLO_TIMEOUT_S,
-                job=self.job,
-                rank=self.rank,
-                world_size=self.world_size,
-                local_rank=self.local_rank,
-                local_world_size=self.local_world_size,
-                pid=os.getpid(),
-            )
+                "hello", timeout_s=_HELLO_TIMEOUT_S, job=self.job, rank=self.rank,
+                world_size=self.world_size, local_rank=self.local_rank,
+                local_world_size=self.local_world_size, pid=os.getpid())
         except GradsyncError:
             self._connection.close()
             raise
@@ -128,6 +129,33 @@ class Client:
         self._daemon_timeout_s = float(welcome.get("collective_timeout_s", 300.0))
         #: The job's shared-memory fast path for small synchronous allreduces, if any.
         self._fast = self._open_fast_path(welcome.get("fast_page"))
+
+    def _close_fast_path(self) -> None:
+        # A collective of another thread may still be on the page: then the mapping
+        # stays (it goes with the process) rather than vanish under that thread.
+        if self._fast is not None and self._fast.lock.acquire(timeout=1.0):
+            try:
+                self._fast.close()
+            finally:
+                self._fast.lock.release()
+        self._fast = None
+
+    def _reconnect(self) -> None:
+        """After the daemon went away (a restart): a new session, a new job incarnation.
+        The lost daemon's segments are forgotten (arrays from `empty()` stay valid, now
+        staged); keys restart at 0, as on every rank that reconnects."""
+        lost, old_pid = self._connection.lost, self.daemon_pid
+        self._close_fast_path()
+        self._scratch.clear()
+        self._segments.clear()
+        self._segments.collected.clear()
+        self._mapped.clear()
+        with self._submit_lock:
+            self._sequence, self._connection = 0, Connection(self.daemon)
+        self._open_session()
+        _LOG.warning("gradsync: rank %d of job %r reconnected to the daemon at %s (pid %d, "
+                     "was %d: %s); a new session, collectives in flight were lost",
+                     self.rank, self.job, self.daemon, self.daemon_pid, old_pid, lost)
 
     def _open_fast_path(self, offer: Any) -> FastPath | None:
         """Map the fast page the daemon offers (single-node jobs); None to use sockets only.
@@ -168,13 +196,7 @@ class Client:
             group.close()
         if self._device is not None:
             self._device.close()
-        # A collective of another thread may still be on the page: then the mapping
-        # stays (it goes with the process) rather than vanish under that thread.
-        if self._fast is not None and self._fast.lock.acquire(timeout=1.0):
-            try:
-                self._fast.close()
-            finally:
-                self._fast.lock.release()
+        self._close_fast_path()
         with contextlib.suppress(GradsyncError):
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
@@ -199,6 +221,8 @@ class Client:
     def _check_open(self) -> None:
         if self._closed:
             raise DaemonUnavailableError("this gradsync Client is closed")
+        if self._connection.lost is not None:
+            self._reconnect()
         while self._segments.collected:
             segment_id = self._segments.collected.popleft()
             self._connection.send("free", expect_reply=False, segment=segment_id)

@@ -23,6 +23,7 @@ from gradsync.protocol import messages
 from gradsync.protocol.codec import FrameReader, Message, encode_frame
 from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.errors import (
+    DaemonLostError,
     DaemonUnavailableError,
     GradsyncError,
     ProtocolError,
@@ -229,8 +230,21 @@ class Connection:
             elif reply_id in self._expected:
                 self._replies[reply_id] = reply
 
+    @property
+    def lost(self) -> DaemonLostError | None:
+        """The error that ended the session if the daemon went away (not a close).
+
+        Probes the socket (a poll and a peek, no wait), so a daemon that closed the
+        connection while nothing was in flight counts as lost at once.
+        """
+        if self._dead is None and self.daemon_gone():
+            self._fail(f"the gradsync daemon at {self.endpoint} closed the connection "
+                       "(it stopped, crashed or restarted)")
+        dead = self._dead
+        return dead if isinstance(dead, DaemonLostError) else None
+
     def _fail(self, message: str) -> GradsyncError:
-        error = DaemonUnavailableError(message, {"endpoint": self.endpoint})
+        error = DaemonLostError(message, {"endpoint": self.endpoint})
         with self._cond:
             self._mark_dead(error)
         return self._dead or error
@@ -254,6 +268,10 @@ class Connection:
     def close(self, reason: str = "the client was closed") -> None:
         with self._cond:
             self._mark_dead(DaemonUnavailableError(reason, {"endpoint": self.endpoint}))
+        # shutdown() wakes a reader blocked in poll() on another thread (close()
+        # alone does not), so an abort ends every waiting Work at once.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
 

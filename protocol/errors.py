@@ -27,6 +27,15 @@ class DaemonUnavailableError(GradsyncError):
     code = "daemon_unavailable"
 
 
+class DaemonLostError(DaemonUnavailableError):
+    """The daemon of this session went away (stopped, crashed, restarted).
+
+    What was in flight is lost; the client's next call opens a new session.
+    """
+
+    code = "daemon_lost"
+
+
 class DaemonShuttingDownError(DaemonUnavailableError):
     """The daemon is stopping and failed the operation instead of finishing it."""
 
@@ -104,6 +113,7 @@ _BY_CODE: dict[str, type[GradsyncError]] = {
     for cls in (
         GradsyncError,
         DaemonUnavailableError,
+        DaemonLostError,
         DaemonShuttingDownError,
         ProtocolError,
         VersionMismatchError,

@@ -113,6 +113,11 @@ class Operation:
 def future_of(operation: Operation, completer: FutureCompleter) -> torch.futures.Future[Any]:
     """A future of `operation`'s output tensors (or its error), completed by `completer`."""
     future: torch.futures.Future[Any] = torch.futures.Future()
+    if operation.done:
+        # Already over (a wait() came first): complete it now, as gloo does, so a
+        # `then()` chained next runs at once (torchft's Manager relies on that).
+        _settle(operation, future)
+        return future
 
     def job() -> Callable[[], None]:
         with contextlib.suppress(Exception):

@@ -1,0 +1,110 @@
+"""Replica program: one torchft replica group of one rank, training on gradsync.
+
+Usage: torchft_replica.py REPLICA_ID STEPS KILL_AT VICTIM MARKER_DIR REPLICAS
+Environment: TORCHFT_LIGHTHOUSE (the Lighthouse), GRADSYNC_DAEMON.
+Trains a small model with torchft's Manager (min_replica_size 2), one
+`Manager.allreduce` per gradient, torchft's OptimizerWrapper, until torchft's
+step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
+(once; its restart, which finds its first marker, does not).  It writes
+MARKER_DIR/started-REPLICA_ID (restarted-... when restarted) once its Manager
+is up; the others hold at some steps for those markers (`hold`), so that all
+REPLICAS take part and the rejoin happens before the run ends.  Prints one
+JSON line per step and a final one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed import TCPStore
+from torchft import Manager, Optimizer
+
+from gradsync.client.torch.torchft_group import ProcessGroupGradsync
+
+
+def emit(record: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def hold(markers: Path, step: int, kill_at: int, replicas: int) -> None:
+    """Wait (60 s at most) where the run must not go on alone: from step 3 until
+    every replica has started, and 3 steps after the kill until its restart has.
+    Every wait ends at a marker a replica writes before it asks for a quorum."""
+    def count(prefix: str) -> int:
+        return sum(1 for p in markers.iterdir() if p.name.startswith(prefix))
+
+    killed = markers / "killed"
+    deadline = time.monotonic() + 60
+    while ((step >= 3 and count("started-") < replicas)
+           or (kill_at >= 0 and killed.exists() and step >= int(killed.read_text() or 0) + 3
+               and count("restarted-") == 0)):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"step {step}: a replica did not (re)start within 60 s")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    replica_id, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    victim, markers, replicas = sys.argv[4] == "1", Path(sys.argv[5]), int(sys.argv[6])
+    restarted = (markers / f"started-{replica_id}").exists()
+    torch.manual_seed(0)  # every replica starts equal; torchft syncs step 0 anyway
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=30)
+    manager = Manager(
+        pg=ProcessGroupGradsync(timeout=timeout),
+        min_replica_size=2,
+        load_state_dict=lambda state: (model.load_state_dict(state["model"]),
+                                       inner.load_state_dict(state["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        replica_id=replica_id, store_addr="127.0.0.1", store_port=store.port,
+        rank=0, world_size=1, timeout=timeout,
+        quorum_timeout=datetime.timedelta(seconds=60), use_async_quorum=False,
+    )
+    optimizer = Optimizer(manager, inner)
+    (markers / f"{'restarted' if restarted else 'started'}-{replica_id}").touch()
+    while manager.current_step() < steps:
+        step = manager.current_step()
+        if not victim:
+            hold(markers, step, kill_at, replicas)
+        optimizer.zero_grad()  # starts the quorum (a healing replica gets its step here)
+        step = manager.current_step()
+        (markers / f"{replica_id}-step-{step}").touch()  # for a test that acts mid-run
+        generator = torch.Generator().manual_seed(1000 * manager.current_step()
+                                                  + (manager.participating_rank() or 0))
+        x = torch.randn(16, 32, generator=generator)
+        loss = model(x).square().mean()
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if victim and not restarted and step >= kill_at:
+            emit({"replica": replica_id, "killed_at": step})
+            (markers / "killed").write_text(str(step))
+            manager.allreduce(grads[0])  # the first of the step's allreduces, then death:
+            time.sleep(0.2)  # the others wait in the second one by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        works = [manager.allreduce(g) for g in grads]
+        for work in works:
+            work.wait()
+        participants = manager.num_participants()
+        optimizer.step()  # should_commit: a step with a failure is discarded
+        emit({"replica": replica_id, "step": step, "participants": participants,
+              "committed": manager.current_step() > step, "healed": restarted})
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    emit({"replica": replica_id, "final_step": manager.current_step(),
+          "params": flat.tolist()[:64], "checksum": float(flat.double().sum()),
+          "batches_committed": manager.batches_committed()})
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()

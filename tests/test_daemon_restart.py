@@ -1,0 +1,94 @@
+"""A daemon restarted on the same socket: one DaemonLostError, then the client reconnects."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from gradsync.client import Client
+from gradsync.protocol.errors import (
+    DaemonLostError,
+    DaemonShuttingDownError,
+    DaemonUnavailableError,
+)
+from tests.conftest import DaemonProcess, launch_daemon, segments_of
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def restart(daemon: DaemonProcess, how: signal.Signals) -> DaemonProcess:
+    """Stop `daemon` (SIGTERM: a systemctl restart; SIGKILL: a crash), start another
+    on the same socket, as systemd's Restart= does."""
+    daemon.process.send_signal(how)
+    daemon.process.wait(30)
+    if how == signal.SIGKILL:
+        daemon.sweep_segments()
+    return launch_daemon(daemon.folder, name=daemon.socket_path.rsplit("/", 1)[1][: -len(".sock")])
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["restart", "crash"])
+def test_collective_after_a_restart_raises_once_then_the_client_reconnects(
+    start_daemon: object, how: signal.Signals
+) -> None:
+    daemon: DaemonProcess = start_daemon()  # type: ignore[operator]
+    ranks = [Client(daemon=daemon.endpoint, job="restart", rank=r, world_size=2, local_rank=r,
+                    local_world_size=2, timeout_s=20) for r in range(2)]
+    try:
+        arrays = [np.full(1 << 18, float(r + 1), np.float32) for r in range(2)]
+        works = [c.all_reduce(a, op="sum", async_op=True)
+                 for c, a in zip(ranks, arrays, strict=True)]
+        for work in works:
+            assert work is not None
+            work.wait()
+        assert all(np.all(a == 3.0) for a in arrays)
+        in_flight = ranks[0].all_reduce(arrays[0], async_op=True)  # rank 1 never joins it
+        assert in_flight is not None
+        old_pid = ranks[0].daemon_pid
+        new = restart(daemon, how)
+        try:
+            with pytest.raises(DaemonUnavailableError) as lost:
+                in_flight.wait()
+            # A stopping daemon fails it itself; a crashed one just closes the socket.
+            expected = DaemonLostError if how == signal.SIGKILL else DaemonShuttingDownError
+            assert isinstance(lost.value, expected), repr(lost.value)
+            # Rank 1 was idle: its next call finds the session gone and reconnects.
+            # Rank 0's too.  Both then run in a new session of the job.
+            arrays = [np.full(1 << 18, float(r + 1), np.float32) for r in range(2)]
+            threads = [threading.Thread(target=c.all_reduce, args=(a,), kwargs={"op": "sum"})
+                       for c, a in zip(ranks, arrays, strict=True)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert all(np.all(a == 3.0) for a in arrays)
+            assert ranks[0].daemon_pid == ranks[1].daemon_pid == new.pid != old_pid
+        finally:
+            for client in ranks:
+                client.close()
+            assert new.stop() == 0, new.log()
+            assert not segments_of(new.pid)
+    finally:
+        for client in ranks:
+            client.close()
+
+
+def test_a_lost_daemon_is_a_daemon_lost_error(start_daemon: object) -> None:
+    """An idle client whose daemon crashed: its next collective finds no daemon and
+    says so; it raised DaemonLostError for the one in flight."""
+    daemon: DaemonProcess = start_daemon()  # type: ignore[operator]
+    client = Client(daemon=daemon.endpoint, job="lost", rank=0, world_size=2, local_rank=0,
+                    local_world_size=2, timeout_s=20)
+    try:
+        work = client.all_reduce(np.ones(1024, np.float32), async_op=True)
+        assert work is not None
+        daemon.process.kill()
+        daemon.process.wait(10)
+        with pytest.raises(DaemonLostError, match="the connection"):
+            work.wait()
+        with pytest.raises(DaemonUnavailableError, match="no gradsync daemon answers"):
+            client.all_reduce(np.ones(1024, np.float32))
+    finally:
+        client.close()

@@ -1,0 +1,164 @@
+"""torchft on gradsync: a lost replica costs a step, not the job (real torchft, real daemons)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+from torchft._torchft import LighthouseServer
+
+from tests.cluster import curve_args, free_ports, peer_args
+from tests.conftest import PROGRAMS, DaemonProcess, launch_daemon, poll_until
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+
+STEPS = 20
+KILL_AT = 5
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[LighthouseServer]:
+    # A short join timeout: a quorum waits 0.1 s (not 60 s) for a heartbeating replica.
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100,
+                              quorum_tick_ms=20)
+    yield server
+    server.shutdown()
+
+
+def spawn_replica(
+    replica: int, endpoint: str, lighthouse: str, markers: Path, victim: bool,
+    kill_at: int = KILL_AT, steps: int = STEPS,
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "GRADSYNC_DAEMON": endpoint, "TORCHFT_LIGHTHOUSE": lighthouse,
+           "GRADSYNC_JOB": "torchft-test"}
+    return subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "torchft_replica.py"), f"replica{replica}", str(steps),
+         str(kill_at), "1" if victim else "0", str(markers), "3"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(
+    process: subprocess.Popen[str], timeout_s: float, what: str,
+    logs: Sequence[Callable[[], str]] = (),
+) -> list[dict[str, Any]]:
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"{what} hung:\n{out[-3000:]}\n{err[-5000:]}") from None
+    daemons = "\n".join(log()[-3000:] for log in logs)
+    assert process.returncode == 0, (
+        f"{what} exited {process.returncode}:\n{out}\n{err[-5000:]}\n{daemons}")
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """3 replicas, min 2: replica 2 dies mid-allreduce at step 5; 0 and 1 discard
+    that step, commit on with 2 participants; replica 2 restarts, heals from a
+    live one and rejoins; after step 20 all three hold identical parameters."""
+    sigkill_heal_rejoin([daemon.endpoint] * 3, lighthouse, Path(short_tmp))
+
+
+@pytest.mark.parametrize("security", ["insecure", "curve"])
+def test_sigkilled_replica_on_the_other_daemon(
+    start_daemon: Any, lighthouse: LighthouseServer, short_tmp: str, security: str
+) -> None:
+    """The same with 2 + 1 replicas on two daemons: the victim alone on the second."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    flags = (curve_args(Path(short_tmp) / "keys", endpoints) if security == "curve"
+             else [["--insecure"]] * 2)
+    daemons = [start_daemon(*peer_args(i, endpoints, *flags[i])) for i in range(2)]
+    where = [daemons[0].endpoint, daemons[0].endpoint, daemons[1].endpoint]
+    sigkill_heal_rejoin(where, lighthouse, Path(short_tmp), [d.log for d in daemons])
+
+
+def sigkill_heal_rejoin(
+    endpoints: list[str], lighthouse: LighthouseServer, folder: Path,
+    logs: Sequence[Callable[[], str]] = (),
+) -> None:
+    """Replica r on daemon endpoints[r]; replica 2 dies, restarts, heals, rejoins."""
+    markers = folder / "markers"
+    markers.mkdir()
+    address = lighthouse.address()
+    replicas = [spawn_replica(r, endpoints[r], address, markers, victim=r == 2)
+                for r in range(3)]
+    try:
+        victim = replicas[2]
+        out, err = victim.communicate(timeout=90)
+        assert victim.returncode == -9, f"replica 2 should have killed itself:\n{out}\n{err}"
+        restarted = spawn_replica(2, endpoints[2], address, markers, victim=True)
+        records = [finish(replicas[r], 120, f"replica {r}", logs) for r in range(2)]
+        records.append(finish(restarted, 60, "restarted replica 2", logs))
+        killed_at = next(json.loads(line)["killed_at"] for line in out.splitlines()
+                         if "killed_at" in line)
+    finally:
+        for process in replicas:
+            if process.poll() is None:
+                process.kill()
+    steps = [[r for r in rs if "step" in r] for rs in records]
+    finals = [next(r for r in rs if "final_step" in r) for rs in records]
+    for survivor in steps[:2]:
+        at_kill = [r for r in survivor if r["step"] == killed_at]
+        # The step of the kill was discarded (not committed), then retried ...
+        assert not at_kill[0]["committed"] and at_kill[-1]["committed"], at_kill
+        # ... then steps committed with the two survivors ...
+        two = [r for r in survivor if r["committed"] and r["participants"] == 2]
+        assert any(r["step"] >= killed_at for r in two), survivor
+        # ... and the last ones with all three again.
+        assert survivor[-1]["committed"] and survivor[-1]["participants"] == 3, survivor[-1]
+    healed = steps[2]
+    assert healed[0]["healed"] and healed[0]["step"] > killed_at, healed[0]
+    assert all(f["final_step"] == STEPS for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
+    assert finals[0]["checksum"] == finals[1]["checksum"] == finals[2]["checksum"]
+    # torchft counts 3 batches per 3-replica step, 2 per 2-replica one: survivors agree.
+    assert finals[0]["batches_committed"] == finals[1]["batches_committed"]
+
+
+def test_daemon_restart_mid_training_fails_a_step_and_training_goes_on(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """The daemon restarted on its socket (systemctl restart) at step 4: the step in
+    flight is discarded, the replicas reconnect at the next quorum, no trainer exits,
+    and they end identical."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    steps = 12
+    replicas = [spawn_replica(r, daemon.endpoint, lighthouse.address(), markers, victim=False,
+                              kill_at=-1, steps=steps) for r in range(3)]
+    restarted: DaemonProcess | None = None
+    try:
+        def at_step_4() -> bool:
+            assert all(p.poll() is None for p in replicas), [finish(p, 1, "a replica")
+                                                              for p in replicas]
+            return any(int(m.name.rsplit("-", 1)[1]) >= 4 for m in markers.glob("*-step-*"))
+
+        poll_until(at_step_4, 90, "a replica at step 4")
+        assert daemon.stop() == 0, daemon.log()
+        restarted = launch_daemon(daemon.folder, name="d0")
+        records = [finish(p, 120, f"replica {r}") for r, p in enumerate(replicas)]
+    finally:
+        for process in replicas:
+            if process.poll() is None:
+                process.kill()
+        if restarted is not None:
+            assert restarted.stop() == 0, restarted.log()
+    finals = [next(r for r in rs if "final_step" in r) for rs in records]
+    assert all(f["final_step"] == steps for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
+    for replica in records:
+        discarded = [r for r in replica if "step" in r and not r["committed"]]
+        assert discarded, f"no step was discarded across the restart: {replica}"
+        assert replica[-2]["committed"] and replica[-2]["participants"] == 3, replica[-2]
