@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.algorithms.calibration import CostMeter
+from gradsync.daemon.backends.wire_codec import CODECS
 from gradsync.daemon.core.auto import epoch_of, epoch_to_offer, wants_auto
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.interfaces import PeerTransport
@@ -128,6 +129,7 @@ class CrossDaemonRunner:
                 index for index in range(len(formation.daemons)) if index != me
             ] if plan.agree_first else [],
             chunks=self.chunks,
+            codec=CODECS[collective.compression] if collective.compression else None,
         )
         self.cluster.run_started(job, ready.key, run)
         data_phase = time.monotonic()

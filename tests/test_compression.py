@@ -1,0 +1,66 @@
+"""Compressed allreduce across real daemons: every rank bit-identical, within bounds.
+
+1 to 4 daemons, every algorithm, bf16 and fp8, float32 and float64, sum and
+avg, odd sizes, NaN/Inf/-0.0 and values far beyond fp8's range
+(tests/programs/compressed_allreduce.py; the bound: compression_bounds.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from cluster import free_ports, peer_args, run_spread
+
+from conftest import DaemonProcess
+
+StartDaemon = Callable[..., DaemonProcess]
+
+
+def start_cluster(start_daemon: StartDaemon, count: int, *extra: str) -> list[DaemonProcess]:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    return [start_daemon(*peer_args(i, endpoints, "--insecure", *extra)) for i in range(count)]
+
+
+def _by_case(records: list[list[dict[str, Any]]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    cases: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for rank_records in records:
+        for record in rank_records:
+            if "case" in record:
+                cases.setdefault(tuple(record["case"]), []).append(record)
+    return cases
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("ranks_per_daemon", "algorithms", "counts", "extra"),
+    [
+        ((2,), "ring", "1,1000", ()),
+        ((2, 1), "ring,tree,rhd,star", "1,7,1000,300001", ()),
+        ((1, 1, 1), "ring,tree,rhd,star", "7,257,70001", ("--pipeline-slice-bytes", "20KiB")),
+        ((1, 2, 1, 1), "ring,tree,rhd,star", "1,1000,70001", ()),
+    ],
+    ids=["1d", "2d", "3d-small-slices", "4d"],
+)
+def test_every_rank_ends_bit_identical_within_the_bound(
+    start_daemon: StartDaemon, ranks_per_daemon: tuple[int, ...], algorithms: str, counts: str,
+    extra: tuple[str, ...],
+) -> None:
+    daemons = start_cluster(start_daemon, len(ranks_per_daemon), *extra)
+    results = run_spread(daemons, ranks_per_daemon, "compressed_allreduce.py",
+                         ["bf16,fp8", algorithms, counts, str(len(daemons))], timeout_s=220)
+    records = [result.records() for result in results]
+    cases = _by_case(records)
+    assert len(cases) == 2 * len(algorithms.split(",")) * 2 * 2 * len(counts.split(","))
+    for case, per_rank in cases.items():
+        assert len(per_rank) == len(results), case
+        assert len({record["digest"] for record in per_rank}) == 1, (case, per_rank)
+        assert per_rank[0]["over"] == 0, (case, per_rank[0])
+        assert per_rank[0]["specials"] == 0, (case, per_rank[0])
+        assert per_rank[0]["not_bf16"] == 0, (case, per_rank[0])
+    bad = records[0][0]["bad"]
+    assert "int32" in bad[0] and "max" in bad[1] and "'int4'" in bad[2], bad
+    assert "float16" in bad[3] and "needs a compression" in bad[4] and "int64" in bad[5], bad
+    for daemon in daemons:
+        daemon.assert_alive()
