@@ -359,7 +359,9 @@ class Client:
             wire.Collective, ALLREDUCE, segment=placed.segment, offset=placed.offset,
             count=count, dtype=wire_dtype, op=reduce_op, timeout_s=self.timeout_s,
             algorithm=algorithm, waited_s=waited_s or 0.0, compression=chosen.format,
-            error_feedback=chosen.error_feedback,
+            # A staged array's scratch slot serves other arrays too: the daemon keys
+            # residuals by slot, so a staged one gets none (README, "Compression").
+            error_feedback=chosen.error_feedback and placed.on_finish is None,
         )
         return self._issue(
             request, [placed], async_op,

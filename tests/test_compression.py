@@ -64,3 +64,33 @@ def test_every_rank_ends_bit_identical_within_the_bound(
     assert "float16" in bad[3] and "needs a compression" in bad[4] and "int64" in bad[5], bad
     for daemon in daemons:
         daemon.assert_alive()
+
+
+@pytest.mark.timeout(120)
+def test_error_feedback_keeps_the_sum_of_many_steps_exact(start_daemon: StartDaemon) -> None:
+    """fp8 rounds each step's sum by up to 2^-4: 40 equal steps drift by 40 such
+    roundings without feedback, by about one with it; the residual is counted
+    while its buffer lives and dropped once freed.  The statistics show each
+    peer's bytes on the wire and before compression, and a compressed
+    reduce-scatter stays within fp8's rounding."""
+    from gradsync.client.cli.stats import fetch_snapshot
+
+    daemons = start_cluster(start_daemon, 2)
+    results = run_spread(daemons, (1, 1), "error_feedback_ranks.py", ["fp8", "40"],
+                         timeout_s=100)
+    for result in results:
+        record = result.records()[-1]
+        assert record["with"] < 0.1 * record["without"], record
+        assert record["with"] < 3 * 2.0**-4, record  # the roundings still held, at most
+        held = record["error_feedback"]
+        assert held["buffers"] >= 1 and held["bytes_held"] >= 50_000 * 4, held
+        assert 0 < record["scatter_error"] < 0.07, record
+        (peer,) = record["peers"].values()
+        for way in ("sent", "received"):
+            wire, raw = peer[f"bytes_{way}"], peer[f"bytes_{way}_uncompressed"]
+            assert 0.25 <= wire / raw <= 0.26, peer  # 1 + 4/256 bytes per 4
+    for daemon in daemons:
+        # The job ended, its segments were freed, and the residuals with them.
+        assert fetch_snapshot(daemon.endpoint + ".stats", 5.0)["error_feedback"] == {
+            "buffers": 0, "bytes_held": 0}
+        daemon.assert_alive()

@@ -41,6 +41,7 @@ import numpy as np
 from gradsync.daemon.backends.reduce import combine_into
 from gradsync.daemon.backends.wire_codec import WireCodec
 from gradsync.daemon.core.interfaces import PlacedPayload
+from gradsync.daemon.run.residuals import record
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
 from gradsync.protocol.peer import Fingerprint
@@ -144,10 +145,13 @@ class ScheduleRun:
         agree_with: Sequence[int] = (),
         chunks: ChunkPool | None = None,
         codec: WireCodec | None = None,
+        residual: np.ndarray | None = None,
     ) -> None:
         self.schedule = schedule
-        #: The wire format of a compressed collective (None: the buffer's bytes).
+        #: The wire format of a compressed collective (None: the buffer's bytes), and
+        #: with error feedback the residual array its roundings are recorded in.
         self.codec = codec
+        self.residual = residual
         self._chunks = chunks if chunks is not None else ChunkPool()
         self._agree_with = list(agree_with)
         self._agreements_missing = set(agree_with)
@@ -311,6 +315,15 @@ class ScheduleRun:
         if self._next:
             self._landed(begin, begin + count)
 
+    def raw_nbytes(self, nbytes: int) -> int:
+        """Buffer bytes a payload of `nbytes` carries (0 for one that fits no count)."""
+        if self.codec is None:
+            return nbytes
+        try:
+            return self.codec.count(nbytes) * self.buffer.itemsize
+        except ProtocolError:
+            return 0
+
     def _kept_count(self, payload: Any) -> int:
         """`_count_of` a slice kept early, 0 for one that fits none (refused at its step)."""
         try:
@@ -416,7 +429,11 @@ class ScheduleRun:
         self.bytes_raw += (piece.end - piece.begin) * itemsize
         if self.codec is not None:
             # A fresh encoding nobody writes again: zero-copy from it is safe.
-            view = self.codec.encode(self.buffer[piece.begin : piece.end])
+            values = self.buffer[piece.begin : piece.end]
+            before = values.copy() if self.residual is not None else None
+            view = self.codec.encode(values)
+            if before is not None:
+                record(self.residual[piece.begin : piece.end], before, values)  # type: ignore[index]
         else:
             # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
             view = self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data
