@@ -26,15 +26,18 @@ def _gradsync_backend(group: Any) -> Any:
     """The `ProcessGroupGradsync` behind `group` (None: the default group)."""
     from gradsync.client.torch.backend import ProcessGroupGradsync
 
-    if isinstance(group, ProcessGroupGradsync):
-        return group
     if group is None:
         group = dist.distributed_c10d._get_default_group()
-    backend = group._get_backend(torch.device("cpu"))
+    if isinstance(group, ProcessGroupGradsync):  # torch's group is ours (extended API)
+        return group
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        backend = None
     if not isinstance(backend, ProcessGroupGradsync):
         raise InvalidArgumentError(
-            f"set_compression: group {group.group_name!r} runs on backend "
-            f"{group._get_backend_name()!r}, not gradsync")
+            f"set_compression: group {getattr(group, 'group_name', group)!r} does not run on "
+            "backend gradsync")
     return backend
 
 
