@@ -51,23 +51,27 @@ static inline uint16_t to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-/* e4m3fn code of a finite y with |y| <= 448, round to nearest even. */
-static inline uint8_t to_e4m3(float y)
+/* e4m3fn code of a finite y with |y| <= 448, round to nearest even, and in
+ * `rounded` the value it stands for.  Branch-free (both roundings computed, one
+ * kept) and without a table look-up, so the loop around it vectorises. */
+static inline uint8_t to_e4m3(float y, float *rounded)
 {
     uint32_t u = bits_of(y);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    float a = fabsf(y);
-    uint8_t code;
-    if (a < 0.015625f) {  /* 2^-6: subnormal codes m * 2^-9, m in 0..8 (8 is 2^-6) */
-        /* round to nearest even by the float adder: 2^23 has no fraction bits */
-        code = (uint8_t)((a * 512.0f + 8388608.0f) - 8388608.0f);
-    } else {
-        uint32_t v = bits_of(a);
-        v += 0x7ffffu + ((v >> 20) & 1u);
-        int32_t e = (int32_t)(v >> 23) - 127;
-        code = (uint8_t)(((uint32_t)(e + 7) << 3) | ((v >> 20) & 7u));
-    }
-    return (uint8_t)(code | sign);
+    uint32_t v = u & 0x7fffffffu;
+    /* |y| >= 2^-6: round the 23 mantissa bits to 3; the carry may bump the exponent;
+     * then rebias (127 -> 7): (r >> 20) is exponent << 3 | mantissa */
+    uint32_t r = v + 0x7ffffu + ((v >> 20) & 1u);
+    uint32_t normal = (r >> 20) - (120u << 3);
+    float normal_value = float_of(r & 0xfff00000u);
+    /* |y| < 2^-6: codes m * 2^-9, m in 0..8 (8 is 2^-6), rounded by the float adder,
+     * whose result 2^23 + m has m in its low mantissa bits */
+    float shifted = float_of(v) * 512.0f + 8388608.0f;
+    uint32_t small = bits_of(shifted) - 0x4b000000u;
+    float small_value = (shifted - 8388608.0f) * 0.001953125f;
+    uint32_t is_small = 0u - (uint32_t)(v < 0x3c800000u);  /* all ones or zero */
+    *rounded = float_of(((bits_of(small_value) & is_small) | (bits_of(normal_value) & ~is_small))
+                        | (u & 0x80000000u));
+    return (uint8_t)(((small & is_small) | (normal & ~is_small)) | ((u >> 24) & 0x80u));
 }
 
 /* The least k with amax <= 448 * 2^k, clipped. */
@@ -106,25 +110,28 @@ static void fp8_encode_run(float *values, uint8_t *out, Py_ssize_t n)
     uint8_t *codes = out + 4 * blocks;
     for (Py_ssize_t b = 0; b < blocks; b++) {
         Py_ssize_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
-        float amax = 0.0f;
+        /* The largest finite magnitude, compared as bits (the same order for
+         * non-negative floats), non-finite counting 0: integer max vectorises. */
+        int32_t amax_bits = 0;
         for (Py_ssize_t i = lo; i < hi; i++) {
-            float a = fabsf(values[i]);
-            amax = a <= 3.40282347e38f && a > amax ? a : amax;  /* finite only */
+            int32_t a = (int32_t)(bits_of(values[i]) & 0x7fffffffu);
+            a = a < 0x7f800000 ? a : 0;
+            amax_bits = a > amax_bits ? a : amax_bits;
         }
+        float amax = float_of((uint32_t)amax_bits);
         int k = scale_exponent(amax);
         float scale = ldexpf(1.0f, k);
-        double inverse = ldexp(1.0, -k);
+        /* 2^-k as two float factors (2^140 is no float): each product is exact,
+         * but where it lies far below e4m3's smallest step (the code is 0 anyway) */
+        float inverse_1 = ldexpf(1.0f, -k / 2), inverse_2 = ldexpf(1.0f, -k - (-k / 2));
         memcpy(out + 4 * b, &scale, 4);
         for (Py_ssize_t i = lo; i < hi; i++) {
             float x = values[i];
-            uint8_t code;
-            if (!(fabsf(x) <= 3.40282347e38f))
-                code = 0x7f;
-            else  /* x * 2^-k is exact in double; to float inexact only where it is far
-                   * below e4m3's smallest step, so the code is 0 either way */
-                code = to_e4m3((float)((double)x * inverse));
-            codes[i] = code;
-            values[i] = fp8_values[code] * scale;
+            float rounded;
+            uint8_t code = to_e4m3(x * inverse_1 * inverse_2, &rounded);
+            uint32_t finite = 0u - (uint32_t)((bits_of(x) & 0x7fffffffu) < 0x7f800000u);
+            codes[i] = (uint8_t)((code & finite) | (0x7fu & ~finite));
+            values[i] = float_of((bits_of(rounded * scale) & finite) | (0x7fc00000u & ~finite));
         }
     }
 }
