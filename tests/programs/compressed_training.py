@@ -1,5 +1,6 @@
 """Rank program: torch DDP on backend gradsync, uncompressed, bf16 and fp8 with
-error feedback, and torch's fp16_compress_hook on gloo, the same training each.
+error feedback, torch's fp16_compress_hook on gloo, and gradsync's own DDP with bf16: the same
+training each.
 
 An MLP regresses a fixed random teacher for `steps` SGD steps, each rank on
 batches of its own; the loss is measured on one held-out set every rank
@@ -23,20 +24,26 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync.client.torch  # noqa: F401  (the backend)
+from gradsync.client.torch import DistributedDataParallel as GradsyncDDP
 from gradsync.client.torch.compression import compression_of, set_compression
 
 FEATURES, HIDDEN = 32, 256
 
 
 def train(
-    steps: int, group: dist.ProcessGroup | None, fp16_hook: bool
+    steps: int, group: dist.ProcessGroup | None, fp16_hook: bool, ours: str | None = None
 ) -> tuple[float, float, str]:
+    """`ours`: train with gradsync's own DDP wrapper, compressed with that format."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
                                 torch.nn.Linear(HIDDEN, 1))
-    ddp = DistributedDataParallel(model, process_group=group)
+    ddp: torch.nn.Module
+    if ours is not None:
+        ddp = GradsyncDDP(model, compression=ours)
+    else:
+        ddp = DistributedDataParallel(model, process_group=group)
     if fp16_hook:
-        ddp.register_comm_hook(group, fp16_compress_hook)
+        ddp.register_comm_hook(group, fp16_compress_hook)  # type: ignore[operator]
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     teacher = torch.Generator().manual_seed(1)
     weights = torch.randn(FEATURES, 1, generator=teacher) / FEATURES**0.5
@@ -69,6 +76,7 @@ def main() -> int:
         assert compression_of(None).format == compression
         runs[name] = train(steps, None, False)
     runs["gloo_fp16_hook"] = train(steps, gloo, True)
+    runs["ours_bf16"] = train(steps, None, False, ours="bf16")
     dist.destroy_process_group()
     print(json.dumps({"rank": dist.get_rank() if dist.is_initialized() else None,
                       "losses": {name: loss for name, (loss, _, _) in runs.items()},
