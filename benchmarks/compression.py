@@ -96,7 +96,13 @@ def run_ranks(topo: topology.Topology, daemons: list[str], args: list[str],
                       MASTER_ADDR=master, MASTER_PORT=port, OMP_NUM_THREADS="1",
                       GLOO_SOCKET_IFNAME=topo.interfaces[rank]),
         stdout=subprocess.PIPE, text=True) for rank in range(len(daemons))]
-    outputs = [rank.communicate(timeout=900)[0] for rank in ranks]
+    deadline = time.monotonic() + 900
+    while any(rank.poll() is None for rank in ranks):
+        if any(rank.returncode for rank in ranks) or time.monotonic() > deadline:
+            for rank in ranks:  # one failed (or all hang): the others would wait forever
+                rank.kill()
+        time.sleep(0.05)
+    outputs = [rank.communicate()[0] for rank in ranks]
     if any(rank.returncode for rank in ranks):
         raise RuntimeError(f"a rank failed: {outputs}")
     return [json.loads(out.strip().splitlines()[-1]) for out in outputs]

@@ -178,6 +178,8 @@ class ScheduleRun:
         #: Bytes put on the wire, and the buffer bytes they carry (equal uncompressed).
         self.bytes_sent = 0
         self.bytes_raw = 0
+        #: Per peer (daemon index): [bytes on the wire, buffer bytes they carry], for traces.
+        self.sent_to: dict[int, list[int]] = {}
         #: (start, end, peers it received from) of every finished step, for traces.
         self.step_times: list[tuple[float, float, list[int]]] = []
         self._step_started = 0.0
@@ -444,6 +446,9 @@ class ScheduleRun:
         if tracker is not None:
             self.trackers.append((piece.peer, tracker))
         self.bytes_sent += view.nbytes
+        sent = self.sent_to.setdefault(piece.peer, [0, 0])
+        sent[0] += view.nbytes
+        sent[1] += (piece.end - piece.begin) * itemsize
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait until libzmq no longer reads any zero-copy slice of the buffer.

@@ -165,6 +165,12 @@ class CrossDaemonRunner:
                     self.trace.add(f"link {formation.daemons[source]}",
                                    f"{algorithm} step {number + 1}/{run.steps}", started, ended,
                                    job=job.name, key=repr(ready.key))
+            ended = run.step_times[-1][1] if run.step_times else data_phase
+            for peer, (wire, raw) in sorted(run.sent_to.items()):
+                self.trace.add(f"link {formation.daemons[peer]}", f"{algorithm} sent", data_phase,
+                               ended, job=job.name, key=repr(ready.key), bytes_sent=wire,
+                               bytes_before_compression=raw,
+                               compression=collective.compression or "none")
         phase_start = time.monotonic()
         if plan.after is not None:
             await self.run_call(plan.after, plan.work.nbytes)
