@@ -102,7 +102,8 @@ def test_error_feedback_keeps_the_sum_of_many_steps_exact(start_daemon: StartDae
 def test_torch_ddp_trains_as_well_compressed(start_daemon: StartDaemon) -> None:
     """torch DDP on backend gradsync over 2 daemons, 200 steps: bf16 and fp8 with
     error feedback end within 1 % of the uncompressed run's loss, with every rank's
-    parameters bit-identical, and so does gradsync's own DDP with bf16; torch's
+    parameters bit-identical, and so do gradsync's own DDP with bf16 and FSDP2
+    (reduce-scatter) with bf16 against FSDP2 uncompressed; torch's
     fp16_compress_hook on gloo is printed beside."""
     from test_torch_backend import rendezvous_env
 
@@ -112,11 +113,12 @@ def test_torch_ddp_trains_as_well_compressed(start_daemon: StartDaemon) -> None:
     records = [result.records()[-1] for result in results]
     losses = records[0]["losses"]
     print(f"held-out loss: {records[0]['initial']:.4f} at first, after 200 steps",
-          json.dumps(losses))
+          json.dumps(losses), "seconds per run:", records[0]["seconds"])
     assert losses["gradsync"] < 0.5 * records[0]["initial"]  # it learned
     exact = losses["gradsync"]
     for name in ("gradsync_bf16", "gradsync_fp8_ef", "ours_bf16"):
         assert abs(losses[name] - exact) <= 0.01 * exact, losses
+    assert abs(losses["fsdp2_bf16"] - losses["fsdp2"]) <= 0.01 * losses["fsdp2"], losses
     for name in losses:
         assert len({record["digests"][name] for record in records}) == 1, name
     assert losses["gloo_fp16_hook"] < 2 * exact, losses  # it trained (printed to compare)

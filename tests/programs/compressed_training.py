@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,15 +31,29 @@ from gradsync.client.torch.compression import compression_of, set_compression
 FEATURES, HIDDEN = 32, 256
 
 
+def timed(seconds: dict[str, float], name: str, run: object) -> tuple[float, float, str]:
+    """`run()`, its wall time kept in `seconds` (printed: where the test's time goes)."""
+    start = time.monotonic()
+    result: tuple[float, float, str] = run()  # type: ignore[operator]
+    seconds[name] = round(time.monotonic() - start, 2)
+    return result
+
+
 def train(
-    steps: int, group: dist.ProcessGroup | None, fp16_hook: bool, ours: str | None = None
+    steps: int, group: dist.ProcessGroup | None, fp16_hook: bool, ours: str | None = None,
+    fsdp: bool = False,
 ) -> tuple[float, float, str]:
-    """`ours`: train with gradsync's own DDP wrapper, compressed with that format."""
+    """`ours`: train with gradsync's own DDP wrapper, compressed with that format;
+    `fsdp`: with FSDP2 (fully_shard), whose gradients go by reduce-scatter."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(),
                                 torch.nn.Linear(HIDDEN, 1))
     ddp: torch.nn.Module
-    if ours is not None:
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        ddp = fully_shard(model)  # one group: a gather and a reduce-scatter a step
+    elif ours is not None:
         ddp = GradsyncDDP(model, compression=ours)
     else:
         ddp = DistributedDataParallel(model, process_group=group)
@@ -59,8 +74,8 @@ def train(
         optimizer.step()
     with torch.no_grad():
         final = torch.nn.functional.mse_loss(model(held_out), torch.sin(held_out @ weights))
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                     for p in model.parameters())).hexdigest()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in full)).hexdigest()
     return float(final), float(first), digest
 
 
@@ -70,17 +85,23 @@ def main() -> int:
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     gloo = dist.new_group(backend="gloo")
     runs = {}
+    seconds: dict[str, float] = {}
     for name, compression, feedback in (("gradsync", None, False), ("gradsync_bf16", "bf16", False),
                                         ("gradsync_fp8_ef", "fp8", True)):
         set_compression(None, compression, error_feedback=feedback)
         assert compression_of(None).format == compression
-        runs[name] = train(steps, None, False)
-    runs["gloo_fp16_hook"] = train(steps, gloo, True)
-    runs["ours_bf16"] = train(steps, None, False, ours="bf16")
+        runs[name] = timed(seconds, name, lambda: train(steps, None, False))
+    runs["gloo_fp16_hook"] = timed(seconds, "gloo_fp16_hook", lambda: train(steps, gloo, True))
+    runs["ours_bf16"] = timed(seconds, "ours_bf16",
+                              lambda: train(steps, None, False, ours="bf16"))
+    for name, compression in (("fsdp2", None), ("fsdp2_bf16", "bf16")):
+        set_compression(None, compression)
+        runs[name] = timed(seconds, name,  # slower per step: fewer
+                           lambda: train(steps // 4, None, False, fsdp=True))
     dist.destroy_process_group()
     print(json.dumps({"rank": dist.get_rank() if dist.is_initialized() else None,
                       "losses": {name: loss for name, (loss, _, _) in runs.items()},
-                      "initial": runs["gradsync"][1],
+                      "initial": runs["gradsync"][1], "seconds": seconds,
                       "digests": {name: digest for name, (_, _, digest) in runs.items()}}),
           flush=True)
     return 0
