@@ -464,7 +464,8 @@ class Client:
             out_segment=placed_out.segment, out_offset=placed_out.offset,
             out_count=None if output is None else checked[id(output)].elements,
             dtype=names[0], op=reduce_op, root=root, timeout_s=self.timeout_s,
-            compression=chosen.format, error_feedback=chosen.error_feedback,
+            compression=chosen.format,
+            error_feedback=chosen.error_feedback and placed_in.on_finish is None,
         )
         return self._issue(request, [placed_in, placed_out], async_op, kind)
 

@@ -34,7 +34,6 @@ from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, InvalidArgumentError, PeerLostError
 from gradsync.protocol.peer import Slice
-from gradsync.protocol.requests import ALLREDUCE
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
@@ -180,8 +179,9 @@ class CrossDaemonRunner:
         self, job: Job, ready: PendingCollective, collective: Collective
     ) -> np.ndarray | None:
         """The error-feedback residual of this collective's buffer (the lowest local
-        rank's slot), or None without error feedback or a buffer to key it by."""
-        if not collective.error_feedback or collective.kind != ALLREDUCE:
+        rank's input slot: the work buffer's size), or None without error feedback
+        or a buffer to key it by."""
+        if not collective.error_feedback:
             return None
         first = ready.submissions[min(ready.submissions)]
         if first.view is None or not first.slabs or not isinstance(first.view, np.ndarray):

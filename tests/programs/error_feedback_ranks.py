@@ -50,7 +50,9 @@ def main() -> int:
         scatter_in = np.concatenate(inputs)  # every rank's input: world x COUNT
         mine = np.random.default_rng(client.rank).standard_normal(world * COUNT)
         out = np.empty(COUNT, np.float32)
-        client.reduce_scatter(out, mine.astype(np.float32), compression=fmt)
+        scatter = client.empty(world * COUNT, np.float32)  # daemon memory: feedback applies
+        scatter[:] = mine
+        client.reduce_scatter(out, scatter, compression=fmt, error_feedback=True)
         everyone = [np.random.default_rng(r).standard_normal(world * COUNT).astype(np.float32)
                     for r in range(world)]
         want = np.sum(everyone, axis=0, dtype=np.float64)[client.rank * COUNT:][:COUNT]
