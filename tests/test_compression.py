@@ -90,6 +90,10 @@ def test_error_feedback_keeps_the_sum_of_many_steps_exact(start_daemon: StartDae
         for way in ("sent", "received"):
             wire, raw = peer[f"bytes_{way}"], peer[f"bytes_{way}_uncompressed"]
             assert 0.25 <= wire / raw <= 0.26, peer  # 1 + 4/256 bytes per 4
+    from gradsync.client.cli.stats import render_table
+
+    table = render_table(fetch_snapshot(daemons[0].endpoint + ".stats", 5.0))
+    assert "before compression)" in table, table
     for daemon in daemons:
         # The job ended, its segments were freed, and the residuals with them.
         assert fetch_snapshot(daemon.endpoint + ".stats", 5.0)["error_feedback"] == {
