@@ -1,8 +1,11 @@
-"""Build hook for the one compiled piece: the fast path's publish-and-spin (protocol/_fastpage.c).
+"""Build hook for the compiled pieces: the fast path's publish-and-spin
+(protocol/_fastpage.c) and the wire codecs of compressed collectives
+(daemon/backends/_wirecodec.c).
 
-Everything else is in pyproject.toml.  The extension is optional: where no C
-compiler is found, the install still succeeds and the fast path publishes and spins in Python
-(slower where ranks outnumber cores; see README, "Small collectives").
+Everything else is in pyproject.toml.  Both extensions are optional: where no C
+compiler is found, the install still succeeds, the fast path publishes and spins in
+Python (slower where ranks outnumber cores; see README, "Small collectives") and
+numpy encodes and decodes compressed slices (slower; see README, "Compression").
 """
 
 from setuptools import Extension, setup
@@ -14,6 +17,12 @@ setup(
             sources=["protocol/_fastpage.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "gradsync.daemon.backends._wirecodec",
+            sources=["daemon/backends/_wirecodec.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -20,6 +20,7 @@ import numpy as np
 
 from gradsync.client.array_checks import Checked, check_array
 from gradsync.client.buffers import ScratchPool, ScratchSlot, SegmentRegistry
+from gradsync.client.compression import Compression, choose, from_environment
 from gradsync.client.connection import Connection
 from gradsync.client.cuda import DeviceArrayInfo, DeviceBuffers, parse_device
 from gradsync.client.environment import resolve_identity
@@ -95,6 +96,9 @@ class Client:
         self.local_world_size = identity.local_world_size
         self.timeout_s = identity.timeout_s
         self.algorithm: str | None = os.environ.get("GRADSYNC_ALGO") or None
+        #: The default wire format between daemons (GRADSYNC_COMPRESSION), for the
+        #: float sums it applies to; a call's `compression` overrides it.
+        self.compression: Compression = from_environment()
         self._segments = _segments or SegmentRegistry()
         #: A registry shared with other clients of this process (a sub-group's, or the
         #: torch backend's) outlives this client: close() forgets only its own segments.
@@ -336,6 +340,8 @@ class Client:
         async_op: bool = False,
         algorithm: str | None = None,
         timeout_s: float | None = None,
+        compression: str | None = None,
+        error_feedback: bool = False,
     ) -> Work | None:
         """Reduce `array` across all ranks, in place.
 
@@ -347,6 +353,10 @@ class Client:
         `algorithm` (ring, tree, rhd, star or auto) overrides the daemons'
         choice between nodes; it defaults to `GRADSYNC_ALGO`, else the daemon's.
         `timeout_s`: this collective's deadline (default: the client's).
+        `compression` ("bf16", "fp8" or "none") sets the wire format between
+        daemons of a float32/float64 sum or avg (default: `GRADSYNC_COMPRESSION`
+        where it applies); `error_feedback` adds each daemon's rounding residual
+        of this buffer to its next call (README, "Compression").
         """
         self._check_open()
         timeout_s = timeout_s or self.timeout_s
@@ -356,6 +366,8 @@ class Client:
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
         wire_dtype, reduce_op, count, device = self._check_array(array, op)
+        chosen = choose(compression, error_feedback, self.compression, ALLREDUCE, wire_dtype,
+                        reduce_op.value, device is not None)
         key, waited_s = None, None
         fast = self._fast
         if fast is not None and not async_op and device is None and array.nbytes <= fast.limit:
@@ -373,7 +385,10 @@ class Client:
         request = functools.partial(
             wire.Collective, ALLREDUCE, segment=placed.segment, offset=placed.offset,
             count=count, dtype=wire_dtype, op=reduce_op, timeout_s=timeout_s,
-            algorithm=algorithm, waited_s=waited_s or 0.0,
+            algorithm=algorithm, waited_s=waited_s or 0.0, compression=chosen.format,
+            # A staged array's scratch slot serves other arrays too: the daemon keys
+            # residuals by slot, so a staged one gets none (README, "Compression").
+            error_feedback=chosen.error_feedback and placed.on_finish is None,
         )
         return self._issue(
             request, [placed], async_op,
@@ -406,10 +421,12 @@ class Client:
 
     def reduce_scatter(
         self, output: Buffer, input: Buffer, op: str | ReduceOp = "sum",
-        async_op: bool = False,
+        async_op: bool = False, compression: str | None = None, error_feedback: bool = False,
     ) -> Work | None:
-        """`input` holds world_size chunks; rank r's `output` gets chunk r reduced over ranks."""
-        return self._collective("reduce_scatter", input, output, async_op, op=op)
+        """`input` holds world_size chunks; rank r's `output` gets chunk r reduced over
+        ranks.  `compression`, `error_feedback`: as for `all_reduce`."""
+        return self._collective("reduce_scatter", input, output, async_op, op=op,
+                                compression=(compression, error_feedback))
 
     def gather(
         self, output: Buffer | None, input: Buffer, dst: int, async_op: bool = False
@@ -449,6 +466,7 @@ class Client:
         root: int | None = None,
         op: str | ReduceOp | None = None,
         in_place: bool = False,
+        compression: tuple[str | None, bool] = (None, False),
     ) -> Work | None:
         self._check_open()
         if root is not None and not (
@@ -465,6 +483,9 @@ class Client:
         if len(set(names)) > 1:
             raise InvalidArgumentError(f"{kind}: input is {names[0]} but output is {names[1]}")
         reduce_op = parse_reduce_op(op) if op is not None else None
+        chosen = choose(*compression, self.compression, kind, names[0],
+                        reduce_op.value if reduce_op else None,
+                        checked[id(arrays[0])].device is not None)
         placed_in = self._place(input, copy_in=True, copy_out=in_place,
                                 device=checked[id(input)].device if input is not None else None)
         placed_out = self._place(output, copy_in=False, copy_out=True,
@@ -475,6 +496,8 @@ class Client:
             out_segment=placed_out.segment, out_offset=placed_out.offset,
             out_count=None if output is None else checked[id(output)].elements,
             dtype=names[0], op=reduce_op, root=root, timeout_s=self.timeout_s,
+            compression=chosen.format,
+            error_feedback=chosen.error_feedback and placed_in.on_finish is None,
         )
         return self._issue(request, [placed_in, placed_out], async_op, kind)
 

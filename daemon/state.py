@@ -57,6 +57,8 @@ class DaemonState:
         self.link_counters: Callable[[], Mapping[str, int]] = dict
         #: The shared-memory fast path's counters (run/fast_pages.py).
         self.fast_counters: Callable[[], Mapping[str, int]] = dict
+        #: Error feedback's residuals held (run/residuals.py), once this daemon has peers.
+        self.error_feedback: Callable[[], Mapping[str, int]] = dict
         #: Set once the daemon begins to stop: no new requests, no results.
         self.shutting_down = False
 

@@ -122,11 +122,18 @@ class StatsRecorder:
         """A multi-node job formed; `auto`'s first figures are these."""
         self.jobs[job].formed_costs = (alpha_s, beta_s_per_byte)
 
-    def peer_traffic(self, job: str, peer: str, sent: int = 0, received: int = 0) -> None:
-        """Payload bytes exchanged with a peer daemon for a job."""
-        entry = self.jobs[job].peer_bytes.setdefault(peer, {"sent": 0, "received": 0})
+    def peer_traffic(
+        self, job: str, peer: str, sent: int = 0, received: int = 0,
+        sent_raw: int | None = None, received_raw: int | None = None,
+    ) -> None:
+        """Payload bytes exchanged with a peer daemon for a job, on the wire and
+        before compression (`*_raw`; the same, uncompressed)."""
+        entry = self.jobs[job].peer_bytes.setdefault(
+            peer, {"sent": 0, "received": 0, "sent_raw": 0, "received_raw": 0})
         entry["sent"] += sent
         entry["received"] += received
+        entry["sent_raw"] += sent if sent_raw is None else sent_raw
+        entry["received_raw"] += received if received_raw is None else received_raw
 
     def fast_path_done(self, job: str, collectives: int, fallbacks: int) -> None:
         """What a job's ranks ran on its fast page, once the job ended (they are not
@@ -161,6 +168,7 @@ class StatsRecorder:
                     "segments": len(service.buffers),
                     "limit": config.max_shm_bytes},
             "counters": service.state.counters(),
+            "error_feedback": dict(service.state.error_feedback()),
             "errors": dict(self.errors),
             "jobs": {name: self._job(service, name, now) for name in
                      sorted(set(service.jobs) | set(self.jobs))},
@@ -255,9 +263,9 @@ def _peers(links: Any, jobs: dict[str, JobStats]) -> dict[str, Any]:
             "bandwidth_Bps": stats.bytes_per_s if stats else None,
             "heartbeat_age_s": links.heard_age_s(peer),
             "data_stream": links.stream_state(peer),
-            "bytes_sent": sum(j.peer_bytes.get(peer, {}).get("sent", 0) for j in jobs.values()),
-            "bytes_received": sum(
-                j.peer_bytes.get(peer, {}).get("received", 0) for j in jobs.values()
-            ),
+            **{f"bytes_{way}{suffix}": sum(j.peer_bytes.get(peer, {}).get(way + key, 0)
+                                           for j in jobs.values())
+               for way in ("sent", "received")
+               for key, suffix in (("", ""), ("_raw", "_uncompressed"))},
         }
     return peers

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, TypeGuard
 
 from gradsync.protocol import algorithm_names
 from gradsync.protocol.codec import is_integer, is_number
+from gradsync.protocol.compression import COMPRESSIONS
 from gradsync.protocol.errors import ProtocolError
 from gradsync.protocol.messages import check_version
 
@@ -98,7 +99,9 @@ def _clip(value: Any, limit: int = 80) -> str:
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
     """What every member must agree on for one collective: locally between ranks
-    (`algorithm` is what they asked for) and between daemons (what runs)."""
+    (`algorithm` is what they asked for) and between daemons (what runs).
+    `compression` (protocol/compression.py) travels as a seventh element, only
+    when set, so an uncompressed collective's wire is as before."""
 
     collective: str
     dtype: str
@@ -106,26 +109,31 @@ class Fingerprint:
     op: str | None
     algorithm: str | None = None
     root: int | None = None
+    compression: str | None = None
 
     def describe(self) -> str:
         op = f" op={self.op}" if self.op else ""
         algorithm = f" algorithm={self.algorithm}" if self.algorithm else ""
         root = f" root={self.root}" if self.root is not None else ""
-        return f"{self.collective} {self.dtype}[{self.count}]{op}{root}{algorithm}"
+        compression = f" compression={self.compression}" if self.compression else ""
+        return f"{self.collective} {self.dtype}[{self.count}]{op}{root}{algorithm}{compression}"
 
     def to_wire(self) -> list[Any]:
-        return [self.collective, self.dtype, self.count, self.op, self.root, self.algorithm]
+        fields = [self.collective, self.dtype, self.count, self.op, self.root, self.algorithm]
+        return fields if self.compression is None else [*fields, self.compression]
 
     @classmethod
     def from_wire(cls, value: Any) -> Fingerprint:
-        _need(isinstance(value, list) and len(value) == 6, "fingerprint",
-              "must be [collective, dtype, count, op, root, algorithm]", value)
-        collective, dtype, count, op, root, algorithm = value
+        _need(isinstance(value, list) and len(value) in (6, 7), "fingerprint",
+              "must be [collective, dtype, count, op, root, algorithm(, compression)]", value)
+        collective, dtype, count, op, root, algorithm = value[:6]
+        compression = value[6] if len(value) == 7 else None
         _need(isinstance(collective, str) and isinstance(dtype, str) and is_integer(count)
               and (op is None or isinstance(op, str)) and (root is None or is_integer(root))
-              and (algorithm is None or isinstance(algorithm, str)), "fingerprint",
+              and (algorithm is None or isinstance(algorithm, str))
+              and (len(value) == 6 or compression in COMPRESSIONS), "fingerprint",
               "fields of the wrong type", value)
-        return cls(collective, dtype, count, op, algorithm, root)
+        return cls(collective, dtype, count, op, algorithm, root, compression)
 
 
 class WireMessage:

@@ -203,6 +203,9 @@ _COLLECTIVE_SCHEMA: Schema = {
     "op": ((str, _NONE), False),
     "root": ((int, _NONE), False),
     "timeout_s": ((float, int, _NONE), False),
+    # reduce_scatter only (protocol/compression.py); sent only when set.
+    "compression": ((str, _NONE), False),
+    "error_feedback": ((bool,), False),
 }
 
 _ALLREDUCE_SCHEMA: Schema = {
@@ -217,6 +220,9 @@ _ALLREDUCE_SCHEMA: Schema = {
     # Seconds this rank already waited for the key on the shared-memory fast
     # path (protocol/fastpath.py) before it came here: its deadline counts from then.
     "waited_s": ((float, int, _NONE), False),
+    # The inter-daemon wire format (protocol/compression.py); sent only when set.
+    "compression": ((str, _NONE), False),
+    "error_feedback": ((bool,), False),
 }
 
 
@@ -246,9 +252,14 @@ class Collective:
     algorithm: str | None = None
     #: allreduce only: seconds already waited for this key on the fast path.
     waited_s: float = 0.0
+    #: allreduce and reduce_scatter: the wire format between daemons (None: exact),
+    #: and whether each daemon feeds its rounding residual into the next call.
+    compression: str | None = None
+    error_feedback: bool = False
 
     @classmethod
     def from_wire(cls, message: dict[str, Any]) -> Collective:
+        from gradsync.protocol.compression import check_compressible, parse_compression
         from gradsync.protocol.dtypes import DTYPES, check_op_for_dtype, parse_reduce_op
 
         if message["kind"] == ALLREDUCE:
@@ -278,6 +289,10 @@ class Collective:
                 f"unknown algorithm {clip(algorithm)}; expected one of "
                 f"{', '.join(ALGORITHM_CHOICES)}"
             )
+        compression = parse_compression(message.get("compression"))
+        error_feedback = bool(message.get("error_feedback", False))
+        check_compressible(compression, collective, dtype, op.value if op else None,
+                           error_feedback)
         out_count = message.get("out_count")
         buffers = [(message["count"], message["offset"])]
         if out_count is not None:
@@ -296,6 +311,7 @@ class Collective:
             message["count"], dtype, op, message.get("root") if collective in ROOTED else None,
             message.get("out_segment"), message.get("out_offset", 0), out_count,
             None if timeout_s is None else float(timeout_s), algorithm, float(waited_s),
+            compression, error_feedback,
         )
 
     def to_wire(self, request_id: int) -> dict[str, Any]:
@@ -310,8 +326,8 @@ class Collective:
             }
             if self.waited_s:
                 message["waited_s"] = self.waited_s
-            return message
-        return {
+            return {**message, **self._compression_fields()}
+        return {**self._compression_fields(),
             **head, "kind": "collective", "key": self.key, "collective": self.collective,
             "segment": self.segment, "offset": self.offset, "count": self.count,
             "out_segment": self.out_segment, "out_offset": self.out_offset,
@@ -319,6 +335,11 @@ class Collective:
             "op": self.op.value if self.op else None, "root": self.root,
             "timeout_s": self.timeout_s,
         }
+
+    def _compression_fields(self) -> dict[str, Any]:
+        if self.compression is None:
+            return {}
+        return {"compression": self.compression, "error_feedback": self.error_feedback}
 
 
 Request = Hello | Ping | Bye | GroupInfo | Alloc | Free | Attach | Collective

@@ -243,3 +243,27 @@ def test_ranks_from_launcher_variables_alone_reduce_together(
         assert record["local_rank"] == record["rank"]
         assert record["job"] == job
         assert record["sum"] == 0 + 1 and record["bits"] == 0b11
+
+
+def test_gradsync_compression_applies_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job-wide default compresses float sums and leaves integer allreduces,
+    barriers (int8 max) and device buffers exact; a call's own choice is strict."""
+    from gradsync.client.compression import Compression, choose, from_environment
+    from gradsync.protocol.errors import InvalidArgumentError
+
+    monkeypatch.setenv("GRADSYNC_COMPRESSION", "fp8")
+    monkeypatch.setenv("GRADSYNC_ERROR_FEEDBACK", "1")
+    default = from_environment()
+    assert default == Compression("fp8", True)
+    assert choose(None, False, default, "allreduce", "float32", "avg") == default
+    assert choose(None, False, default, "allreduce", "int8", "max") == Compression()
+    assert choose(None, False, default, "broadcast", "float32", None) == Compression()
+    assert choose(None, False, default, "allreduce", "float32", "sum", True) == Compression()
+    assert choose("none", False, default, "allreduce", "float32", "sum") == Compression()
+    with pytest.raises(InvalidArgumentError, match="int8"):
+        choose("bf16", False, default, "allreduce", "int8", "sum")
+    with pytest.raises(InvalidArgumentError, match="device buffers"):
+        choose("bf16", False, default, "allreduce", "float32", "sum", True)
+    monkeypatch.setenv("GRADSYNC_COMPRESSION", "fp4")
+    with pytest.raises(InvalidArgumentError, match="GRADSYNC_COMPRESSION='fp4'"):
+        from_environment()

@@ -116,3 +116,47 @@ def test_every_request_kind_parses_to_its_type() -> None:
     with pytest.raises(InvalidArgumentError, match="alloc needs a positive size"):
         wire.Alloc.from_wire({"kind": "alloc", "nbytes": 0})
     assert set(wire.REQUEST_TYPES) == set(messages.REQUESTS)
+
+
+@pytest.mark.parametrize("request_", [
+    wire.Collective("allreduce", 7, 3, 64, 16, "float32", ReduceOp.AVG, compression="fp8",
+                    error_feedback=True),
+    wire.Collective("reduce_scatter", 2, 1, 0, 8, "float64", ReduceOp.SUM, out_segment=2,
+                    out_count=4, compression="bf16"),
+], ids=["allreduce-fp8", "reduce_scatter-bf16"])
+def test_a_compressed_collective_survives_the_wire(request_: wire.Collective) -> None:
+    assert through_the_wire(request_.to_wire(3)) == request_
+    plain = wire.Collective("allreduce", 1, 1, 0, 4, "float32", ReduceOp.SUM).to_wire(1)
+    assert "compression" not in plain  # the bytes of an uncompressed request are unchanged
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"dtype": "int32", "compression": "bf16"}, "only float32 and float64"),
+    ({"op": "max", "compression": "fp8"}, "op='max'"),
+    ({"compression": "int4"}, "unknown compression 'int4'"),
+    ({"error_feedback": True}, "needs a compression"),
+])
+def test_the_daemon_refuses_compression_where_it_has_no_meaning(
+    fields: dict[str, Any], says: str
+) -> None:
+    message = {"v": 3, "id": 1, "kind": "allreduce", "key": 1, "segment": 1, "offset": 0,
+               "count": 4, "dtype": "float32", "op": "sum", **fields}
+    with pytest.raises(InvalidArgumentError, match=says):
+        through_the_wire(message)
+    broadcast = {"v": 3, "id": 1, "kind": "collective", "collective": "broadcast", "key": 1,
+                 "segment": 1, "offset": 0, "count": 4, "dtype": "float32", "root": 0,
+                 "compression": "bf16"}
+    with pytest.raises(InvalidArgumentError, match="broadcast cannot be compressed"):
+        through_the_wire(broadcast)
+
+
+def test_a_peer_fingerprint_carries_the_format_only_when_set() -> None:
+    from gradsync.protocol.errors import ProtocolError
+    from gradsync.protocol.peer import Fingerprint
+
+    plain = Fingerprint("allreduce", "float32", 8, "sum", "ring")
+    packed = Fingerprint("allreduce", "float32", 8, "sum", "ring", compression="fp8")
+    assert len(plain.to_wire()) == 6 and packed.to_wire()[6] == "fp8"
+    assert Fingerprint.from_wire(packed.to_wire()) == packed != plain
+    with pytest.raises(ProtocolError, match="fingerprint"):
+        Fingerprint.from_wire([*plain.to_wire(), "int4"])

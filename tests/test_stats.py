@@ -180,6 +180,10 @@ def test_trace_covers_every_phase_of_known_collectives(
     assert sum(1 for e in events if e["name"] == "local phase") == 8
     assert sum(1 for e in events if e["name"] == "write-back") == 8
     assert any(" step " in e["name"] for e in events), sorted(names)
+    # Bytes per peer and run, on the wire and before compression (none here: equal).
+    sent = [e["args"] for e in events if e["name"].endswith(" sent")]
+    assert sent and all(a["bytes_sent"] == a["bytes_before_compression"] > 0 for a in sent)
+    assert {a["compression"] for a in sent} == {"none"}, sent
     assert all(e["dur"] >= 0 for e in events)
     # Bytes per peer: daemon 0 sent its allreduce halves and the broadcasts (it is
     # the root), and received the other daemon's allreduce data.

@@ -202,8 +202,19 @@ def render_table(snapshot: dict[str, Any]) -> str:
         heard = f"{age:.1f}s ago" if age is not None else "never"
         stream = link.get("data_stream") or "none (ZeroMQ)"
         lines.append(f"peer {peer}: {link['state']}  rtt {rtt}  heard {heard}  "
-                     f"data stream {stream}")
+                     f"data stream {stream}{_wire_bytes(link)}")
     return "\n".join(lines)
+
+
+def _wire_bytes(link: dict[str, Any]) -> str:
+    """'  sent A (B before compression) ...' for a peer that carried any bytes."""
+    parts = []
+    for way in ("sent", "received"):
+        wire, raw = link.get(f"bytes_{way}", 0), link.get(f"bytes_{way}_uncompressed", 0)
+        if raw:
+            before = f" ({_bytes(raw)} before compression)" if raw != wire else ""
+            parts.append(f"{way} {_bytes(wire)}{before}")
+    return "  " + ", ".join(parts) if parts else ""
 
 
 def _size_bound(size_class: str) -> float:

@@ -5,6 +5,10 @@ order, a small first bucket, one dtype per bucket) read on their own.  A bucket
 is one array in daemon-owned shared memory: the gradients of its parameters,
 back to back, followed by one "used" flag per parameter.  The flags ride in the
 same allreduce, so finding the parameters no rank used costs no collective.
+They start at a multiple of `FLAGS_ALIGN` elements (zeros before them), so that
+under fp8 compression they share no scale block with a gradient: a block's
+scale follows its largest value, and a huge gradient beside them could round
+a flag of 1 to 0.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from gradsync.protocol.compression import FP8_BLOCK
 from gradsync.protocol.errors import InvalidArgumentError
 
 MIB = 1024 * 1024
+#: Where the flags may start: a multiple of the fp8 block (see the module docstring).
+FLAGS_ALIGN = FP8_BLOCK
 
 #: torch dtype → numpy dtype the daemon reduces (gradsync's float wire types).
 FLOAT_DTYPES: dict[torch.dtype, np.dtype] = {
@@ -139,10 +146,16 @@ def make_bucket(
         numel = params[i].numel()
         views.append(tensor[offset : offset + numel].view(params[i].shape))
         offset += numel
-    flags = tensor[offset : offset + len(param_indices)]
+    start = _flags_start(offset)
+    tensor[offset:start].zero_()
+    flags = tensor[start : start + len(param_indices)]
     return Bucket(index, param_indices, array, tensor, views, flags)
 
 
 def bucket_elements(param_indices: Sequence[int], params: Sequence[torch.Tensor]) -> int:
     """Elements of a bucket's array: every gradient plus one flag per parameter."""
-    return sum(params[i].numel() for i in param_indices) + len(param_indices)
+    return _flags_start(sum(params[i].numel() for i in param_indices)) + len(param_indices)
+
+
+def _flags_start(gradients: int) -> int:
+    return -(-gradients // FLAGS_ALIGN) * FLAGS_ALIGN

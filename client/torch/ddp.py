@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gradsync.client.client import Client
+from gradsync.client.compression import Compression
 from gradsync.client.torch.buckets import (
     MIB,
     Bucket,
@@ -31,6 +32,9 @@ from gradsync.client.torch.buckets import (
 )
 from gradsync.client.work import Work
 from gradsync.protocol.errors import InvalidArgumentError
+
+#: Bucket dtypes whose allreduce may be compressed between daemons.
+COMPRESSIBLE = (torch.float32, torch.float64)
 
 __all__ = ["BucketTiming", "DistributedDataParallel", "StepRecord"]
 
@@ -91,6 +95,8 @@ class DistributedDataParallel(torch.nn.Module):
     As torch's DDP does, the first synchronised backward records the order in
     which gradients became ready, and the buckets are rebuilt in rank 0's
     order (every rank the same) when it differs from the assumed one.
+    `compression` ("bf16", "fp8") and `error_feedback` set the wire format of
+    float32/float64 buckets between daemons (README, "Compression").
     """
 
     def __init__(
@@ -101,8 +107,14 @@ class DistributedDataParallel(torch.nn.Module):
         first_bucket_mb: float = 1.0,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool = True,
+        compression: str | None = None,
+        error_feedback: bool = False,
     ) -> None:
         super().__init__()
+        #: The wire format between daemons for float32/float64 buckets (README,
+        #: "Compression"; None: the client's default, GRADSYNC_COMPRESSION); other
+        #: buckets stay exact.
+        self.compression = Compression.parse(compression, error_feedback)
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise InvalidArgumentError(
                 f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
@@ -284,7 +296,10 @@ class DistributedDataParallel(torch.nn.Module):
         flags = [1.0 if self._used[i] else 0.0 for i in bucket.param_indices]
         bucket.flags.copy_(torch.tensor(flags, dtype=bucket.dtype))
         handed_over = time.monotonic()
-        work = self.client.all_reduce(bucket.array, op="avg", async_op=True)
+        wire = self.compression if bucket.dtype in COMPRESSIBLE else Compression()
+        work = self.client.all_reduce(bucket.array, op="avg", async_op=True,
+                                      compression=wire.format,
+                                      error_feedback=wire.error_feedback)
         assert work is not None
         self._in_flight.append((bucket, work, handed_over, during_backward))
 

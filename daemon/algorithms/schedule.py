@@ -139,6 +139,25 @@ class StepBuilder:
         return Schedule(algorithm, rank, size, count, steps)
 
 
+def in_blocks(schedule: Schedule, block: int, count: int) -> Schedule:
+    """`schedule`, built over ceil(count / block) units, as a schedule over `count`
+    elements whose every range starts at a multiple of `block`.
+
+    For block-scaled wire formats (fp8): a block of the buffer then always
+    travels whole, so rounding it again where it is forwarded changes nothing.
+    Unit ranges map monotonically and stay non-empty, so every rule holds still.
+    """
+    def scale(start: int, stop: int) -> tuple[int, int]:
+        return start * block, min(stop * block, count)
+
+    steps = tuple(
+        Step(tuple(Send(s.peer, *scale(s.start, s.stop)) for s in step.sends),
+             tuple(Recv(r.peer, *scale(r.start, r.stop), r.reduce) for r in step.recvs))
+        for step in schedule.steps
+    )
+    return Schedule(schedule.algorithm, schedule.rank, schedule.size, count, steps)
+
+
 def check_schedules(schedules: Sequence[Schedule]) -> None:
     """Check that the schedules of all daemons of one collective obey every rule.
 

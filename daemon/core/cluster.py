@@ -405,7 +405,8 @@ class ClusterJobs:
             self._mismatch(job, key, run, peer, message)
             return
         if self.stats is not None:
-            self.stats.peer_traffic(job.name, peer, received=len(frames[0]))
+            self.stats.peer_traffic(job.name, peer, received=len(frames[0]),
+                                    received_raw=run.raw_nbytes(len(frames[0])))
         try:
             run.deliver(formation.index_of(peer), message.step, message.t, message.off,
                         frames[0])

@@ -76,6 +76,9 @@ class CollectiveRun(Protocol):
     def waiting_for(self) -> list[int]:
         """Daemon indices whose slices the current step still needs."""
 
+    def raw_nbytes(self, nbytes: int) -> int:
+        """Buffer bytes a payload of `nbytes` carries (more, when compressed)."""
+
 
 class IncomingMessage(Protocol):
     """A message a peer sent, as the links hand it on (`peers.events.PeerMessage`)."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from gradsync.daemon.algorithms import ALGORITHMS, rooted
 from gradsync.daemon.algorithms.cost_model import best_tree_chunks
-from gradsync.daemon.algorithms.schedule import Schedule
+from gradsync.daemon.algorithms.schedule import Schedule, in_blocks
 from gradsync.daemon.algorithms.tree import tree
 from gradsync.daemon.backends.reduce import (
     broadcast_from_first,
@@ -42,6 +42,7 @@ from gradsync.daemon.backends.reduce import (
 )
 from gradsync.daemon.core.auto import CALIBRATING, model_terms
 from gradsync.daemon.core.membership import Formation
+from gradsync.protocol.compression import FP8_BLOCK
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import InvalidArgumentError
 from gradsync.protocol.requests import ALLREDUCE  # the collectives' names: the wire's
@@ -66,6 +67,10 @@ class Collective:
     root: int | None = None
     #: allreduce only: the algorithm asked for (None: the daemon's default).
     algorithm: str | None = None
+    #: The inter-daemon wire format (protocol/compression.py; None: exact), and
+    #: whether this daemon feeds its rounding residual into the next call.
+    compression: str | None = None
+    error_feedback: bool = False
 
     def moves_nothing(self) -> bool:
         """True when there is nothing to do: no element anywhere.  An empty
@@ -215,7 +220,8 @@ def make_plan(
     if kind == ALLREDUCE:
         assert op is not None and algorithm is not None
         slots = [view for view in ins.values() if view is not None]  # in rank order
-        return _allreduce_plan(formation, me, slots, c, op, world, algorithm, dtype)
+        return _allreduce_plan(formation, me, slots, c, op, world, algorithm, dtype,
+                               block_of(collective.compression))
     size = len(ranks_by_daemon)
     local = ranks_by_daemon[me]
     owner = {rank: d for d, held in enumerate(ranks_by_daemon) for rank in held}
@@ -347,12 +353,18 @@ def make_plan(
     raise InvalidArgumentError(f"unknown collective {kind!r}")
 
 
+def block_of(compression: str | None) -> int:
+    """Elements per block of a wire format: the unit schedule ranges come in."""
+    return FP8_BLOCK if compression == "fp8" else 1
+
+
 def _allreduce_plan(
     formation: Formation, me: int, slots: list[np.ndarray], count: int, op: ReduceOp, world: int,
-    algorithm: str, dtype: np.dtype,
+    algorithm: str, dtype: np.dtype, block: int = 1,
 ) -> Plan:
     """Reduce the local slots into the first, run `algorithm` over it between
-    the daemons, then write the result (divided, for avg) back to every slot."""
+    the daemons, then write the result (divided, for avg) back to every slot.
+    With `block` > 1 (fp8) every range of the schedule is whole blocks."""
     nbytes = count * dtype.itemsize
     divide = world if op is ReduceOp.AVG else 1
     daemons = len(formation.daemons)
@@ -368,9 +380,11 @@ def _allreduce_plan(
         # The chunk count the cost model priced; every daemon computes the same.
         chunks = best_tree_chunks(daemons, nbytes, formation.alpha_s,
                                   formation.beta_s_per_byte)
-        schedule = tree(me, daemons, count, chunks=chunks)
+        schedule = tree(me, daemons, -(-count // block), chunks=chunks)
     else:
-        schedule = ALGORITHMS[algorithm](me, daemons, count)
+        schedule = ALGORITHMS[algorithm](me, daemons, -(-count // block))
+    if block > 1:
+        schedule = in_blocks(schedule, block, count)
     return Plan(
         work, schedule, before if len(slots) > 1 else None,
         after if len(slots) > 1 or (slots and divide != 1) else None,

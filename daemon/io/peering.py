@@ -64,11 +64,13 @@ class Peering:
         )
         self.cluster.connect(self.links)
         runner = CrossDaemonRunner(
-            self.cluster, service.loop, service.run_call, service.stats, service.trace
+            self.cluster, service.loop, service.run_call, service.stats, service.trace,
+            alive=lambda segment: service.buffers.get(segment) is not None,
         )
         service.join_cluster(self.cluster, runner)
         service.state.cluster = self.cluster.counters
         service.state.link_counters = lambda: self.links.counters
+        service.state.error_feedback = runner.residuals.snapshot
 
     async def start(self) -> None:
         if self.links.insecure and self.links.peers:

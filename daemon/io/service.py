@@ -326,7 +326,7 @@ class GradsyncService:
         submission = Submission(
             rank=rank,
             fingerprint=Fingerprint(kind, request.dtype, chunk, op.value if op else None,
-                                    request.algorithm, root),
+                                    request.algorithm, root, request.compression),
             view=view,
             respond=lambda error, timing=None: session.complete(request_id, error, timing),
             timeout_s=request.timeout_s or self.config.collective_timeout_s,
@@ -336,7 +336,8 @@ class GradsyncService:
         ready = self._submit(job, request.key, submission, request.waited_s)
         if ready is None:
             return
-        self.runs.start(job, ready, CoreCollective(kind, dtype, chunk, op, root, request.algorithm))
+        self.runs.start(job, ready, CoreCollective(kind, dtype, chunk, op, root, request.algorithm,
+                                                   request.compression, request.error_feedback))
 
     def _submit(
         self, job: Job, key: Any, submission: Submission, waited_s: float = 0.0

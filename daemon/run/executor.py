@@ -20,6 +20,11 @@ its payload can be placed (`place`): a copy is received straight into the
 buffer, a reduction into a small reused chunk that is combined into the buffer
 each time it fills, while it is still in cache.  That saves a copy of every
 all-gather byte and a trip through memory for every reduced one.
+
+With a wire codec (compressed collectives, backends/wire_codec.py) every slice
+is encoded as it is sent, which rounds its range in place to what the peer
+decodes, and decoded as it arrives (added, or copied); such slices are not
+placed, since the bytes on the wire are not the buffer's.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from typing import Any
 import numpy as np
 
 from gradsync.daemon.backends.reduce import combine_into
+from gradsync.daemon.backends.wire_codec import WireCodec
 from gradsync.daemon.core.interfaces import PlacedPayload
+from gradsync.daemon.run.residuals import record
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
 from gradsync.protocol.peer import Fingerprint
@@ -137,8 +144,14 @@ class ScheduleRun:
         algorithm: str = "",
         agree_with: Sequence[int] = (),
         chunks: ChunkPool | None = None,
+        codec: WireCodec | None = None,
+        residual: np.ndarray | None = None,
     ) -> None:
         self.schedule = schedule
+        #: The wire format of a compressed collective (None: the buffer's bytes), and
+        #: with error feedback the residual array its roundings are recorded in.
+        self.codec = codec
+        self.residual = residual
         self._chunks = chunks if chunks is not None else ChunkPool()
         self._agree_with = list(agree_with)
         self._agreements_missing = set(agree_with)
@@ -148,6 +161,8 @@ class ScheduleRun:
         self.op = op
         self._send = send
         self._slice = max(1, slice_bytes // max(1, buffer.itemsize))
+        if codec is not None:  # whole blocks of a block-scaled format (see in_blocks)
+            self._slice = max(codec.block, self._slice - self._slice % codec.block)
         self.step = -1
         self.done: asyncio.Future[None] = loop.create_future()
         self._expected: dict[tuple[int, int], _Expected] = {}
@@ -160,7 +175,11 @@ class ScheduleRun:
         self.trackers: list[tuple[int, Any]] = []
         #: Slices of the current step being received in place.
         self._placed: set[Placement] = set()
+        #: Bytes put on the wire, and the buffer bytes they carry (equal uncompressed).
         self.bytes_sent = 0
+        self.bytes_raw = 0
+        #: Per peer (daemon index): [bytes on the wire, buffer bytes they carry], for traces.
+        self.sent_to: dict[int, list[int]] = {}
         #: (start, end, peers it received from) of every finished step, for traces.
         self.step_times: list[tuple[float, float, list[int]]] = []
         self._step_started = 0.0
@@ -184,7 +203,6 @@ class ScheduleRun:
         for (source, _), expected in self._expected.items():
             if source == peer and _remaining(expected):
                 return True
-        itemsize = self.buffer.itemsize
         for index in range(self.step + 1, self.steps):
             wanted = sum(recv.stop - recv.start
                          for recv in self.schedule.steps[index].recvs if recv.peer == peer)
@@ -192,7 +210,7 @@ class ScheduleRun:
                 continue
             # Slices of a later step that came early are here already (checked when
             # their step begins); only the rest is still to come.
-            kept = sum(memoryview(payload).nbytes // itemsize
+            kept = sum(self._kept_count(payload)
                        for source, _, _, payload in self._early.get(index, ())
                        if source == peer)
             if kept < wanted:
@@ -248,7 +266,7 @@ class ScheduleRun:
         ordinary way, where `deliver` keeps or rejects it.  A placed slice is
         reserved at once, so a duplicate of it is rejected like any other.
         """
-        if self.done.done() or step != self.step or step < 0:
+        if self.done.done() or step != self.step or step < 0 or self.codec is not None:
             return None
         expected = self._expected.get((peer, transfer))
         itemsize = self.buffer.itemsize
@@ -277,22 +295,50 @@ class ScheduleRun:
             self._arrived(payload)
             return
         expected = self._expected.get((peer, transfer))
-        data = np.frombuffer(payload, dtype=self.buffer.dtype)
-        if expected is None or not expected.claim(offset, data.size):
+        try:
+            count = self._count_of(payload)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{exc.message}, from daemon #{peer} at step {self.step}") from None
+        if expected is None or not expected.claim(offset, count):
             raise ProtocolError(
-                f"unexpected slice (transfer {transfer}, offset {offset}, {data.size} elements) "
+                f"unexpected slice (transfer {transfer}, offset {offset}, {count} elements) "
                 f"from daemon #{peer} at step {self.step}"
             )
         begin = expected.start + offset
-        target = self.buffer[begin : begin + data.size]
-        if expected.reduce:
-            combine_into(target, data, self.op)
+        target = self.buffer[begin : begin + count]
+        if self.codec is not None:
+            self.codec.decode_into(payload, target, add=expected.reduce)
+        elif expected.reduce:
+            combine_into(target, np.frombuffer(payload, dtype=self.buffer.dtype), self.op)
         else:
-            np.copyto(target, data)
-        expected.got += data.size
-        self._missing -= data.size
+            np.copyto(target, np.frombuffer(payload, dtype=self.buffer.dtype))
+        expected.got += count
+        self._missing -= count
         if self._next:
-            self._landed(begin, begin + data.size)
+            self._landed(begin, begin + count)
+
+    def raw_nbytes(self, nbytes: int) -> int:
+        """Buffer bytes a payload of `nbytes` carries (0 for one that fits no count)."""
+        if self.codec is None:
+            return nbytes
+        try:
+            return self.codec.count(nbytes) * self.buffer.itemsize
+        except ProtocolError:
+            return 0
+
+    def _kept_count(self, payload: Any) -> int:
+        """`_count_of` a slice kept early, 0 for one that fits none (refused at its step)."""
+        try:
+            return self._count_of(payload)
+        except ProtocolError:
+            return 0
+
+    def _count_of(self, payload: Any) -> int:
+        """Elements a slice's payload carries; ProtocolError if it fits none."""
+        nbytes = memoryview(payload).nbytes
+        if self.codec is not None:
+            return self.codec.count(nbytes)
+        return nbytes // self.buffer.itemsize
 
     def _arrived(self, placement: Placement) -> None:
         """A placed slice is all in: count it, as `_apply` does for the others."""
@@ -382,8 +428,17 @@ class ScheduleRun:
 
     def _send_slice(self, step: int, piece: _Slice) -> None:
         itemsize = self.buffer.itemsize
-        # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
-        view = self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data
+        self.bytes_raw += (piece.end - piece.begin) * itemsize
+        if self.codec is not None:
+            # A fresh encoding nobody writes again: zero-copy from it is safe.
+            values = self.buffer[piece.begin : piece.end]
+            before = values.copy() if self.residual is not None else None
+            view = self.codec.encode(values)
+            if before is not None:
+                record(self.residual[piece.begin : piece.end], before, values)  # type: ignore[index]
+        else:
+            # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
+            view = self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data
         zero_copy = view.nbytes >= ZERO_COPY_BYTES
         header = {"step": step, "t": piece.transfer, "off": piece.offset}
         piece.sent = True
@@ -391,6 +446,9 @@ class ScheduleRun:
         if tracker is not None:
             self.trackers.append((piece.peer, tracker))
         self.bytes_sent += view.nbytes
+        sent = self.sent_to.setdefault(piece.peer, [0, 0])
+        sent[0] += view.nbytes
+        sent[1] += (piece.end - piece.begin) * itemsize
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait until libzmq no longer reads any zero-copy slice of the buffer.

@@ -18,17 +18,21 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from gradsync.daemon.algorithms.calibration import CostMeter
+from gradsync.daemon.backends.wire_codec import CODECS
 from gradsync.daemon.core.auto import epoch_of, epoch_to_offer, wants_auto
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
 from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed
+from gradsync.daemon.run.residuals import Residuals, fold_in
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol.dtypes import ReduceOp
-from gradsync.protocol.errors import CollectiveTimeoutError, PeerLostError
+from gradsync.protocol.errors import CollectiveTimeoutError, InvalidArgumentError, PeerLostError
 from gradsync.protocol.peer import Slice
 
 if TYPE_CHECKING:
@@ -48,6 +52,7 @@ class CrossDaemonRunner:
         run_call: Callable[[Callable[[], None], int], Awaitable[None]],
         stats: StatsRecorder | None = None,
         trace: TraceRecorder | None = None,
+        alive: Callable[[int], bool] = lambda segment: True,
     ) -> None:
         self.cluster = cluster
         self.config: DaemonConfig = cluster.config
@@ -60,6 +65,8 @@ class CrossDaemonRunner:
         self.meter = CostMeter()
         #: Reduce chunks that placed slices of every run take turns with.
         self.chunks = ChunkPool()
+        #: Error feedback's residuals, by buffer; `alive(segment)`: not yet freed.
+        self.residuals = Residuals(alive)
 
     async def run_plan(
         self,
@@ -107,16 +114,26 @@ class CrossDaemonRunner:
         plan = make_plan(collective, formation, me, ins, outs, job.world_size, algorithm)
         algorithm = plan.algorithm
         fp = dataclasses.replace(fingerprint, algorithm=algorithm)
+        codec = CODECS[collective.compression] if collective.compression else None
+        if codec is not None and not isinstance(plan.work, np.ndarray):
+            raise InvalidArgumentError(
+                f"key {ready.key!r} of {job.describe()}: compression={codec.name!r} is for "
+                "host buffers; device buffers are reduced exactly")
+        residual = self._residual(job, ready, collective) if codec is not None else None
         phase_start = time.monotonic()
         if plan.before is not None:
             await self.run_call(plan.before, plan.work.nbytes)
+        if residual is not None:
+            work = plan.work
+            await self.run_call(lambda: fold_in(work, residual), work.nbytes)
         self._trace(job, "local phase", phase_start, ready.key)
         # Each slice's header: this, with the executor's step, transfer and offset.
         base = Slice(job.name, formation.generation, ready.key, fp, 0, 0, 0).to_wire()
 
         def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
             if self.stats is not None:
-                self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload))
+                self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload),
+                                        sent_raw=run.raw_nbytes(len(payload)))
             return self.transport.post(
                 formation.daemons[peer], {**base, **header}, (payload,), zero_copy
             )
@@ -128,6 +145,7 @@ class CrossDaemonRunner:
                 index for index in range(len(formation.daemons)) if index != me
             ] if plan.agree_first else [],
             chunks=self.chunks,
+            codec=codec, residual=residual,
         )
         self.cluster.run_started(job, ready.key, run)
         data_phase = time.monotonic()
@@ -146,10 +164,32 @@ class CrossDaemonRunner:
                     self.trace.add(f"link {formation.daemons[source]}",
                                    f"{algorithm} step {number + 1}/{run.steps}", started, ended,
                                    job=job.name, key=repr(ready.key))
+            ended = run.step_times[-1][1] if run.step_times else data_phase
+            for peer, (wire, raw) in sorted(run.sent_to.items()):
+                self.trace.add(f"link {formation.daemons[peer]}", f"{algorithm} sent", data_phase,
+                               ended, job=job.name, key=repr(ready.key), bytes_sent=wire,
+                               bytes_before_compression=raw,
+                               compression=collective.compression or "none")
         phase_start = time.monotonic()
         if plan.after is not None:
             await self.run_call(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
+
+    def _residual(
+        self, job: Job, ready: PendingCollective, collective: Collective
+    ) -> np.ndarray | None:
+        """The error-feedback residual of this collective's buffer (the lowest local
+        rank's input slot: the work buffer's size), or None without error feedback
+        or a buffer to key it by."""
+        if not collective.error_feedback:
+            return None
+        first = ready.submissions[min(ready.submissions)]
+        if first.view is None or not first.slabs or not isinstance(first.view, np.ndarray):
+            return None
+        address = first.view.__array_interface__["data"][0]
+        key = (job.name, first.slabs[0].segment_id, address, first.view.size,
+               collective.dtype.str, collective.compression or "")
+        return self.residuals.take(key, collective.dtype)
 
     def _offer_costs(self, job: Job, formation: Formation, epoch: int) -> None:
         """Send this daemon's figures for `epoch` to every member, once."""
