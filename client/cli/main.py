@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from gradsync.client.cli.demo import add_demo_arguments, run_demo
+from gradsync.client.cli.doctor import add_doctor_arguments, run_doctor
 from gradsync.client.cli.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.cli.launch import add_launch_arguments, run_launch
 from gradsync.client.cli.ping import ping
@@ -86,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="try again until the daemon answers or SECONDS have passed (default: try once), "
         "e.g. right after starting it",
     )
+    doctor = add_command(
+        "doctor", help="check this node (and its peers) for what makes training fail",
+        description="Check /dev/shm, the daemon's socket and protocol, its peers' links and "
+        "ports, CURVE key files, limits, the fast path's C module and the torch backend; "
+        "each ok, warning or problem with its fix. Exit 1 if any problem.",
+    )
+    add_doctor_arguments(doctor)
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser
@@ -109,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run_top(args))
     if args.command == "keygen":
         return int(run_keygen(args))
+    if args.command == "doctor":
+        return int(run_doctor(args))
     if args.command == "ping":
         return int(ping(args.daemon, args.timeout_s, args.wait))
     return 2
