@@ -162,6 +162,7 @@ def test_train_job_pods_run_here(short_tmp: str) -> None:
         outputs = [t.communicate(timeout=180)[0] for t in trainers]
         for t, out in zip(trainers, outputs, strict=True):
             assert t.returncode == 0, out
+        assert "OK: parameters identical on all 2 ranks" in outputs[0], outputs[0]
     finally:
         for process in trainers:
             if process.poll() is None:
