@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -39,25 +37,20 @@ def run_rank(sizes: list[int], seconds: float) -> None:
     import numpy as np
 
     from gradsync.client import Client
+    from gradsync.client.cli.bench_rank import measure  # gradsync bench's timing loop
 
     with Client() as client:
+
+        def agree(value: float) -> float:  # every rank runs the largest count asked for
+            box = np.array([value], np.float64)
+            client.all_reduce(box, op="max")
+            return float(box[0])
+
         medians = []
         for nbytes in sizes:
             array = client.empty(nbytes // 4, np.float32)
             array[:] = 1.0
-            client.all_reduce(array)
-            # Every rank runs the same count: rank 0's first op sets it for all.
-            start = time.perf_counter()
-            client.all_reduce(array)
-            first = time.perf_counter() - start
-            count = np.array([max(5, min(5000, int(seconds / max(first, 1e-6))))], np.float32)
-            client.all_reduce(count, op="max")
-            times = []
-            for _ in range(int(count[0])):
-                start = time.perf_counter()
-                client.all_reduce(array)
-                times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times))
+            medians.append(measure(lambda a=array: client.all_reduce(a), agree, seconds))
             del array
         if client.rank == 0:
             cells = " ".join(f"{size}={median * 1e6:.1f}us"

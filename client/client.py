@@ -227,9 +227,31 @@ class Client:
             raise DaemonUnavailableError("this gradsync Client is closed")
         if self._connection.lost is not None:
             self._reconnect()
+        if self._segments.collected:
+            self._free_collected()
+
+    def _free_collected(self) -> None:
+        """Free in the daemon the segments this process let go of, and wait for it.
+
+        Waiting costs one round trip, and only when something was let go; it
+        makes the space in /dev/shm come back before the next collective
+        returns, on the fast path too, which never reaches the daemon (a program
+        beside the training may need that space).
+        """
+        sent = []
         while self._segments.collected:
             segment_id = self._segments.collected.popleft()
-            self._connection.send("free", expect_reply=False, segment=segment_id)
+            sent.append(self._connection.send("free", segment=segment_id))
+        deadline = time.monotonic() + _HELLO_TIMEOUT_S
+        for request_id in sent:
+            reply = self._connection.wait(request_id, deadline)
+            if reply is None:
+                raise DaemonUnavailableError(
+                    f"the gradsync daemon at {self.daemon} did not confirm freeing "
+                    f"{len(sent)} segment(s) within {_HELLO_TIMEOUT_S}s",
+                    {"endpoint": self.daemon},
+                )
+            # An error reply (a segment the daemon no longer knows) has nothing to free.
 
     # -- buffers ------------------------------------------------------------
 

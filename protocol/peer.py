@@ -38,7 +38,10 @@ ALGORITHM_CHOICES = algorithm_names.ALGORITHM_CHOICES
 PING = "link.ping"
 BULK = "link.bulk"
 PONG = "link.pong"
-LINK_KINDS = frozenset({PING, BULK, PONG})
+#: A daemon leaving on purpose (SIGTERM) says so to each peer, which answers with
+#: a PONG and from then on takes the link's end as a goodbye, not a failure.
+BYE = "link.bye"
+LINK_KINDS = frozenset({PING, BULK, PONG, BYE})
 
 #: Timings a `Costs` message may carry.
 MAX_TIMES = 64

@@ -57,7 +57,8 @@ def probe(module: str, *argv: str) -> tuple[object, list[str]]:
 HELP_AND_VERSION = [
     *[(CLI, [flag]) for flag in ("--help", "--version")],
     *[(CLI, [command, "--help"])
-      for command in ("launch", "demo", "keygen", "stats", "top", "trace", "ping")],
+      for command in ("launch", "demo", "keygen", "stats", "top", "trace", "ping", "doctor",
+                      "bench")],
     *[(DAEMON, [flag]) for flag in ("--help", "--version")],
 ]
 

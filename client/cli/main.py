@@ -12,7 +12,9 @@ import functools
 import sys
 from collections.abc import Sequence
 
+from gradsync.client.cli.bench import add_bench_arguments, run_bench
 from gradsync.client.cli.demo import add_demo_arguments, run_demo
+from gradsync.client.cli.doctor import add_doctor_arguments, run_doctor
 from gradsync.client.cli.keygen import add_keygen_arguments, run_keygen
 from gradsync.client.cli.launch import add_launch_arguments, run_launch
 from gradsync.client.cli.ping import ping
@@ -86,6 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="try again until the daemon answers or SECONDS have passed (default: try once), "
         "e.g. right after starting it",
     )
+    bench = add_command(
+        "bench", help="time allreduce, all-gather, reduce-scatter (nccl-tests' table)",
+        description="Time each collective at each size over this node's daemon (a private "
+        "one if none answers), or a whole job's with gradsync launch options after --; "
+        "--vs gloo times torch's gloo on the same ranks.",
+    )
+    add_bench_arguments(bench)
+    doctor = add_command(
+        "doctor", help="check this node (and its peers) for what makes training fail",
+        description="Check /dev/shm, the daemon's socket and protocol, its peers' links and "
+        "ports, CURVE key files, limits, the fast path's C module and the torch backend; "
+        "each ok, warning or problem with its fix. Exit 1 if any problem.",
+    )
+    add_doctor_arguments(doctor)
     for command in commands.choices.values():
         command.set_defaults(command_parser=command)
     return parser
@@ -109,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run_top(args))
     if args.command == "keygen":
         return int(run_keygen(args))
+    if args.command == "bench":
+        return int(run_bench(args))
+    if args.command == "doctor":
+        return int(run_doctor(args))
     if args.command == "ping":
         return int(ping(args.daemon, args.timeout_s, args.wait))
     return 2

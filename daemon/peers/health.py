@@ -84,6 +84,8 @@ class Link:
     probe: asyncio.Task[None] | None = None
     #: `time.monotonic()` when anything last arrived from the peer (message or pong).
     last_heard: float | None = None
+    #: The peer said goodbye (it is shutting down): its link ending is no failure.
+    leaving: bool = False
 
 
 class LinkHealth:
@@ -222,6 +224,7 @@ class LinkHealth:
         if link.state == "up":
             return
         link.state = "up"
+        link.leaving = False
         link.last_heard = time.monotonic()  # the handshake came from the peer
         link.down = asyncio.get_running_loop().create_future()
         log.info("peer %s is up", link.name)
@@ -230,7 +233,11 @@ class LinkHealth:
     def mark_lost(self, link: Link) -> None:
         link.state = "lost"
         self._counters["peer_lost"] += 1
-        log.warning(
-            "peer %s lost: connection closed or silent for %gs", link.name, self._peer_timeout_s
-        )
+        if link.leaving:
+            log.info("peer %s left: it shut down", link.name)
+        else:
+            log.warning(
+                "peer %s lost: connection closed or silent for %gs", link.name,
+                self._peer_timeout_s,
+            )
         self._on_lost(link)

@@ -11,6 +11,7 @@ events' `message`, in order per peer.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,7 @@ from gradsync.daemon.peers.socket_io import LoopSocket
 from gradsync.daemon.peers.stream import PayloadSink
 from gradsync.daemon.peers.wire import (
     BULK,
+    BYE,
     MAX_PAYLOAD_FRAMES,
     PING,
     PONG,
@@ -34,6 +36,8 @@ from gradsync.daemon.peers.wire import (
 from gradsync.protocol.codec import Message
 from gradsync.protocol.errors import ProtocolError
 from gradsync.protocol.peer import Probe
+
+log = logging.getLogger("gradsync.daemon.peers")
 
 
 class IncomingMessages:
@@ -59,7 +63,7 @@ class IncomingMessages:
         self._counters = counters
         self._events = events
         self._endpoint = table.endpoint
-        self._accepted = kinds | {PING, BULK}
+        self._accepted = kinds | {PING, BULK, BYE}
         self._stream_kinds = stream_kinds
         self._place_min_bytes = place_min_bytes
         self._closed = closed
@@ -80,7 +84,11 @@ class IncomingMessages:
             return
         self._links[message.peer].last_heard = time.monotonic()
         kind = message.header["kind"]
-        if kind in (PING, BULK):
+        if kind == BYE:
+            # Its links and streams are about to close: that is a goodbye, not a loss.
+            self._links[message.peer].leaving = True
+            log.info("peer %s is shutting down", message.peer)
+        if kind in (PING, BULK, BYE):
             assert self._router is not None
             answer = Probe(PONG, message.header["seq"])
             if self._data is not None:

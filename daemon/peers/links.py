@@ -58,7 +58,14 @@ from gradsync.daemon.peers.link_table import LinkTable
 from gradsync.daemon.peers.outgoing import MessageFramer, Payload, raise_down, send_frames
 from gradsync.daemon.peers.probe import LinkStats, bulk_payload, measure_link
 from gradsync.daemon.peers.stream import StreamSender, message_head
-from gradsync.daemon.peers.wire import BULK, MAX_PAYLOAD_FRAMES, PING, check_kinds, encode_header
+from gradsync.daemon.peers.wire import (
+    BULK,
+    BYE,
+    MAX_PAYLOAD_FRAMES,
+    PING,
+    check_kinds,
+    encode_header,
+)
 from gradsync.protocol.codec import MAX_FRAME_BYTES, is_integer
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
@@ -66,6 +73,9 @@ from gradsync.protocol.errors import (
     PeerLostError,
 )
 from gradsync.protocol.peer import CONTROL_KINDS, Probe
+
+#: How long a daemon that shuts down waits for its peers to answer its goodbye.
+_GOODBYE_TIMEOUT_S = 1.0
 
 log = logging.getLogger("gradsync.daemon.peers")
 
@@ -225,7 +235,7 @@ class PeerLinks:
         plane = DataPlane(
             loop, self._listen, name=self.endpoint,
             identify=lambda name: self._table.peer_named(name.encode()),
-            on_message=self._incoming.on_stream_message, on_event=self._counters.stream_event,
+            on_message=self._incoming.on_stream_message, on_event=self._stream_event,
             on_broken=self._stream_broken,
             on_head=self._incoming.on_stream_head,
             limits=(MAX_FRAME_BYTES, MAX_PAYLOAD_FRAMES, self._max_payload_bytes),
@@ -435,9 +445,11 @@ class PeerLinks:
         return self._data.sender(link.name)
 
     async def close(self) -> None:
-        """Stop every task and close every socket at once (linger 0); idempotent."""
+        """Say goodbye to the peers, then stop every task and close every socket at
+        once (linger 0); idempotent."""
         if self._closed:
             return
+        await self._say_goodbye()
         self._closed = True
         tasks: list[asyncio.Task[None]] = []
         for link in self._links.values():
@@ -452,6 +464,43 @@ class PeerLinks:
             await self._data.close(DaemonShuttingDownError("peer links are closed"))
         await self._sockets.close()
         self._notify()
+
+    async def _say_goodbye(self, timeout_s: float = _GOODBYE_TIMEOUT_S) -> None:
+        """Tell every peer that is up that we leave, and wait (briefly) for each
+        answer: a peer that has it before our streams close logs our leaving as
+        such, not as a broken stream and a lost peer."""
+
+        async def bye(link: Link) -> None:
+            seq = next(link.seq)
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            link.pongs[seq] = waiter
+            try:
+                await send_frames(link, [encode_header(self.endpoint, Probe(BYE, seq).to_wire())],
+                                  False, False)
+                await waiter
+            finally:
+                link.pongs.pop(seq, None)
+
+        up = [link for link in self._links.values() if link.state == "up"]
+        if not up:
+            return
+        results = await asyncio.gather(
+            *(asyncio.wait_for(bye(link), timeout_s) for link in up), return_exceptions=True
+        )
+        for link, result in zip(up, results, strict=True):
+            if isinstance(result, BaseException):
+                log.info("peer %s did not answer our goodbye (%s)", link.name,
+                         type(result).__name__)
+
+    def _stream_event(self, counter: str, peer: str, reason: str) -> None:
+        """A data stream refused or broken: counted, and a warning unless the peer
+        said goodbye (its streams end as it shuts down)."""
+        link = self._links.get(peer)
+        if link is not None and link.leaving:
+            self._counters.values[counter] += 1
+            log.info("peer %s: %s (it is shutting down)", peer, reason)
+            return
+        self._counters.stream_event(counter, peer, reason)
 
     # -- link health (health.py) and broken data streams -----------------------
 

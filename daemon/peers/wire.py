@@ -23,6 +23,7 @@ from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body, is_in
 from gradsync.protocol.errors import InvalidArgumentError, ProtocolError
 from gradsync.protocol.peer import (
     BULK,
+    BYE,
     LINK_KINDS,
     PEER_PROTOCOL_VERSION,
     PING,
@@ -30,7 +31,7 @@ from gradsync.protocol.peer import (
     check_peer_version,
 )
 
-__all__ = ["BULK", "LINK_KINDS", "PING", "PONG", "check_kinds", "decode_header",
+__all__ = ["BULK", "BYE", "LINK_KINDS", "PING", "PONG", "check_kinds", "decode_header",
            "encode_header"]
 
 LINK_PREFIX = "link."

@@ -201,11 +201,22 @@ class LocalRuns:
 
     def _spawn(self, ready: PendingCollective, work: Coroutine[Any, Any, None]) -> None:
         """Run a collective's coroutine as a task the shutdown can find."""
-        self.in_flight[id(ready)] = ready
+        number = id(ready)
+        self.in_flight[number] = ready
         task = self.loop.create_task(work)
         self.running.add(task)
         task.add_done_callback(self.running.discard)
-        task.add_done_callback(lambda _: self.in_flight.pop(id(ready), None))
+        # Answering drops it from in_flight (`_answered`); this catches a task that
+        # ends otherwise.  It holds the number alone: `ready` holds views of the
+        # buffers, which must not outlive the answer.
+        task.add_done_callback(lambda _: self.in_flight.pop(number, None))
+
+    def _answered(self, ready: PendingCollective) -> None:
+        """Forget a collective as its members are answered: a client may free its
+        segment the moment it has the answer, and the space in /dev/shm comes
+        back only once no view of the daemon's maps it (a done callback of the
+        task would run too late: the free can arrive first)."""
+        self.in_flight.pop(id(ready), None)
 
     async def _reduce_on_pool(
         self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
@@ -269,6 +280,7 @@ class LocalRuns:
             job.name, first.fingerprint.collective, first.fingerprint.algorithm,
             first.fingerprint.count * itemsize, job.world_size, now - ready.first_seen,
         )
+        self._answered(ready)
         for submission in ready.submissions.values():
             submission.respond(None, {
                 "submitted": submission.submitted_at, "matched": ready.matched_at,
@@ -283,5 +295,6 @@ class LocalRuns:
         Deadlines.settled(pending)
         self.state.requests.failed += 1
         self.stats.collective_failed(pending.job_name or None, error.code)
+        self._answered(pending)
         for submission in pending.submissions.values():
             submission.respond(error)

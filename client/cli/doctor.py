@@ -1,0 +1,268 @@
+"""`gradsync doctor`: check what makes distributed training fail before it starts.
+
+Each check says ok, warning or problem, with the fix in one line: /dev/shm's
+size and free space against what the job needs, the daemon's socket and its
+permissions, whether it answers and speaks our protocol, its peers' links
+(from its statistics) and whether every peer port is reachable from here,
+CURVE key files' ownership and modes, the open-file and locked-memory limits,
+the fast path's C module, and the torch backend's registration.  The exit
+status is 1 when any check found a problem; `--json` prints the list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import resource
+import socket
+import stat
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from gradsync.protocol.endpoint import default_endpoint
+from gradsync.protocol.shm import SHM_DIR
+from gradsync.protocol.version import PROTOCOL_VERSION
+
+OK, WARNING, PROBLEM = "ok", "warning", "problem"
+#: Below this, /dev/shm is a container's default (Docker: 64 MiB), not a node's.
+_SMALL_SHM = 1 << 30
+#: A rank keeps a few sockets and segments open; a daemon one per client and peer.
+_MIN_OPEN_FILES = 4096
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_TEXT = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class Finding:
+    """One check's verdict: what was checked, how it stands, and the fix."""
+
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def byte_count(text: str) -> int:
+    """`--expect-bytes`: plain bytes or a binary unit (`512MiB`, `8G`)."""
+    found = _SIZE_TEXT.match(text)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 8G)")
+    return int(found.group(1)) * _UNITS[found.group(2).lower()]
+
+
+def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--daemon", default=None, metavar="ENDPOINT",
+                        help=f"daemon endpoint (default: $GRADSYNC_DAEMON or "
+                        f"{default_endpoint()})")
+    parser.add_argument("--expect-bytes", type=byte_count, default=None, metavar="SIZE",
+                        help="shared memory the job on this node will need (e.g. 4GiB)")
+    parser.add_argument("--peers", default=None, metavar="ENDPOINTS",
+                        help="comma-separated peer endpoints to probe (default: the daemon's)")
+    parser.add_argument("--curve-secret", default=None, metavar="FILE",
+                        help="a daemon's secret key file to check")
+    parser.add_argument("--curve-authorized", default=None, metavar="DIR",
+                        help="a folder of authorised public keys to check")
+    parser.add_argument("--timeout-s", type=float, default=2.0,
+                        help="how long each probe waits (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def check_shm(expect: int | None, shm_dir: str = SHM_DIR) -> Finding:
+    try:
+        info = os.statvfs(shm_dir)
+    except OSError as exc:
+        return Finding("shm", PROBLEM, f"{shm_dir}: {exc.strerror}",
+                       "mount a tmpfs there (containers: an emptyDir with medium: Memory)")
+    size, free = info.f_blocks * info.f_frsize, info.f_bavail * info.f_frsize
+    detail = f"{shm_dir}: {size / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free"
+    if expect is not None and free < expect:
+        return Finding("shm", PROBLEM, f"{detail}; the job needs {expect / 2**20:.0f} MiB",
+                       "enlarge /dev/shm (docker run --shm-size, a Memory emptyDir's "
+                       "sizeLimit) or free space there")
+    if expect is None and size < _SMALL_SHM:
+        return Finding("shm", WARNING, f"{detail} (a container's default?)",
+                       "pass --expect-bytes, or enlarge /dev/shm before large jobs")
+    return Finding("shm", OK, detail)
+
+
+def check_socket(endpoint: str) -> Finding:
+    if not endpoint.startswith("ipc://"):
+        return Finding("socket", PROBLEM, f"{endpoint} is not an ipc:// endpoint",
+                       "pass --daemon ipc://PATH")
+    path = endpoint[len("ipc://"):]
+    try:
+        info = os.stat(path)
+    except OSError:
+        return Finding("socket", WARNING, f"no daemon socket at {path}",
+                       f"start one: gradsyncd --socket {endpoint} (or use gradsync launch)")
+    if not stat.S_ISSOCK(info.st_mode):
+        return Finding("socket", PROBLEM, f"{path} is not a socket", "remove it; restart gradsyncd")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o007:
+        return Finding("socket", PROBLEM, f"{path} has mode {mode:04o}: open to every user",
+                       "restart gradsyncd (it binds 0600, or 0660 with --group-access)")
+    if info.st_uid != os.getuid() and not (mode & 0o060 and info.st_gid in os.getgroups()):
+        return Finding("socket", PROBLEM, f"{path} (mode {mode:04o}) belongs to uid "
+                       f"{info.st_uid}, and this user may not connect",
+                       "join the daemon's group (usermod -aG gradsync USER)")
+    return Finding("socket", OK, f"{path}, mode {mode:04o}")
+
+
+def check_daemon(endpoint: str, timeout_s: float) -> tuple[Finding, dict[str, Any] | None]:
+    """Whether the daemon answers and speaks our protocol; its statistics if so."""
+    from gradsync.client.ping import query
+    from gradsync.protocol.errors import GradsyncError
+
+    try:
+        reply = query(endpoint, timeout_s)
+    except GradsyncError as exc:
+        return Finding("daemon", WARNING, str(exc), "start gradsyncd, or pass --daemon"), None
+    if reply.get("protocol") != PROTOCOL_VERSION:
+        return Finding("daemon", PROBLEM, f"daemon speaks protocol v{reply.get('protocol')}, "
+                       f"this client v{PROTOCOL_VERSION}",
+                       "install the same gradsync version for daemon and trainers"), None
+    snapshot: dict[str, Any] | None = None
+    try:
+        from gradsync.client.cli.stats import fetch_snapshot
+
+        snapshot = fetch_snapshot(endpoint + ".stats", timeout_s)
+    except GradsyncError:
+        pass
+    return Finding("daemon", OK, f"gradsyncd {reply.get('version')} (pid {reply.get('pid')}, "
+                   f"protocol v{reply.get('protocol')})"), snapshot
+
+
+def check_links(snapshot: dict[str, Any]) -> Iterator[Finding]:
+    """The daemon's own links: each peer up, as the daemon sees it."""
+    for peer, info in sorted(snapshot.get("peers", {}).items()):
+        state = info.get("state", "?")
+        if state == "up":
+            yield Finding(f"link {peer}", OK, f"up ({info.get('data') or 'zeromq'})")
+        else:
+            yield Finding(f"link {peer}", PROBLEM, f"the daemon's link is {state}",
+                          "start that node's daemon; check its firewall, keys and --listen")
+
+
+def check_port(endpoint: str, timeout_s: float) -> Finding:
+    """A TCP connection to a peer's listen port, from here."""
+    found = re.match(r"^tcp://(\[[^\]]+\]|[^:/]+):(\d+)$", endpoint)
+    if found is None:
+        return Finding(f"port {endpoint}", PROBLEM, "not a tcp://HOST:PORT endpoint",
+                       "list peers as tcp://HOST:PORT")
+    host, port = found.group(1).strip("[]"), int(found.group(2))
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        return Finding(f"port {endpoint}", PROBLEM,
+                       f"cannot connect: {exc.strerror or type(exc).__name__}",
+                       "start the daemon there; open the port (and its data port) in the "
+                       "firewall; check that HOST resolves to the right interface")
+    return Finding(f"port {endpoint}", OK, "reachable")
+
+
+def check_secret(path: str) -> Finding:
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        return Finding("secret key", PROBLEM, f"{path}: {exc.strerror}",
+                       "gradsync keygen DIR --name NODE")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        return Finding("secret key", PROBLEM, f"{path} has mode {mode:04o}: others may read it",
+                       f"chmod 600 {path} (and make a new key if others read it)")
+    if info.st_uid != os.geteuid():
+        return Finding("secret key", WARNING, f"{path} belongs to uid {info.st_uid}",
+                       "chown it to the user gradsyncd runs as")
+    return Finding("secret key", OK, f"{path}, mode {mode:04o}")
+
+
+def check_authorized(folder: str) -> Finding:
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".key")]
+    except OSError as exc:
+        return Finding("authorized keys", PROBLEM, f"{folder}: {exc.strerror}",
+                       "copy every node's NAME.key into one folder")
+    if not names:
+        return Finding("authorized keys", PROBLEM, f"{folder} holds no NAME.key",
+                       "copy every node's NAME.key (never NAME.key_secret) into it")
+    writable = [n for n in names if os.stat(os.path.join(folder, n)).st_mode & 0o002]
+    if writable:
+        return Finding("authorized keys", PROBLEM, f"{', '.join(writable)} writable by anyone",
+                       f"chmod o-w {folder}/*.key")
+    return Finding("authorized keys", OK, f"{len(names)} public keys in {folder}")
+
+
+def check_limits() -> Iterator[Finding]:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < _MIN_OPEN_FILES:
+        yield Finding("open files", WARNING, f"ulimit -n is {soft}",
+                      f"raise it to {_MIN_OPEN_FILES} or more (ulimit -n, LimitNOFILE=)")
+    else:
+        yield Finding("open files", OK, f"ulimit -n is {soft}")
+    locked, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    shown = "unlimited" if locked == resource.RLIM_INFINITY else f"{locked // 1024} KiB"
+    # Pinned host buffers (GPU staging) count against it; host shm does not.
+    yield Finding("locked memory", OK, f"ulimit -l is {shown}")
+
+
+def check_modules() -> Iterator[Finding]:
+    if importlib.util.find_spec("gradsync.protocol._fastpage") is None:
+        yield Finding("fast path", WARNING, "its C module was not built: small allreduces "
+                      "run the same steps in Python", "reinstall with gcc and python3-dev present")
+    else:
+        yield Finding("fast path", OK, "C module built")
+    if importlib.util.find_spec("torch") is None:
+        yield Finding("torch backend", OK, "torch is not installed (numpy clients only)")
+        return
+    names = [e.name for e in importlib.metadata.entry_points(group="torch.backends")]
+    if "gradsync" in names:
+        yield Finding("torch backend", OK, "registered (init_process_group(\"gradsync\"))")
+    else:
+        yield Finding("torch backend", PROBLEM, "torch is installed, the backend not registered",
+                      "pip install gradsync into the environment torch runs in")
+
+
+def diagnose(args: argparse.Namespace) -> list[Finding]:
+    endpoint = args.daemon or os.environ.get("GRADSYNC_DAEMON") or default_endpoint()
+    findings = [check_shm(args.expect_bytes), check_socket(endpoint)]
+    daemon, snapshot = check_daemon(endpoint, args.timeout_s)
+    findings.append(daemon)
+    config = (snapshot or {}).get("config", {})
+    if args.expect_bytes is None and snapshot is not None:
+        in_use = snapshot.get("shm", {}).get("in_use", 0)
+        findings.append(Finding("shm in use", OK, f"the daemon holds {in_use / 2**20:.0f} MiB"))
+    if snapshot is not None:
+        findings += check_links(snapshot)
+    peers = args.peers.split(",") if args.peers else list(config.get("peers", []))
+    own = config.get("listen")
+    findings += [check_port(peer.strip(), args.timeout_s) for peer in peers
+                 if peer.strip() and peer.strip() != own]
+    if args.curve_secret:
+        findings.append(check_secret(args.curve_secret))
+    if args.curve_authorized:
+        findings.append(check_authorized(args.curve_authorized))
+    findings += check_limits()
+    findings += check_modules()
+    return findings
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    findings = diagnose(args)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(f) for f in findings], indent=1))
+    else:
+        for finding in findings:
+            line = f"{finding.status:<8} {finding.check}: {finding.detail}"
+            print(line + (f"\n{'':9}fix: {finding.fix}" if finding.fix else ""))
+    problems = sum(f.status == PROBLEM for f in findings)
+    if not args.json:
+        print(f"{problems} problem(s), {sum(f.status == WARNING for f in findings)} warning(s)",
+              file=sys.stderr)
+    return 1 if problems else 0
