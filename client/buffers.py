@@ -14,6 +14,7 @@ import dataclasses
 import mmap
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,6 +30,16 @@ def _base_address(mapping: mmap.mmap) -> int:
     address = int(view.ctypes.data)
     del view
     return address
+
+
+@dataclasses.dataclass
+class Placed:
+    """Where one buffer of a collective lives for the daemon, and what to do after."""
+
+    segment: int | None
+    offset: int
+    on_success: Callable[[], None] | None = None
+    on_finish: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass

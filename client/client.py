@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -19,18 +17,18 @@ from typing import Any, overload
 import numpy as np
 
 from gradsync.client.array_checks import Checked, check_array
-from gradsync.client.buffers import ScratchPool, ScratchSlot, SegmentRegistry
+from gradsync.client.buffers import Placed, ScratchPool, ScratchSlot, SegmentRegistry
 from gradsync.client.compression import Compression, choose, from_environment
 from gradsync.client.connection import Connection
 from gradsync.client.cuda import DeviceArrayInfo, DeviceBuffers, parse_device
 from gradsync.client.environment import resolve_identity
-from gradsync.client.fast_path import FastPath
+from gradsync.client.fast_path import FastPath, offered_fast_path
+from gradsync.client.subgroups import group_job, local_ranks
 from gradsync.client.work import Work
 from gradsync.protocol import requests as wire
 from gradsync.protocol.codec import is_integer
 from gradsync.protocol.dtypes import ReduceOp, dtype_name, parse_reduce_op
 from gradsync.protocol.errors import (
-    CollectiveTimeoutError,
     DaemonShuttingDownError,
     DaemonUnavailableError,
     GradsyncError,
@@ -39,17 +37,6 @@ from gradsync.protocol.errors import (
 from gradsync.protocol.fastpath import fingerprint
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 from gradsync.protocol.requests import ALLREDUCE
-
-
-@dataclasses.dataclass
-class Placed:
-    """Where one buffer of a collective lives for the daemon, and what to do after."""
-
-    segment: int | None
-    offset: int
-    on_success: Callable[[], None] | None = None
-    on_finish: Callable[[], None] | None = None
-
 
 #: A collective's buffer: a numpy array, a cupy array or a CUDA torch tensor.
 Buffer = Any
@@ -132,7 +119,8 @@ class Client:
         self.daemon_pid: int = welcome.get("pid", -1)
         self._daemon_timeout_s = float(welcome.get("collective_timeout_s", 300.0))
         #: The job's shared-memory fast path for small synchronous allreduces, if any.
-        self._fast = self._open_fast_path(welcome.get("fast_page"))
+        self._fast = offered_fast_path(self._connection, self.rank, self.world_size,
+                                       self.local_world_size, welcome.get("fast_page"))
 
     def _close_fast_path(self) -> None:
         # A collective of another thread may still be on the page: then the mapping
@@ -160,23 +148,6 @@ class Client:
         _LOG.warning("gradsync: rank %d of job %r reconnected to the daemon at %s (pid %d, "
                      "was %d: %s); a new session, collectives in flight were lost",
                      self.rank, self.job, self.daemon, self.daemon_pid, old_pid, lost)
-
-    def _open_fast_path(self, offer: Any) -> FastPath | None:
-        """Map the fast page the daemon offers (single-node jobs); None to use sockets only.
-
-        `GRADSYNC_FAST_PATH=0` turns it off for this process; `=python` keeps it but runs
-        its steps in Python rather than in the compiled module (for comparison and tests).
-        """
-        if not isinstance(offer, dict) or os.environ.get("GRADSYNC_FAST_PATH", "1") == "0":
-            return None
-        if self.world_size != self.local_world_size:
-            return None
-        try:
-            return FastPath(self._connection, self.rank, self.world_size, offer)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            warnings.warn(f"gradsync: not using the shared-memory fast path: {exc}",
-                          RuntimeWarning, stacklevel=3)
-            return None
 
     def __repr__(self) -> str:
         return (
@@ -231,13 +202,9 @@ class Client:
             self._free_collected()
 
     def _free_collected(self) -> None:
-        """Free in the daemon the segments this process let go of, and wait for it.
-
-        Waiting costs one round trip, and only when something was let go; it
-        makes the space in /dev/shm come back before the next collective
-        returns, on the fast path too, which never reaches the daemon (a program
-        beside the training may need that space).
-        """
+        """Free in the daemon the segments this process let go of, and wait for it:
+        one round trip, only when something was let go, so /dev/shm has the space
+        back before the next collective returns (the fast path too)."""
         sent = []
         while self._segments.collected:
             segment_id = self._segments.collected.popleft()
@@ -603,20 +570,12 @@ class Client:
         keys, and has every collective method; closing this client closes it.
         """
         self._check_open()
-        members = list(ranks)
-        if not members or len(set(members)) != len(members) or not all(
-            is_integer(r) and 0 <= r < self.world_size
-            for r in members
-        ):
-            raise InvalidArgumentError(
-                f"new_group needs distinct ranks in [0, {self.world_size}), got {members!r}"
-            )
         self._groups_created += 1
-        digest = hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=6).hexdigest()
-        name = f"{self.job}/g{self._groups_created}-{digest}"
+        members, name = group_job(self.job, self.world_size, self._groups_created, ranks)
         if self.rank not in members:
             return None
-        local = self._local_ranks()
+        local = local_ranks(self._connection, self.job, self.local_world_size,
+                            self.timeout_s or self._daemon_timeout_s, _HELLO_TIMEOUT_S)
         local_members = [r for r in members if r in local]
         group = Client(
             daemon=self.daemon, job=name, rank=members.index(self.rank),
@@ -627,22 +586,6 @@ class Client:
         group.ranks = tuple(members)
         self._groups.append(group)
         return group
-
-    def _local_ranks(self) -> set[int]:
-        """The job's ranks on this node, once all of them have connected to the daemon."""
-        deadline = time.monotonic() + (self.timeout_s or self._daemon_timeout_s)
-        delay = 0.001
-        while True:
-            reply = self._connection.call("group_info", timeout_s=_HELLO_TIMEOUT_S)
-            if reply.get("complete"):
-                return set(reply.get("members", []))
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"new_group: not all {self.local_world_size} local ranks of job "
-                    f"{self.job!r} connected to the daemon in time"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     def _check_array(self, array: Any, op: str | ReduceOp) -> Checked:
         """What a collective needs to know of its array, after checking it."""

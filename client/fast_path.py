@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from fcntl import LOCK_EX, LOCK_UN, flock
 from typing import Any
@@ -312,3 +313,23 @@ class FastPath:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, _REUSE_POLL_S[1])
+
+
+def offered_fast_path(
+    connection: Connection, rank: int, world_size: int, local_world_size: int, offer: Any
+) -> FastPath | None:
+    """Map the fast page a daemon's welcome offers (single-node jobs); None: sockets only.
+
+    `GRADSYNC_FAST_PATH=0` turns it off for this process; `=python` keeps it but runs
+    its steps in Python rather than in the compiled module (for comparison and tests).
+    """
+    if not isinstance(offer, dict) or os.environ.get("GRADSYNC_FAST_PATH", "1") == "0":
+        return None
+    if world_size != local_world_size:
+        return None
+    try:
+        return FastPath(connection, rank, world_size, offer)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"gradsync: not using the shared-memory fast path: {exc}",
+                      RuntimeWarning, stacklevel=4)
+        return None
