@@ -29,6 +29,7 @@ from torch.distributed.distributed_c10d import PrefixStore
 
 from gradsync.client.client import Client
 from gradsync.client.environment import resolve_identity
+from gradsync.client.torch.at_exit import leave_at_exit
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.point_to_point import PairJobs
@@ -99,6 +100,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         name = group_id or "default"
         self._completer = FutureCompleter(f"gradsync-futures-{name}", f"gradsync-callbacks-{name}")
         self._closed = False
+        leave_at_exit(self)
 
     def _connect(
         self, job: str, rank: int, size: int, local_rank: int, local_size: int
