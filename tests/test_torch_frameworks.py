@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 from cluster import free_ports
 
-from conftest import PROGRAMS, DaemonProcess, assert_all_exited_0, collect, spawn_ranks
+from conftest import (
+    PROGRAMS,
+    DaemonProcess,
+    assert_all_exited_0,
+    collect,
+    poll_until,
+    spawn_ranks,
+)
 
 torch = pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
 
@@ -167,3 +174,37 @@ def test_pipelining_gpipe_over_send_recv_matches_the_whole_model(daemon: DaemonP
     records = framework_calls(daemon, "pipelining", 2)
     assert [r["grads_match"] for r in records] == [True, True], records
     assert records[0]["losses"] == [] and len(records[1]["losses"]) == 4  # type: ignore[arg-type]
+
+
+def accelerate_run(backend: str, runtime: Path, out: Path) -> list[dict[str, object]]:
+    """tests/programs/accelerate_train.py on 2 ranks under torchrun, no daemon set up."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    port = free_ports(1)[0]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         str(PROGRAMS / "accelerate_train.py"), backend, str(out)],
+        capture_output=True, text=True, timeout=240,
+        env={**env, "XDG_RUNTIME_DIR": str(runtime), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, f"{backend}:\n{result.stdout}\n{result.stderr[-4000:]}"
+    # A program that never destroys its group leaves the job in order at exit.
+    assert "died" not in result.stderr, result.stderr[-4000:]
+    return [json.loads(out.with_name(f"{out.name}.{rank}").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(400)
+def test_accelerate_under_torchrun_trains_bitwise_like_gloo(
+    short_tmp: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("accelerate", reason="accelerate is installed by the dev extra")
+    ours = accelerate_run("gradsync", Path(short_tmp), tmp_path / "gradsync")
+    theirs = accelerate_run("gloo", Path(short_tmp), tmp_path / "gloo")
+    assert [(r["backend"], r["type"], r["model"]) for r in ours] == [
+        ("gradsync", "DistributedType.MULTI_CPU", "DistributedDataParallel")] * 2
+    assert ours[0]["params"] == ours[1]["params"], "the two ranks' parameters differ"
+    assert ours[0]["params"] == theirs[0]["params"], "gradsync and gloo runs differ"
+    assert ours[0]["losses"] == theirs[0]["losses"]
+    poll_until(lambda: os.listdir(short_tmp) == [], 30.0,
+               "the job's private daemon leaves, removing its folder")
