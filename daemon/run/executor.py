@@ -319,12 +319,7 @@ class ScheduleRun:
 
     def raw_nbytes(self, nbytes: int) -> int:
         """Buffer bytes a payload of `nbytes` carries (0 for one that fits no count)."""
-        if self.codec is None:
-            return nbytes
-        try:
-            return self.codec.count(nbytes) * self.buffer.itemsize
-        except ProtocolError:
-            return 0
+        return raw_nbytes(self.codec, self.buffer.itemsize, nbytes)
 
     def _kept_count(self, payload: Any) -> int:
         """`_count_of` a slice kept early, 0 for one that fits none (refused at its step)."""
@@ -629,3 +624,13 @@ class _ReducePlacement(Placement):
 def _remaining(expected: _Expected) -> int:
     """Elements of an expected receive that have not arrived yet."""
     return expected.stop - expected.start - expected.got
+
+
+def raw_nbytes(codec: WireCodec | None, itemsize: int, nbytes: int) -> int:
+    """Buffer bytes a payload of `nbytes` carries (0 for one that fits no count)."""
+    if codec is None:
+        return nbytes
+    try:
+        return codec.count(nbytes) * itemsize
+    except ProtocolError:
+        return 0

@@ -27,7 +27,7 @@ from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
-from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed
+from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed, raw_nbytes
 from gradsync.daemon.run.residuals import Residuals, fold_in
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -130,10 +130,15 @@ class CrossDaemonRunner:
         # Each slice's header: this, with the executor's step, transfer and offset.
         base = Slice(job.name, formation.generation, ready.key, fp, 0, 0, 0).to_wire()
 
+        # `send` must not refer to `run`: that cycle (run -> send -> run) kept the run's
+        # views of the client's segment alive until a garbage collection, and with them
+        # the freed segment's /dev/shm space (tests/test_freed_space.py).
+        itemsize = plan.work.dtype.itemsize
+
         def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
             if self.stats is not None:
                 self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload),
-                                        sent_raw=run.raw_nbytes(len(payload)))
+                                        sent_raw=raw_nbytes(codec, itemsize, len(payload)))
             return self.transport.post(
                 formation.daemons[peer], {**base, **header}, (payload,), zero_copy
             )
