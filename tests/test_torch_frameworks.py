@@ -98,13 +98,13 @@ def test_a_program_that_never_imports_gradsync_and_passes_its_rank_itself(
         assert record["broadcast"] == [{"from": 1, "values": [0, 1, 2, 3, 4]}]
 
 
-LIGHTNING_SCRIPT = PROGRAMS / "lightning_fit.py"
-
-
-def lightning_fit(backend: str, out: Path, env: dict[str, str]) -> dict[int, list[float]]:
-    """Run tests/programs/lightning_fit.py (Lightning starts the second process)."""
+def lightning_fit(
+    backend: str, out: Path, env: dict[str, str], script: Path
+) -> dict[int, list[float]]:
+    """Run tests/programs/lightning_fit.py or fabric_fit.py (Lightning starts the
+    second process)."""
     result = subprocess.run(
-        [sys.executable, str(LIGHTNING_SCRIPT), backend, str(out)], capture_output=True,
+        [sys.executable, str(script), backend, str(out)], capture_output=True,
         text=True, timeout=240, env={**os.environ, **env}, cwd=out.parent,
     )
     assert result.returncode == 0, f"{backend}:\n{result.stdout}\n{result.stderr}"
@@ -114,16 +114,20 @@ def lightning_fit(backend: str, out: Path, env: dict[str, str]) -> dict[int, lis
 
 @pytest.mark.frameworks
 @pytest.mark.timeout(300)
-def test_lightning_ddp_strategy_trains_like_gloo(daemon: DaemonProcess, tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", ["lightning_fit.py", "fabric_fit.py"])
+def test_lightning_ddp_strategy_trains_like_gloo(
+    daemon: DaemonProcess, tmp_path: Path, script: str
+) -> None:
+    """Lightning's Trainer and Lightning Fabric, each with its DDPStrategy."""
     pytest.importorskip("lightning", reason="Lightning is installed by the dev extra")
     port = free_ports(1)[0]
     env = {"GRADSYNC_DAEMON": daemon.endpoint, "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
-    ours = lightning_fit("gradsync", tmp_path / "gradsync", env)
+    ours = lightning_fit("gradsync", tmp_path / "gradsync", env, PROGRAMS / script)
     env["MASTER_PORT"] = str(free_ports(1)[0])
-    theirs = lightning_fit("gloo", tmp_path / "gloo", env)
+    theirs = lightning_fit("gloo", tmp_path / "gloo", env, PROGRAMS / script)
     assert ours[0] == ours[1], "the two ranks' parameters differ"
     assert theirs[0] == theirs[1]
     worst = max(abs(a - b) for a, b in zip(ours[0], theirs[0], strict=True))
