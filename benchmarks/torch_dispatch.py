@@ -1,0 +1,147 @@
+"""`dist.all_reduce` through torch on backend gradsync, gloo and a do-nothing backend.
+
+    python -m benchmarks.torch_dispatch [--ranks 2] [--iters 2000] [--sizes 4KiB,64KiB,16MiB]
+
+N ranks on this machine (env:// rendezvous, one private gradsyncd started by
+the backend itself), float32 sum, synchronous `dist.all_reduce` on an
+ordinary torch tensor, as a framework calls it.  The do-nothing backend
+("noop": a Python `ProcessGroup` whose allreduce hands back a completed Work
+at once) measures torch's own Python dispatch the same way, which is the part
+of gradsync's time that is not ours.  Prints one table: median µs per call
+over batches (the ranks meet at a barrier before each batch).  The same
+module is the rank program (`--worker`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+BACKENDS = ("gradsync", "gloo", "noop")
+_SIZES = {"KiB": 1024, "MiB": 1024 * 1024}
+
+
+def _bytes(text: str) -> int:
+    for suffix, scale in _SIZES.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * scale
+    return int(text)
+
+
+def _register_noop() -> None:
+    """Backend "noop": every allreduce is done before it returns (torch's dispatch only)."""
+    import torch
+    import torch.distributed as dist
+
+    class DoneWork(dist.Work):
+        def __init__(self, tensors: list[torch.Tensor]) -> None:
+            super().__init__()
+            self._tensors = tensors
+
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+        def get_future(self) -> torch.futures.Future[Any]:
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            future.set_result(self._tensors)
+            return future
+
+    class Noop(dist.ProcessGroup):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__(rank, size)
+
+        def getBackendName(self) -> str:
+            return "noop"
+
+        def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+            return DoneWork(tensors)
+
+        def barrier(self, opts: Any = None) -> dist.Work:
+            return DoneWork([])
+
+    dist.Backend.register_backend(
+        "noop", lambda store, rank, size, timeout: Noop(rank, size), devices=["cpu"])
+
+
+def worker(backend: str, sizes: list[int], iters: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "noop":
+        _register_noop()
+    dist.init_process_group(backend)
+    results = {}
+    for nbytes in sizes:
+        tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+        count = max(20, iters if nbytes <= 65536 else iters // 100)
+        batch = max(10, count // 20)
+        for _ in range(min(50, count)):
+            dist.all_reduce(tensor)
+        per_call = []
+        for _ in range(count // batch):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(batch):
+                dist.all_reduce(tensor)
+            per_call.append((time.perf_counter() - start) / batch)
+        results[nbytes] = statistics.median(per_call) * 1e6
+    if dist.get_rank() == 0:
+        print(json.dumps({"backend": backend, "us": results}), flush=True)
+    dist.destroy_process_group()
+
+
+def run(backend: str, ranks: int, sizes: list[int], iters: int, port: int) -> dict[int, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    with tempfile.TemporaryDirectory(prefix="gs-bench-") as runtime:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks),
+                   OMP_NUM_THREADS="1", XDG_RUNTIME_DIR=runtime)
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.torch_dispatch", "--worker", backend,
+                 "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE, text=True)
+            for rank in range(ranks)
+        ]
+        outputs = [p.communicate(timeout=600)[0] for p in processes]
+    if any(p.returncode for p in processes):
+        raise SystemExit(f"{backend}: a rank failed: {[p.returncode for p in processes]}")
+    record = json.loads(outputs[0].strip().splitlines()[-1])
+    return {int(k): float(v) for k, v in record["us"].items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", choices=BACKENDS)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--sizes", default="4KiB,64KiB,16MiB")
+    parser.add_argument("--port", type=int, default=29731)
+    args = parser.parse_args()
+    sizes = [_bytes(s) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(args.worker, sizes, args.iters)
+        return
+    table = {b: run(b, args.ranks, sizes, args.iters, args.port + i)
+             for i, b in enumerate(BACKENDS)}
+    print(f"| size (B) | {' | '.join(f'{b} (µs)' for b in BACKENDS)} | noop share of gradsync |")
+    print(f"| ---: | {' | '.join('---:' for _ in BACKENDS)} | ---: |")
+    for nbytes in sizes:
+        cells = " | ".join(f"{table[b][nbytes]:.1f}" for b in BACKENDS)
+        share = table["noop"][nbytes] / table["gradsync"][nbytes]
+        print(f"| {nbytes} | {cells} | {share:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
