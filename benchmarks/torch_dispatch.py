@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
+
+from benchmarks.processes import clean_env, log_tail, module_command, rank_env, run_all
 
 BACKENDS = ("gradsync", "gloo", "noop")
 _SIZES = {"KiB": 1024, "MiB": 1024 * 1024}
@@ -73,7 +73,7 @@ def _register_noop() -> None:
         "noop", lambda store, rank, size, timeout: Noop(rank, size), devices=["cpu"])
 
 
-def worker(backend: str, sizes: list[int], iters: int) -> None:
+def worker(backend: str, sizes: list[int], iters: int, result: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -97,27 +97,27 @@ def worker(backend: str, sizes: list[int], iters: int) -> None:
             per_call.append((time.perf_counter() - start) / batch)
         results[nbytes] = statistics.median(per_call) * 1e6
     if dist.get_rank() == 0:
-        print(json.dumps({"backend": backend, "us": results}), flush=True)
+        with open(result, "w", encoding="utf-8") as handle:
+            json.dump({"backend": backend, "us": results}, handle)
     dist.destroy_process_group()
 
 
 def run(backend: str, ranks: int, sizes: list[int], iters: int, port: int) -> dict[int, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    """One backend's figures: µs per call by size, from rank 0's result file."""
     with tempfile.TemporaryDirectory(prefix="gs-bench-") as runtime:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks),
-                   OMP_NUM_THREADS="1", XDG_RUNTIME_DIR=runtime)
-        processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.torch_dispatch", "--worker", backend,
-                 "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=subprocess.PIPE, text=True)
-            for rank in range(ranks)
-        ]
-        outputs = [p.communicate(timeout=600)[0] for p in processes]
-    if any(p.returncode for p in processes):
-        raise SystemExit(f"{backend}: a rank failed: {[p.returncode for p in processes]}")
-    record = json.loads(outputs[0].strip().splitlines()[-1])
+        result = os.path.join(runtime, "result.json")
+        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks),
+                        XDG_RUNTIME_DIR=runtime)
+        command = module_command("torch_dispatch", "--worker", backend, "--sizes",
+                                 ",".join(map(str, sizes)), "--iters", str(iters),
+                                 "--result", result)
+        log_path = os.path.join(runtime, "ranks.log")
+        failure = run_all([(command, rank_env(env, RANK=str(r), LOCAL_RANK=str(r)))
+                           for r in range(ranks)], log_path, 600)
+        if failure is not None:
+            raise SystemExit(f"{backend}: {failure}\n{log_tail(log_path)}")
+        with open(result, encoding="utf-8") as handle:
+            record = json.load(handle)
     return {int(k): float(v) for k, v in record["us"].items()}
 
 
@@ -128,10 +128,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--sizes", default="4KiB,64KiB,16MiB")
     parser.add_argument("--port", type=int, default=29731)
+    parser.add_argument("--result", help="(--worker) where rank 0 writes its figures")
     args = parser.parse_args()
     sizes = [_bytes(s) for s in args.sizes.split(",")]
     if args.worker:
-        worker(args.worker, sizes, args.iters)
+        worker(args.worker, sizes, args.iters, args.result)
         return
     table = {b: run(b, args.ranks, sizes, args.iters, args.port + i)
              for i, b in enumerate(BACKENDS)}
