@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import threading
 import weakref
 from typing import Protocol
 
@@ -22,20 +21,14 @@ class _Closable(Protocol):
 
 
 _live: weakref.WeakSet[_Closable] = weakref.WeakSet()
-_registered = threading.Lock()
-_hooked = False
 
 
 def leave_at_exit(group: _Closable) -> None:
     """Shut `group` down at interpreter exit, if it is still alive then."""
-    global _hooked
-    with _registered:
-        _live.add(group)
-        if not _hooked:
-            atexit.register(_shut_down_all)
-            _hooked = True
+    _live.add(group)
 
 
+@atexit.register
 def _shut_down_all() -> None:
     for group in list(_live):
         with contextlib.suppress(Exception):
