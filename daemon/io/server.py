@@ -285,18 +285,17 @@ async def _exit_when_idle(service: GradsyncService, idle_s: float, stop: asyncio
     """Set `stop` once no client has been connected for `idle_s` seconds (or, before
     any rank joined a job here, for `FIRST_CLIENT_GRACE_S`)."""
     loop = asyncio.get_running_loop()
-    seen = (0, 0)
+    joined = 0
     idle_since = loop.time()
     while True:
         await asyncio.sleep(min(0.25, idle_s / 4))
         now = loop.time()
-        # A whole job can join and leave between two polls: the counters still move.
-        members = (service.members_joined, service.members_left)
-        if service.sessions or members != seen:
-            seen, idle_since = members, now
+        # A whole job can join and leave between two polls: the counter still moves.
+        if service.sessions or service.members_joined != joined:
+            joined, idle_since = service.members_joined, now
             continue
         waited = now - idle_since
-        if waited >= (idle_s if seen[0] else max(idle_s, FIRST_CLIENT_GRACE_S)):
+        if waited >= (idle_s if joined else max(idle_s, FIRST_CLIENT_GRACE_S)):
             log.info("no client for %.1fs: exiting (exit_when_idle_s)", waited)
             stop.set()
             return

@@ -79,10 +79,9 @@ class GradsyncService:
         )
         self.jobs = state.jobs
         self.sessions = state.sessions
-        #: Sessions that said hello to a job, and those of them gone since: the
-        #: idle exit (`--exit-when-idle-s`) sees a job come and go between its polls.
+        #: Sessions that said hello to a job: the idle exit (`--exit-when-idle-s`)
+        #: sees a job that came and went between two of its polls.
         self.members_joined = 0
-        self.members_left = 0
         #: The multi-node side, when this daemon has peers (`join_cluster`).
         self.cluster: ClusterJobs | None = None
         self.stats = StatsRecorder()
@@ -113,8 +112,6 @@ class GradsyncService:
     def session_closed(self, session: ClientSession) -> None:
         """A client went away: free its segments, break its job for the others."""
         self.sessions.pop(session.session_id, None)
-        if session.job_name is not None:
-            self.members_left += 1
         for segment_id in session.segments:
             self.buffers.release(segment_id)
         session.segments.clear()
