@@ -121,6 +121,8 @@ class Client:
         #: The job's shared-memory fast path for small synchronous allreduces, if any.
         self._fast = offered_fast_path(self._connection, self.rank, self.world_size,
                                        self.local_world_size, welcome.get("fast_page"))
+        #: The largest allreduce (bytes) the fast path may take, 0 without one.
+        self.fast_path_bytes = 0 if self._fast is None else self._fast.limit
 
     def _close_fast_path(self) -> None:
         # A collective of another thread may still be on the page: then the mapping
@@ -331,6 +333,7 @@ class Client:
         timeout_s: float | None = None,
         compression: str | None = None,
         error_feedback: bool = False,
+        _fast_wait_s: float | None = None,
     ) -> Work | None:
         """Reduce `array` across all ranks, in place.
 
@@ -358,13 +361,14 @@ class Client:
         chosen = choose(compression, error_feedback, self.compression, ALLREDUCE, wire_dtype,
                         reduce_op.value, device is not None)
         key, waited_s = None, None
-        fast = self._fast
-        if fast is not None and not async_op and device is None and array.nbytes <= fast.limit:
+        fast = self._fast  # async_op too with _fast_wait_s (the torch backend's): None if done
+        if (fast is not None and (not async_op or _fast_wait_s is not None)
+                and device is None and array.nbytes <= fast.limit):
             print_ = fingerprint(wire_dtype, count, reduce_op, algorithm)
+            wait_s = min(timeout_s or self._daemon_timeout_s, _fast_wait_s or math.inf)
             with fast.lock:
                 key = self._next_key()
-                waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key,
-                                           timeout_s or self._daemon_timeout_s)
+                waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key, wait_s)
             if waited_s is None:
                 return None
             if fast.page.stopping:  # the socket path's answer, which it can no longer give

@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch", reason="torch is the optional extra gradsyn
 
 StartDaemon = Callable[..., DaemonProcess]
 
-PRIMITIVES = "primitives,groups,functional,sharing,errors"
+PRIMITIVES = "primitives,groups,functional,sharing,errors,on_page"
 #: Largest |parameter - single-process reference| per training scenario.
 TOLERANCE = {
     "ddp": 1e-10,

@@ -32,6 +32,7 @@ from gradsync.client.environment import resolve_identity
 from gradsync.client.torch.at_exit import leave_at_exit
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
+from gradsync.client.torch.on_page import page_issue
 from gradsync.client.torch.point_to_point import PairJobs
 from gradsync.client.torch.private_daemon import choose_daemon
 from gradsync.client.torch.rendezvous import fresh_round, node_identities
@@ -228,6 +229,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        on_page = page_issue(self._client, tensors, op)
+        if on_page is not None:  # small: done before this returns, if the peers are there
+            return self._work("allreduce", on_page, tensors)
         staged = [self._stage(t) for t in tensors]
         ops = [wire_op(t, op) for t in tensors]
 

@@ -59,6 +59,10 @@ class Operation:
         self.lock = threading.Lock()
         self.done = False
         self.error: Exception | None = None
+        if not self.works and finish is None:  # over already (done on the fast page)
+            self.done = True
+            if done is not None:
+                done()
 
     def poll(self) -> bool:
         if self.done:
@@ -71,6 +75,8 @@ class Operation:
 
     def complete(self, timeout_s: float | None = None) -> None:
         """Wait for the result (or `timeout_s`, leaving it in flight); raise its error."""
+        if self.done and self.error is None:
+            return
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise dist.DistBackendError(

@@ -472,6 +472,55 @@ def errors() -> int:
     return check.count
 
 
+def on_page() -> int:
+    """Small allreduces end on the fast page before allreduce() returns; a late peer
+    never holds the caller up until it comes, and async order dependencies hold."""
+    import time
+
+    from gradsync.client.cli.stats import fetch_snapshot
+
+    check = Checker("on_page")
+    job = dist.distributed_c10d._get_default_group().gradsync_job  # type: ignore[attr-defined]
+
+    def on_page_so_far() -> int:
+        stats = fetch_snapshot(os.environ["GRADSYNC_DAEMON"] + ".stats", 5.0)
+        done = stats["jobs"][job]["done"]
+        return int(done.get("allreduce/fast", 0))
+
+    want = float(sum(range(WORLD)))
+    before, at_once = on_page_so_far(), 0
+    for _ in range(50):
+        t = torch.full((1024,), float(RANK))
+        dist.barrier()
+        work = dist.all_reduce(t, async_op=True)
+        at_once += work.is_completed()
+        work.wait()
+        check.equal("in step", t, torch.full((1024,), want))
+    # In step, most end on the page (a loaded machine may hold a rank up past the wait).
+    assert on_page_so_far() > before and at_once > 0, "none of 50 ended on the fast page"
+    late = torch.full((1024,), float(RANK))
+    dist.barrier()
+    if RANK == WORLD - 1:
+        time.sleep(0.5)  # comes late: the others' allreduce must not wait for it
+    work = dist.all_reduce(late, async_op=True)
+    if RANK != WORLD - 1:
+        assert not work.is_completed(), "the allreduce waited for its late peer"
+    work.wait()
+    check.equal("late peer", late, torch.full((1024,), want))
+    # Rank 0's async allreduce comes before the send its peer waits for to issue its own.
+    ordered, token = torch.full((64,), float(RANK)), torch.zeros(1)
+    if RANK == 0:
+        work = dist.all_reduce(ordered, async_op=True)
+        for peer in range(1, WORLD):
+            dist.send(token, peer)
+        work.wait()
+    else:
+        dist.recv(token, 0)
+        dist.all_reduce(ordered)
+    check.equal("ordered", ordered, torch.full((64,), want))
+    return check.count
+
+
 def smoke() -> int:
     """One allreduce and a barrier: enough to show a launcher or init_method works."""
     check = Checker("smoke")
@@ -484,6 +533,7 @@ def smoke() -> int:
 
 SCENARIOS: dict[str, Callable[[], Any]] = {
     "smoke": smoke,
+    "on_page": on_page,
     "sharing": sharing,
     "errors": errors,
     "primitives": primitives,
