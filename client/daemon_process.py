@@ -32,6 +32,14 @@ from gradsync.protocol.shm import SEGMENT_PREFIX, SHM_DIR
 #: The interpreter's words of a daemon command, after the prefix.
 _DAEMON_MODULE = ("-m", "gradsync.daemon")
 
+#: A detached daemon's keeper: a shell that runs it in the background, passes
+#: SIGTERM and SIGINT on, and exits with its status once it is gone.  A
+#: supervisor that kills the caller's children (Ray kills a worker's when the
+#: worker exits) kills only the keeper; the daemon lives on to its idle exit.
+_KEEPER = ("sh", "-c", '"$@" & child=$!; trap \'kill -TERM $child 2>/dev/null\' TERM INT; '
+           'while :; do wait $child; status=$?; kill -0 $child 2>/dev/null || exit $status; '
+           'done', "gradsyncd-keeper")
+
 
 class DaemonStartError(RuntimeError):
     """The daemon exited (`exit_code` set) or did not answer a ping in time (None)."""
@@ -66,6 +74,8 @@ class DaemonProcess:
     leaked_segments: list[str] = dataclasses.field(default_factory=list)
     #: How many leading words of `command` are a prefix (e.g. `ip netns exec NS`).
     prefix_words: int = 0
+    #: How many of those are the keeper of a detached daemon (not shown).
+    keeper_words: int = 0
 
     @property
     def pid(self) -> int:
@@ -79,7 +89,7 @@ class DaemonProcess:
         """Its command as a user would type it: `[prefix] gradsyncd ARGS`."""
         words = self.command
         rest = words[self.prefix_words + 1 + len(_DAEMON_MODULE) :]
-        return shlex.join([*words[: self.prefix_words], "gradsyncd", *rest])
+        return shlex.join([*words[self.keeper_words : self.prefix_words], "gradsyncd", *rest])
 
     def log(self) -> str:
         """Everything it wrote so far ("" without a log file)."""
@@ -159,14 +169,18 @@ def start_daemon(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     new_session: bool = False,
+    detached: bool = False,
 ) -> DaemonProcess:
     """Start `[prefix] python -m gradsync.daemon --socket ENDPOINT DAEMON_ARGS`.
 
     Output goes to `log_path` (stderr too) or, without one, where ours goes;
     `env` None inherits this environment.  `new_session`: a terminal's Ctrl-C
     then reaches only the caller, which stops the daemon when it is done.
-    Call `wait_ready` next.
+    `detached`: the daemon is not the caller's child but its keeper's (`_KEEPER`),
+    so it outlives a caller killed with its children.  Call `wait_ready` next.
     """
+    keeper = _KEEPER if detached else ()
+    prefix = [*keeper, *prefix]
     command = [*prefix, sys.executable, *_DAEMON_MODULE, "--socket", endpoint, *daemon_args]
     log = Path(log_path) if log_path is not None else None
     with contextlib.ExitStack() as stack:
@@ -176,4 +190,5 @@ def start_daemon(
             stderr=subprocess.STDOUT if out is not None else None,
             env=env, cwd=cwd, start_new_session=new_session,
         )
-    return DaemonProcess(endpoint, folder, process, log, prefix_words=len(prefix))
+    return DaemonProcess(endpoint, folder, process, log, prefix_words=len(prefix),
+                         keeper_words=len(keeper))

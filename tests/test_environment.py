@@ -267,3 +267,22 @@ def test_gradsync_compression_applies_only_where_it_can(monkeypatch: pytest.Monk
     monkeypatch.setenv("GRADSYNC_COMPRESSION", "fp4")
     with pytest.raises(InvalidArgumentError, match="GRADSYNC_COMPRESSION='fp4'"):
         from_environment()
+
+
+def test_a_private_daemon_socket_leaves_a_runtime_folder_too_deep_for_its_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's workers, for one, may run under an XDG_RUNTIME_DIR too deep for a Unix socket."""
+    pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
+    from gradsync.client.torch.private_daemon import _private_endpoint
+    from gradsync.protocol.endpoint import MAX_SOCKET_PATH, parse_ipc_endpoint
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/0")
+    near = _private_endpoint("job", "node")
+    assert near.startswith("ipc:///run/user/0/gradsync-job-"), near
+    assert _private_endpoint("job", "node") == near  # every rank of the node agrees
+    assert _private_endpoint("job", "other node") != near
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/tmp/" + "deep/" * 14)
+    far = _private_endpoint("job", "node")
+    assert far.startswith("ipc:///tmp/gradsync-job-"), far
+    assert len(parse_ipc_endpoint(far + ".stats.pub")) <= MAX_SOCKET_PATH

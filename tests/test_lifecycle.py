@@ -305,3 +305,23 @@ def test_garbage_collected_empty_array_frees_its_segment(start_daemon: StartDaem
         np.testing.assert_array_equal(second, np.ones(count, dtype=np.float32))
         assert len(buffers_of(daemon)) == 1
     daemon.assert_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_detached_daemon_outlives_its_starter_killed_with_its_children(short_tmp: str) -> None:
+    """What Ray does as a worker exits: SIGKILL to the worker's children.  A detached
+    daemon (the torch backend's private one) is its keeper's child, so it serves on,
+    and still stops cleanly on SIGTERM."""
+    from gradsync.client.daemon_process import start_daemon
+
+    endpoint = f"ipc://{short_tmp}/gradsyncd.sock"
+    keeper = start_daemon(endpoint, detached=True, log_path=Path(short_tmp) / "log")
+    keeper.wait_ready(30.0)
+    pid = int(query(endpoint, 5.0)["pid"])
+    assert pid != keeper.pid and keeper.shown_command().startswith("gradsyncd "), keeper.command
+    keeper.process.kill()
+    keeper.process.wait(10)
+    assert int(query(endpoint, 5.0)["pid"]) == pid  # still there, still serving
+    os.kill(pid, signal.SIGTERM)
+    poll_until(lambda: not os.path.exists(f"/proc/{pid}"), 30.0, "the daemon exits on SIGTERM")
+    assert segments_of(pid) == [] and not os.path.exists(endpoint[len("ipc://"):])

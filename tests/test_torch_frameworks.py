@@ -134,6 +134,36 @@ def test_lightning_ddp_strategy_trains_like_gloo(
     assert worst <= 1e-6, f"gradsync and gloo runs differ by {worst}"
 
 
+@pytest.mark.frameworks
+@pytest.mark.timeout(300)
+def test_ray_train_torch_trainer_on_gradsync_with_no_daemon_set_up(
+    tmp_path: Path, short_tmp: str
+) -> None:
+    """TorchTrainer with TorchConfig(backend="gradsync"): Ray's workers form the group
+    themselves, the backend starts the node's daemon, DDP trains as one process
+    would, and the daemon leaves with the job."""
+    pytest.importorskip("ray.train", reason="Ray Train is installed by the dev extra")
+    runtime = short_tmp  # the daemon's folder goes here (XDG_RUNTIME_DIR)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env.update(XDG_RUNTIME_DIR=runtime, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+    script = str(PROGRAMS / "ray_train_fit.py")
+    for backend in ("gradsync", "reference"):
+        result = subprocess.run([sys.executable, script, backend, str(tmp_path / backend)],
+                                capture_output=True, text=True, timeout=240, env=env)
+        assert result.returncode == 0, f"{backend}:\n{result.stdout}\n{result.stderr[-6000:]}"
+    workers = [json.loads((tmp_path / f"gradsync.{rank}").read_text()) for rank in (0, 1)]
+    (reference,) = [json.loads((tmp_path / "reference.0").read_text())["params"]]
+    assert [w["backend"] for w in workers] == ["gradsync", "gradsync"], workers
+    assert workers[0]["params"] == workers[1]["params"], "the two workers' parameters differ"
+    worst = max(abs(a - b) for a, b in zip(workers[0]["params"], reference, strict=True))
+    assert worst <= 1e-10, f"Ray Train on gradsync and one process differ by {worst}"
+    pids = {int(w["daemon_pid"]) for w in workers}
+    assert len(pids) == 1, f"one node, one private daemon: {pids}"
+    poll_until(lambda: all(not os.path.exists(f"/proc/{p}") for p in pids), 30.0,
+               f"the private gradsyncd {pids} exits after Ray's workers")
+    assert os.listdir(runtime) == [], os.listdir(runtime)
+
+
 def framework_calls(daemon: DaemonProcess, scenario: str, world: int,
                     *args: str) -> list[dict[str, object]]:
     """tests/programs/torch_framework_calls.py SCENARIO on `world` env:// ranks."""

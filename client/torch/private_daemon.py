@@ -46,6 +46,7 @@ from gradsync.client.node_address import (
 )
 from gradsync.client.ping import query
 from gradsync.client.torch.rendezvous import values
+from gradsync.protocol.endpoint import MAX_SOCKET_PATH
 from gradsync.protocol.errors import GradsyncError
 
 __all__ = ["AUTOSTART_VARIABLE", "IDLE_EXIT_S", "choose_daemon"]
@@ -101,10 +102,15 @@ def choose_daemon(
 
 
 def _private_endpoint(job: str, node: str) -> str:
-    """`ipc://$XDG_RUNTIME_DIR-or-/tmp/gradsync-job-UID-HASH/gradsyncd.sock`."""
+    """`ipc://$XDG_RUNTIME_DIR-or-/tmp/gradsync-job-UID-HASH/gradsyncd.sock`: /tmp where
+    the runtime folder's path is too long for the sockets (with their `.stats.pub`)."""
     digest = hashlib.sha256(f"{job}\n{node}".encode()).hexdigest()[:16]
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return "ipc://" + os.path.join(base, f"gradsync-job-{os.getuid()}-{digest}", "gradsyncd.sock")
+    folder = f"gradsync-job-{os.getuid()}-{digest}"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(runtime or "/tmp", folder, "gradsyncd.sock")
+    if len(path.encode()) + len(".stats.pub") > MAX_SOCKET_PATH:
+        path = os.path.join("/tmp", folder, "gradsyncd.sock")
+    return "ipc://" + path
 
 
 @contextlib.contextmanager
@@ -147,7 +153,9 @@ def _start(store: Any, job: str, nodes: list[str], index: int, endpoint: str, ra
     if len(nodes) > 1:
         args += _peer_args(store, folder, len(nodes), index)
     try:
-        process = start_daemon(endpoint, args, new_session=True)
+        # Detached: a supervisor that kills this rank's children (Ray does, as a worker
+        # exits) must not take the daemon other ranks of the node still use.
+        process = start_daemon(endpoint, args, new_session=True, detached=True)
     except OSError as exc:
         raise dist.DistBackendError(f"gradsync: cannot start gradsyncd: {exc}") from exc
     try:
