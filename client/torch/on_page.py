@@ -55,11 +55,12 @@ _VIEW_DTYPES = {**NUMPY_DTYPES, torch.bool: np.dtype(np.uint8)}
 
 def _address_view(tensor: torch.Tensor) -> Any:
     """A contiguous CPU tensor's memory as a flat numpy array, made from its address:
-    `as_buffer` for one call (a quarter of its cost), as the array does not hold the
-    tensor; the Work does, until the collective is over."""
+    `as_buffer` at a quarter of its cost.  The array holds the tensor (a dropped Work
+    that went over the socket still writes its result into live memory)."""
     dtype = _VIEW_DTYPES.get(tensor.dtype)
     nbytes = tensor.numel() * tensor.element_size()
     if dtype is None or nbytes == 0:
         return as_buffer(flat_wire_tensor(tensor))  # complex (as real pairs), or its error
     memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    memory.tensor = tensor  # type: ignore[attr-defined]
     return np.frombuffer(memory, dtype)  # type: ignore[call-overload]
