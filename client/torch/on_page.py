@@ -12,15 +12,13 @@ whose peers come late is held up that long at most, never waits for them.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from gradsync.client.client import Client
-from gradsync.client.torch.tensors import NUMPY_DTYPES, as_buffer, flat_wire_tensor, wire_op
+from gradsync.client.torch.tensors import as_buffer, flat_wire_tensor, wire_op
 from gradsync.client.work import Work as GradsyncWork
 
 #: How long `allreduce()` waits on the fast page for the other ranks before it
@@ -41,26 +39,9 @@ def page_issue(
     if (tensor.device.type != "cpu" or not tensor.is_contiguous()
             or tensor.numel() * tensor.element_size() > limit):
         return None
-    array, name = _address_view(tensor), wire_op(tensor, op)
+    array, name = as_buffer(flat_wire_tensor(tensor)), wire_op(tensor, op)
 
     def issue() -> list[GradsyncWork | None]:
         return [client.all_reduce(array, op=name, async_op=True, _fast_wait_s=PAGE_WAIT_S)]
 
     return issue
-
-
-#: What a tensor's memory is viewed as on the page (complex goes the long way).
-_VIEW_DTYPES = {**NUMPY_DTYPES, torch.bool: np.dtype(np.uint8)}
-
-
-def _address_view(tensor: torch.Tensor) -> Any:
-    """A contiguous CPU tensor's memory as a flat numpy array, made from its address:
-    `as_buffer` at a quarter of its cost.  The array holds the tensor (a dropped Work
-    that went over the socket still writes its result into live memory)."""
-    dtype = _VIEW_DTYPES.get(tensor.dtype)
-    nbytes = tensor.numel() * tensor.element_size()
-    if dtype is None or nbytes == 0:
-        return as_buffer(flat_wire_tensor(tensor))  # complex (as real pairs), or its error
-    memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    memory.tensor = tensor  # type: ignore[attr-defined]
-    return np.frombuffer(memory, dtype)  # type: ignore[call-overload]
