@@ -152,7 +152,7 @@ def test_ray_train_torch_trainer_on_gradsync_with_no_daemon_set_up(
                                 capture_output=True, text=True, timeout=240, env=env)
         assert result.returncode == 0, f"{backend}:\n{result.stdout}\n{result.stderr[-6000:]}"
     workers = [json.loads((tmp_path / f"gradsync.{rank}").read_text()) for rank in (0, 1)]
-    (reference,) = [json.loads((tmp_path / "reference.0").read_text())["params"]]
+    reference = json.loads((tmp_path / "reference.0").read_text())["params"]
     assert [w["backend"] for w in workers] == ["gradsync", "gradsync"], workers
     assert workers[0]["params"] == workers[1]["params"], "the two workers' parameters differ"
     worst = max(abs(a - b) for a, b in zip(workers[0]["params"], reference, strict=True))
