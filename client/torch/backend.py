@@ -32,7 +32,7 @@ from gradsync.client.environment import resolve_identity
 from gradsync.client.torch.at_exit import leave_at_exit
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
-from gradsync.client.torch.on_page import page_issue
+from gradsync.client.torch.on_page import PageAllreduce
 from gradsync.client.torch.point_to_point import PairJobs
 from gradsync.client.torch.private_daemon import choose_daemon
 from gradsync.client.torch.rendezvous import fresh_round, node_identities
@@ -100,6 +100,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._issuing = threading.local()
         name = group_id or "default"
         self._completer = FutureCompleter(f"gradsync-futures-{name}", f"gradsync-callbacks-{name}")
+        self._on_page = PageAllreduce(self._client, self._completer, lambda: self._group_name)
         self._closed = False
         leave_at_exit(self)
 
@@ -173,6 +174,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             return
         self._closed = True
         self._pairs.close()
+        self._on_page.forget()
         self._client.close()
         self._completer.close()
 
@@ -227,11 +229,12 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None
-    ) -> TorchWork:
+    ) -> dist.Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        on_page = page_issue(self._client, tensors, op)
-        if on_page is not None:  # small: done before this returns, if the peers are there
-            return self._work("allreduce", on_page, tensors)
+        if not self._closed:  # small: done before this returns, if the peers are there
+            on_page = self._on_page(tensors, op)
+            if on_page is not None:
+                return on_page
         staged = [self._stage(t) for t in tensors]
         ops = [wire_op(t, op) for t in tensors]
 
@@ -241,7 +244,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
         return self._work("allreduce", issue, tensors, copy_back_all(staged))
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
 
     def broadcast(  # type: ignore[override]

@@ -8,6 +8,10 @@ first, at once, for at most `PAGE_WAIT_S`: if every rank of the node comes
 in that time, `allreduce()` hands back a completed Work; if not, the key is
 withdrawn and the collective goes over the socket as any other, so a rank
 whose peers come late is held up that long at most, never waits for them.
+
+At these sizes the Python around the page is the time (benchmarks/RESULTS.md),
+so the view of a tensor that keeps coming back (a framework allreduces the
+same flag or loss tensor every step) is made once and looked up after.
 """
 
 from __future__ import annotations
@@ -15,33 +19,84 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from gradsync.client.client import Client
+from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.tensors import as_buffer, flat_wire_tensor, wire_op
-from gradsync.client.work import Work as GradsyncWork
+from gradsync.client.torch.work import CompletedWork, Operation, TorchWork, torch_error
+from gradsync.protocol.errors import GradsyncError
 
 #: How long `allreduce()` waits on the fast page for the other ranks before it
 #: sends the collective over the socket (and returns a Work still in flight).
 #: Longer than a sleeping peer's wake-up on a VM (fast_path.WAKER_SPIN_S).
 PAGE_WAIT_S = 2e-3
+#: Views kept: each holds its tensor's memory (at most the page's limit, 64 KiB).
+VIEWS_KEPT = 8
+
+#: (address, dtype, elements, reduce op) → (the wire tensor, its array, the op's name)
+_ViewKey = tuple[int, torch.dtype, int, Any]
+_View = tuple[torch.Tensor, np.ndarray, str]
 
 
-def page_issue(
-    client: Client, tensors: Sequence[torch.Tensor], op: Any
-) -> Callable[[], list[GradsyncWork | None]] | None:
-    """The issue step of an allreduce the fast page may finish at once, or None
-    when it cannot (no page, more than one tensor, too big, not contiguous, not CPU)."""
-    limit = client.fast_path_bytes
-    if not limit or len(tensors) != 1:
-        return None
-    tensor = tensors[0]
-    if (tensor.device.type != "cpu" or not tensor.is_contiguous()
-            or tensor.numel() * tensor.element_size() > limit):
-        return None
-    array, name = as_buffer(flat_wire_tensor(tensor)), wire_op(tensor, op)
+class PageAllreduce:
+    """A group's small allreduces on its client's fast page."""
 
-    def issue() -> list[GradsyncWork | None]:
-        return [client.all_reduce(array, op=name, async_op=True, _fast_wait_s=PAGE_WAIT_S)]
+    def __init__(
+        self, client: Client, completer: FutureCompleter, group_name: Callable[[], str]
+    ) -> None:
+        self._client = client
+        self._completer = completer
+        self._group_name = group_name
+        self._limit = client.fast_path_bytes
+        self._views: dict[_ViewKey, _View] = {}
 
-    return issue
+    def __call__(self, tensors: Sequence[torch.Tensor], op: Any) -> dist.Work | None:
+        """The allreduce's Work (complete if it ended on the page), or None when the
+        page cannot take it (no page, more than one tensor, too big, not contiguous,
+        not on the CPU)."""
+        if not self._limit or len(tensors) != 1:
+            return None
+        found = self._view(tensors[0], op)
+        if found is None:
+            return None
+        array, name = found
+        try:
+            work = self._client.all_reduce(array, op=name, async_op=True,
+                                           _fast_wait_s=PAGE_WAIT_S)
+        except GradsyncError as exc:
+            raise torch_error(exc, self._group_name()) from exc
+        outputs = list(tensors)
+        if work is None:
+            return CompletedWork(outputs)
+        return TorchWork(Operation(self._group_name, "allreduce", [work], outputs),
+                         self._completer)
+
+    def _view(self, tensor: torch.Tensor, op: Any) -> tuple[np.ndarray, str] | None:
+        """The array over `tensor`'s memory and the op's wire name, made once per tensor.
+
+        A kept view is the right one while the tensor it holds still starts at the
+        address: that memory cannot belong to anything else, so a tensor found there,
+        contiguous and of the same dtype and length, is a view of the same bytes.
+        """
+        address = tensor.data_ptr()
+        key = (address, tensor.dtype, tensor.numel(), getattr(op, "op", op))
+        kept = self._views.get(key)
+        if (kept is not None and kept[0].data_ptr() == address and tensor.is_cpu
+                and tensor.is_contiguous()):
+            return kept[1], kept[2]
+        if (not tensor.is_cpu or not tensor.is_contiguous()
+                or tensor.numel() * tensor.element_size() > self._limit):
+            return None
+        wire = flat_wire_tensor(tensor)
+        view = (wire, as_buffer(wire), wire_op(tensor, op))
+        if len(self._views) >= VIEWS_KEPT:
+            self._views.clear()
+        self._views[key] = view
+        return view[1], view[2]
+
+    def forget(self) -> None:
+        """Let go of the kept views (the group shuts down)."""
+        self._views.clear()

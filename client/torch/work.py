@@ -143,6 +143,35 @@ def _settle(operation: Operation, future: torch.futures.Future[Any]) -> None:
         future.set_result(operation.outputs)
 
 
+class CompletedWork(dist.Work):
+    """torch's handle on an operation over before it was handed out (one done on
+    the fast page): no Operation, no future thread."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._outputs = outputs
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> Exception | None:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(self._outputs)
+        return future
+
+
 class TorchWork(dist.Work):
     """torch's handle on one operation: wait, is_completed, get_future (output tensors)."""
 

@@ -518,7 +518,42 @@ def on_page() -> int:
         dist.recv(token, 0)
         dist.all_reduce(ordered)
     check.equal("ordered", ordered, torch.full((64,), want))
+    on_page_reused_memory(check)
     return check.count
+
+
+def on_page_reused_memory(check: Checker) -> None:
+    """The page's kept view of a tensor is right for whatever lies at its address
+    next: the same tensor with new values, another shape, dtype or op over the
+    same bytes, a storage moved by a resize, and more tensors than it keeps."""
+    from gradsync.client.torch.on_page import VIEWS_KEPT
+
+    t = torch.zeros(1024)
+    for step in range(3):
+        t.fill_(float(RANK + step))
+        dist.all_reduce(t)
+        check.equal(f"same tensor {step}", t, torch.full((1024,), float(
+            sum(r + step for r in range(WORLD)))))
+    square = t.view(32, 32).fill_(float(RANK + 2))
+    dist.all_reduce(square, op=dist.ReduceOp.MAX)
+    check.equal("other shape and op", square, torch.full((32, 32), float(WORLD + 1)))
+    ints = t.view(torch.int32).fill_(0x10000000 + RANK)  # summed as floats: another sum
+    dist.all_reduce(ints)
+    check.equal("other dtype", ints, torch.full((1024,), 0x10000000 * WORLD + sum(range(
+        WORLD)), dtype=torch.int32))
+    t.untyped_storage().resize_(8 * 4096)  # the storage moves; its old bytes are freed
+    t.set_(t.untyped_storage(), 0, (1024,)).fill_(float(RANK))
+    others = [torch.full((1024,), -1.0) for _ in range(8)]  # may land where t was
+    dist.all_reduce(t)
+    check.equal("after a resize", t, torch.full((1024,), float(sum(range(WORLD)))))
+    assert all(bool((o == -1.0).all()) for o in others), "a freed view was written"
+    many = [torch.full((16 + i,), float(RANK * i)) for i in range(VIEWS_KEPT * 2 + 1)]
+    for _ in range(2):
+        for i, m in enumerate(many):
+            m.fill_(float(RANK * i))
+            dist.all_reduce(m)
+    for i, m in enumerate(many):
+        check.equal(f"many {i}", m, torch.full((16 + i,), float(i * sum(range(WORLD)))))
 
 
 def smoke() -> int:
