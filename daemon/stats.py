@@ -263,6 +263,7 @@ def _peers(links: Any, jobs: dict[str, JobStats]) -> dict[str, Any]:
             "bandwidth_Bps": stats.bytes_per_s if stats else None,
             "heartbeat_age_s": links.heard_age_s(peer),
             "data_stream": links.stream_state(peer),
+            **links.link_facts(peer),
             **{f"bytes_{way}{suffix}": sum(j.peer_bytes.get(peer, {}).get(way + key, 0)
                                            for j in jobs.values())
                for way in ("sent", "received")

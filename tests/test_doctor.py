@@ -1,7 +1,8 @@
 """`gradsync doctor`: every check is tested by breaking what it checks (a small
-tmpfs as /dev/shm in a mount namespace, a closed peer port, a world-readable
-secret key, a socket open to everyone, a low open-file limit) and by the same
-thing in order."""
+tmpfs as /dev/shm in a mount namespace, a closed peer port, a peer presenting
+another key than the one on file, a data port nobody listens on, a peer in
+another protocol version, a world-readable secret key, a socket open to
+everyone, a low open-file limit) and by the same thing in order."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import msgpack
 import pytest
-from cluster import free_ports
+import zmq
+from cluster import free_ports, peer_args
 
 from conftest import DaemonProcess, poll_until
 
@@ -110,3 +114,121 @@ def test_open_file_limit() -> None:
     assert found["open files"]["status"] == "ok"
     assert found["fast path"]["status"] == "ok"  # the tests insist on the C module
     assert found["torch backend"]["status"] == "ok"
+
+
+def keygen(folder: Path, name: str, endpoint: str) -> Path:
+    """A node's CURVE key pair in `folder` (NAME.key, NAME.key_secret)."""
+    subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(folder),
+                    "--name", name, "--endpoint", endpoint], check=True, capture_output=True,
+                   timeout=60)
+    return folder / f"{name}.key"
+
+
+def test_a_peer_presenting_another_key_than_the_one_on_file(
+    start_daemon: StartDaemon, short_tmp: str,
+) -> None:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    keys, old, authorized = (Path(short_tmp) / n for n in ("keys", "old", "authorized"))
+    for folder in (keys, old, authorized):
+        folder.mkdir(mode=0o700)
+    for index, endpoint in enumerate(endpoints):
+        os.link(keygen(keys, f"node{index}", endpoint), authorized / f"node{index}.key")
+    # node1 made a new key, and node0's folder still holds the old one.
+    (authorized / "node1.key").unlink()
+    os.link(keygen(old, "node1", endpoints[1]), authorized / "node1.key")
+    daemons = [start_daemon(*peer_args(i, endpoints, "--curve-secret",
+                                       str(keys / f"node{i}.key_secret"),
+                                       "--curve-authorized", str(authorized)))
+               for i in range(2)]
+
+    def link(index: int) -> dict[str, str]:
+        return doctor("--daemon", daemons[index].endpoint)[1][f"link {endpoints[1 - index]}"]
+
+    # node0 refuses node1's new key: node1's side of the handshake says so.
+    poll_until(lambda: "HANDSHAKE_FAILED" in link(1)["detail"], 60,
+               "node1's doctor to report the failed handshake")
+    found = link(1)
+    assert found["status"] == "problem" and "refused our key" in found["fix"], found
+    found = link(0)
+    assert found["status"] == "problem" and "curve-authorized" in found["fix"], found
+    code, _ = doctor("--daemon", daemons[0].endpoint)
+    assert code == 1
+
+
+def test_a_data_port_nobody_listens_on(start_daemon: StartDaemon) -> None:
+    ports = free_ports(3)
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in ports[:2]]
+    # node1 advertises a data port nothing listens on (a wrong NAT mapping, a firewall).
+    first = start_daemon(*peer_args(0, endpoints, "--insecure"))
+    start_daemon(*peer_args(1, endpoints, "--insecure", "--data-advertise",
+                             f"127.0.0.1:{ports[2]}"))
+
+    def data() -> dict[str, str]:
+        return doctor("--daemon", first.endpoint)[1].get(f"data {endpoints[1]}", {})
+
+    poll_until(lambda: data().get("status") == "problem", 60,
+               "node0's doctor to report node1's closed data port")
+    found = data()
+    assert f"127.0.0.1:{ports[2]}" in found["detail"] and "refused" in found["detail"], found
+    assert "firewall" in found["fix"]
+    code, found = doctor("--daemon", first.endpoint)
+    assert code == 1 and found[f"link {endpoints[1]}"]["status"] == "ok", found
+    assert found[f"version {endpoints[1]}"]["status"] == "ok", found
+
+
+@pytest.fixture
+def older_peer() -> Iterator[str]:
+    """A daemon of another peer protocol version, as far as its links show: a ROUTER
+    that answers every probe with a PONG in version 2."""
+    (port,) = free_ports(1)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if not router.poll(100):
+                continue
+            frames = router.recv_multipart()
+            try:
+                seq = msgpack.unpackb(frames[1]).get("seq", 0)
+            except Exception:
+                seq = 0
+            router.send_multipart([frames[0], msgpack.packb(
+                {"v": 2, "kind": "pong", "src": endpoint, "seq": seq})])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    yield endpoint
+    stop.set()
+    thread.join(5)
+    router.close()
+    context.term()
+
+
+def test_a_peer_in_another_protocol_version(start_daemon: StartDaemon, older_peer: str) -> None:
+    (port,) = free_ports(1)
+    endpoints = [f"tcp://127.0.0.1:{port}", older_peer]
+    daemon = start_daemon(*peer_args(0, endpoints, "--insecure"))
+
+    def version() -> dict[str, str]:
+        return doctor("--daemon", daemon.endpoint)[1].get(f"version {older_peer}", {})
+
+    poll_until(lambda: version().get("status") == "problem", 60,
+               "the doctor to report the older peer's version")
+    found = version()
+    assert "v2" in found["detail"] and "v3" in found["detail"], found
+    assert "same gradsync version" in found["fix"]
+
+
+def test_peers_from_slurm_outside_a_job_says_so() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    result = subprocess.run([*DOCTOR, "--peers-from-slurm", "--daemon",
+                             "ipc:///nonexistent/d.sock"], capture_output=True, text=True,
+                            timeout=60, env=env)
+    found = {f["check"]: f for f in json.loads(result.stdout)}
+    assert result.returncode == 1 and found["slurm"]["status"] == "problem", found
+    assert "SLURM_JOB_NODELIST is not set" in found["slurm"]["detail"]

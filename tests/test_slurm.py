@@ -258,6 +258,37 @@ def test_plain_python_in_an_sbatch_script_runs_as_a_job_of_one(
             "script itself") in job.output
 
 
+DOCTOR_BATCH = """#!/bin/bash
+#SBATCH --ntasks=1
+# gradsync doctor inside a job: the job's nodes, from Slurm, probed at each port.
+set -u
+for port in {ports}; do
+    {python} -m gradsync.client.cli doctor --json --peers-from-slurm --port $port \\
+        --daemon ipc://{folder}/none.sock > {folder}/doctor-$port.json
+    echo "doctor at $port: exit $?"
+done
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_doctor_probes_the_daemons_of_the_job_s_nodes(one_node: SlurmCluster) -> None:
+    listening, closed = free_ports(2)
+    with socket.create_server(("", listening)):  # where the node's daemon would listen
+        script = one_node.folder / "doctor.sbatch"
+        script.write_text(DOCTOR_BATCH.format(ports=f"{listening} {closed}",
+                                              python=sys.executable, folder=one_node.folder))
+        job = one_node.sbatch(script)
+    assert job.returncode == 0, job.output + one_node.logs()
+    assert f"doctor at {listening}: exit 0" in job.output, job.output
+    assert f"doctor at {closed}: exit 1" in job.output, job.output
+    node = one_node.nodes[0]
+    for port, status in ((listening, "ok"), (closed, "problem")):
+        found = {f["check"]: f for f in json.loads(
+            (one_node.folder / f"doctor-{port}.json").read_text())}
+        assert found[f"port tcp://{node}:{port}"]["status"] == status, found
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(240)
 def test_train_sbatch_across_two_nodes_in_network_namespaces(two_nodes: SlurmCluster) -> None:

@@ -2,11 +2,14 @@
 
 Each check says ok, warning or problem, with the fix in one line: /dev/shm's
 size and free space against what the job needs, the daemon's socket and its
-permissions, whether it answers and speaks our protocol, its peers' links
-(from its statistics) and whether every peer port is reachable from here,
-CURVE key files' ownership and modes, the open-file and locked-memory limits,
-the fast path's C module, and the torch backend's registration.  The exit
-status is 1 when any check found a problem; `--json` prints the list.
+permissions, whether it answers and speaks our protocol, its peers' links as
+the daemon's own handshakes, probes and data streams found them (keys refused,
+another peer protocol version, a data port that does not answer), whether every
+peer's listen port is reachable from here (the peers given, the daemon's, or
+the Slurm job's nodes), CURVE key files' ownership and modes, the open-file
+and locked-memory limits, the fast path's C module, and the torch backend's
+registration.  The exit status is 1 when any check found a problem; `--json`
+prints the list.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from gradsync.daemon.config import DaemonConfig
 from gradsync.protocol.endpoint import default_endpoint
+from gradsync.protocol.peer import PEER_PROTOCOL_VERSION
 from gradsync.protocol.shm import SHM_DIR
 from gradsync.protocol.version import PROTOCOL_VERSION
 
@@ -64,6 +69,12 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared memory the job on this node will need (e.g. 4GiB)")
     parser.add_argument("--peers", default=None, metavar="ENDPOINTS",
                         help="comma-separated peer endpoints to probe (default: the daemon's)")
+    parser.add_argument("--peers-from-slurm", action="store_true",
+                        help="probe the daemons of this Slurm job's nodes (SLURM_JOB_NODELIST) "
+                        "at --port")
+    parser.add_argument("--port", type=int, default=DaemonConfig.port, metavar="P",
+                        help=f"the daemons' port with --peers-from-slurm (default "
+                        f"{DaemonConfig.port}, as gradsyncd's)")
     parser.add_argument("--curve-secret", default=None, metavar="FILE",
                         help="a daemon's secret key file to check")
     parser.add_argument("--curve-authorized", default=None, metavar="DIR",
@@ -138,15 +149,58 @@ def check_daemon(endpoint: str, timeout_s: float) -> tuple[Finding, dict[str, An
                    f"protocol v{reply.get('protocol')})"), snapshot
 
 
+#: What a failed CURVE handshake means, by the monitor event our side saw.
+_HANDSHAKE_FIXES = {
+    "HANDSHAKE_FAILED_AUTH": "the peer refused our key: copy this node's NAME.key into the "
+                             "peer's --curve-authorized folder and restart it",
+}
+_KEY_FIX = ("the key on file for the peer (its NAME.key in our --curve-authorized folder) is "
+            "not the one it presents, or one side runs --insecure: copy its current NAME.key")
+
+
 def check_links(snapshot: dict[str, Any]) -> Iterator[Finding]:
-    """The daemon's own links: each peer up, as the daemon sees it."""
+    """The daemon's own links, as its probes and handshakes found them: each peer
+    up, with our keys, in our protocol version, with its data stream open."""
+    # Our side of a handshake with a wrong server key sees nothing: the peer drops
+    # it.  The peer's key refused by our ZAP handler is what shows here.
+    refused = snapshot.get("counters", {}).get("links_rejected_keys", 0)
     for peer, info in sorted(snapshot.get("peers", {}).items()):
-        state = info.get("state", "?")
+        state, failed = info.get("state", "?"), info.get("handshake_error")
         if state == "up":
-            yield Finding(f"link {peer}", OK, f"up ({info.get('data') or 'zeromq'})")
+            yield Finding(f"link {peer}", OK, f"up (heard {info.get('heartbeat_age_s') or 0:.1f}"
+                          " s ago)")
+        elif failed:
+            yield Finding(f"link {peer}", PROBLEM, f"the CURVE handshake failed ({failed})",
+                          _HANDSHAKE_FIXES.get(failed, _KEY_FIX))
+        elif refused:
+            yield Finding(f"link {peer}", PROBLEM, f"the daemon's link is {state}, and it "
+                          f"refused {refused} CURVE handshake(s) from keys not on file",
+                          _KEY_FIX)
         else:
             yield Finding(f"link {peer}", PROBLEM, f"the daemon's link is {state}",
                           "start that node's daemon; check its firewall, keys and --listen")
+        if info.get("version_error"):
+            yield Finding(f"version {peer}", PROBLEM, info["version_error"],
+                          "install the same gradsync version on every node")
+        elif state == "up":
+            yield Finding(f"version {peer}", OK, f"peer protocol v{PEER_PROTOCOL_VERSION}, "
+                          "as ours")
+        yield from _check_data_stream(peer, state, info)
+
+
+def _check_data_stream(peer: str, state: str, info: dict[str, Any]) -> Iterator[Finding]:
+    """The peer's data port, as our daemon's attempt to open a stream to it found it."""
+    address, stream = info.get("data_address"), info.get("data_stream")
+    if stream:
+        yield Finding(f"data {peer}", OK, f"{stream} data stream open to {address}")
+    elif info.get("stream_error"):
+        yield Finding(f"data {peer}", PROBLEM,
+                      f"{info['stream_error']}; large slices go over ZeroMQ, slower",
+                      "open the peer's data port (gradsyncd --data-port) in the firewall, or "
+                      "fix --data-advertise where a NAT or port forward sits between")
+    elif state == "up" and address:
+        yield Finding(f"data {peer}", WARNING, f"no data stream to {address} yet",
+                      "run doctor again in a few seconds")
 
 
 def check_port(endpoint: str, timeout_s: float) -> Finding:
@@ -241,9 +295,15 @@ def diagnose(args: argparse.Namespace) -> list[Finding]:
     if snapshot is not None:
         findings += check_links(snapshot)
     peers = args.peers.split(",") if args.peers else list(config.get("peers", []))
+    if args.peers_from_slurm:
+        try:
+            peers += slurm_peers(args.port)
+        except ValueError as exc:  # ConfigError: not in a job, or no scontrol
+            findings.append(Finding("slurm", PROBLEM, str(exc),
+                                    "run doctor inside the job (srun), where scontrol is on PATH"))
     own = config.get("listen")
-    findings += [check_port(peer.strip(), args.timeout_s) for peer in peers
-                 if peer.strip() and peer.strip() != own]
+    findings += [check_port(peer, args.timeout_s)
+                 for peer in dict.fromkeys(p.strip() for p in peers) if peer and peer != own]
     if args.curve_secret:
         findings.append(check_secret(args.curve_secret))
     if args.curve_authorized:
@@ -251,6 +311,15 @@ def diagnose(args: argparse.Namespace) -> list[Finding]:
     findings += check_limits()
     findings += check_modules()
     return findings
+
+
+def slurm_peers(port: int) -> list[str]:
+    """The daemons of this Slurm job: each node of SLURM_JOB_NODELIST (expanded by
+    Slurm's scontrol, as `gradsyncd --peers-from-slurm` does) at `port`."""
+    from gradsync.daemon.slurm import expand_hostnames, job_nodelist
+
+    return [f"tcp://{node}:{port}" for node in expand_hostnames(job_nodelist(os.environ),
+                                                                os.environ)]
 
 
 def run_doctor(args: argparse.Namespace) -> int:

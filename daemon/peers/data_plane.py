@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 from collections.abc import Callable, Sequence
@@ -220,7 +221,11 @@ class DataPlane:
                 log.info("data stream to %s open (port %d), %s", peer, port,
                          "plaintext" if sealer is None else CIPHER_TITLES[sealer.cipher])
         except (OSError, TimeoutError, ValueError) as exc:
-            self._on_event("stream_failed", peer, f"cannot open a data stream: {exc}")
+            # asyncio's text ("Connect call failed ...") hides the reason; errno says it.
+            why = (os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno
+                   else str(exc) or type(exc).__name__)
+            self._on_event("stream_failed", peer,
+                           f"cannot open a data stream to {host}:{port}: {why}")
         finally:
             if sock is not None:
                 sock.close()

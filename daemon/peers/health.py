@@ -86,6 +86,21 @@ class Link:
     last_heard: float | None = None
     #: The peer said goodbye (it is shutting down): its link ending is no failure.
     leaving: bool = False
+    #: What `gradsync doctor` reads (`facts`): why the last handshake failed (a
+    #: monitor event's name, None once one succeeds), the last message refused for
+    #: its protocol version, why our last data stream to the peer failed, and where
+    #: the peer's last probe answer said its data streams listen (HOST:PORT).
+    handshake_error: str | None = None
+    version_error: str | None = None
+    stream_error: str | None = None
+    data_address: str | None = None
+
+    def facts(self, stream_open: bool) -> dict[str, str | None]:
+        """The link's troubles and data address, for the statistics snapshot (a
+        stream error is stale once a stream is open)."""
+        return {"handshake_error": self.handshake_error, "version_error": self.version_error,
+                "stream_error": None if stream_open else self.stream_error,
+                "data_address": self.data_address}
 
 
 class LinkHealth:
@@ -148,12 +163,14 @@ class LinkHealth:
             event = parse_monitor_message(await link.monitor.recv_multipart())
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.handshake_error = None
                 self.mark_up(link)
             elif kind == zmq.EVENT_DISCONNECTED:
                 if link.state == "up":
                     self.mark_lost(link)
             elif kind & _HANDSHAKE_FAILED:
                 self._counters["handshake_failed"] += 1
+                link.handshake_error = zmq.Event(kind).name
                 self._warn_once(
                     f"handshake:{link.name}",
                     "handshake with peer %s failed (%s): is our key in its authorized "

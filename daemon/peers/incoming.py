@@ -34,7 +34,7 @@ from gradsync.daemon.peers.wire import (
     encode_header,
 )
 from gradsync.protocol.codec import Message
-from gradsync.protocol.errors import ProtocolError
+from gradsync.protocol.errors import ProtocolError, VersionMismatchError
 from gradsync.protocol.peer import Probe
 
 log = logging.getLogger("gradsync.daemon.peers")
@@ -121,9 +121,17 @@ class IncomingMessages:
             if header["src"].encode() != frames[0].bytes:
                 raise ProtocolError(f"'src' {header['src'][:80]!r} is not the sender's id")
         except (ProtocolError, ValueError, TypeError) as exc:
-            self._counters.drop("malformed", peer, str(exc))
+            self._refused(self._links[peer], exc)
             return None
+        self._links[peer].version_error = None
         return PeerMessage(peer, header, frames[2:])
+
+    def _refused(self, link: Link, exc: Exception) -> None:
+        """Count and drop a malformed message from `link`'s peer; one in another
+        protocol version is also kept on the link, for `gradsync doctor`."""
+        if isinstance(exc, VersionMismatchError):
+            link.version_error = str(exc)
+        self._counters.drop("malformed", link.name, str(exc))
 
     def _stream_header(self, name: str, body: bytes) -> Message:
         """A data stream message's header, checked; raises ProtocolError and co."""
@@ -171,9 +179,12 @@ class IncomingMessages:
                 raise ProtocolError("a pong carries no payload")
             pong = Probe.from_wire(header)
         except ProtocolError as exc:
-            self._counters.drop("malformed", link.name, str(exc))
+            self._refused(link, exc)
             return
         link.last_heard = time.monotonic()
+        link.version_error = None
+        if pong.data_port is not None:
+            link.data_address = f"{pong.data_host or link.endpoint.host}:{pong.data_port}"
         if self._data is not None and link.state == "up" and not self._closed():
             self._data.offer(link.name, link.endpoint.host, header)
         waiter = link.pongs.pop(pong.seq, None)

@@ -336,6 +336,10 @@ class PeerLinks:
             return None
         return "sealed" if sender.sealed else "plain"
 
+    def link_facts(self, peer: str) -> dict[str, str | None]:
+        """The link's last handshake, version and data stream troubles (`Link.facts`)."""
+        return self._table.get(peer).facts(self.stream_open(peer))
+
     def heard_age_s(self, peer: str) -> float | None:
         """Seconds since anything last came from `peer` (None: nothing yet).
 
@@ -496,6 +500,8 @@ class PeerLinks:
         """A data stream refused or broken: counted, and a warning unless the peer
         said goodbye (its streams end as it shuts down)."""
         link = self._links.get(peer)
+        if link is not None and counter == "stream_failed":
+            link.stream_error = reason
         if link is not None and link.leaving:
             self._counters.values[counter] += 1
             log.info("peer %s: %s (it is shutting down)", peer, reason)
