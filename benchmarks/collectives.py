@@ -47,6 +47,7 @@ from benchmarks.processes import (
     signals_unwind,
 )
 from benchmarks.report import format_bw, format_time
+from gradsync.client.cli.bench_rank import bus_factor, timed_batch, timed_samples
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (64 * KIB, MIB, 16 * MIB, 64 * MIB)
@@ -56,14 +57,6 @@ SECTION = "collectives"
 #: k back-to-back ops per sample: fewer than allreduce.py's 100/10, so that
 #: oversubscribed gloo (N = 4 on 2 cores, ~6 ms per small op) fits the time budget.
 POLICY = SamplePolicy(budget_s=0.4, min_samples=5, max_samples=40, ops_small=20, ops_medium=5)
-
-
-def bus_factor(collective: str, nproc: int) -> float:
-    if collective == "broadcast":
-        return 1.0
-    if collective == "all_reduce":
-        return 2 * (nproc - 1) / nproc
-    return (nproc - 1) / nproc
 
 
 def log(message: str) -> None:
@@ -208,22 +201,12 @@ def measure(rt: Gradsync | Gloo, collective: str, nbytes: int) -> dict[str, Any]
     if collective == "all_reduce":
         inp.fill(0.0)  # zeros: repeated sums stay finite
     k = POLICY.ops_for(nbytes)
-
-    def batch() -> int:
-        start = time.perf_counter_ns()
-        for _ in range(k):
-            op()
-        return time.perf_counter_ns() - start
-
     rt.barrier()
-    batch()  # warm-up
+    timed_batch(op, k)  # warm-up
     rt.barrier()
-    samples = POLICY.samples_for(rt.agree_max(batch() / 1e9))
-    times = []
+    samples = POLICY.samples_for(rt.agree_max(timed_batch(op, k) / 1e9))
     cpu0 = time.process_time()
-    for _ in range(samples):
-        rt.barrier()
-        times.append(batch())
+    times = timed_samples(op, k, samples, rt.barrier)
     cpu = time.process_time() - cpu0
     del out, inp, result
     return {"collective": collective, "nbytes": nbytes, "k": k, "samples_ns": times,

@@ -23,6 +23,7 @@ import numpy as np
 
 from benchmarks.contenders import Contender, GradsyncContender
 from benchmarks.plan import LATENCY_SIZE, SamplePolicy
+from gradsync.client.cli.bench_rank import timed_batch, timed_samples
 
 #: Inputs repeat with this period; chunks are a multiple of it, so one
 #: precomputed pattern serves every chunk of a buffer of any length.
@@ -83,13 +84,6 @@ def check_sum(buffer: np.ndarray, world_size: int, pattern: np.ndarray) -> str |
     return f"{wrong} of {buffer.size} elements wrong; first at {first}: got {got}, want {want}"
 
 
-def _timed_batch(op: Any, k: int) -> int:
-    start = time.perf_counter_ns()
-    for _ in range(k):
-        op()
-    return time.perf_counter_ns() - start
-
-
 def measure_size(
     contender: Contender, nbytes: int, policy: SamplePolicy, pattern: np.ndarray
 ) -> SizeRecord:
@@ -108,18 +102,15 @@ def measure_size(
     # denormals, whatever the number of ops.
     buffer.fill(0.0)
     contender.barrier()
-    _timed_batch(op, k)  # first touch, lazy allocations, connection set-up
+    timed_batch(op, k)  # first touch, lazy allocations, connection set-up
     contender.barrier()
-    warm_ns = _timed_batch(op, k)
+    warm_ns = timed_batch(op, k)
     samples = policy.samples_for(contender.agree_max(warm_ns / 1e9))
 
     daemon_before = contender.daemon_cpu_s()
     cpu_before = time.process_time()
     wall_before = time.perf_counter()
-    samples_ns = []
-    for _ in range(samples):
-        contender.barrier()
-        samples_ns.append(_timed_batch(op, k))
+    samples_ns = timed_samples(op, k, samples, contender.barrier)
     wall_s = time.perf_counter() - wall_before
     cpu_s = time.process_time() - cpu_before
     daemon_after = contender.daemon_cpu_s()
@@ -132,10 +123,7 @@ def measure_size(
         per_op_s = float(np.median(samples_ns)) / k / 1e9
         # Each timed op follows a barrier (itself about one op), so count it twice.
         ops = policy.latency_ops_for(2 * contender.agree_max(per_op_s))
-        latency_ns = []
-        for _ in range(ops):
-            contender.barrier()
-            latency_ns.append(_timed_batch(op, 1))
+        latency_ns = timed_samples(op, 1, ops, contender.barrier)
 
     fill_input(buffer, contender.rank, pattern)
     contender.barrier()
@@ -205,9 +193,9 @@ def measure_interleaved(
     warm_ns = {}
     for algorithm, op in ops.items():
         contender.barrier()
-        _timed_batch(op, k)
+        timed_batch(op, k)
         contender.barrier()
-        warm_ns[algorithm] = _timed_batch(op, k)
+        warm_ns[algorithm] = timed_batch(op, k)
     # One sample of every algorithm per turn: the budget covers each of them.
     turn_s = sum(warm_ns.values()) / 1e9 / max(1, len(ops))
     samples = policy.samples_for(contender.agree_max(turn_s))
@@ -219,7 +207,7 @@ def measure_interleaved(
             contender.barrier()
             daemon_before = contender.daemon_cpu_s()
             cpu_before = time.process_time()
-            elapsed = _timed_batch(op, k)
+            elapsed = timed_batch(op, k)
             tally.cpu_s += time.process_time() - cpu_before
             daemon_after = contender.daemon_cpu_s()
             tally.samples_ns.append(elapsed)

@@ -2,8 +2,11 @@
 collective at each size on daemon memory, and with `--vs gloo` the same on
 torch's gloo over the same ranks; rank 0 prints the table (or JSON lines).
 
-`measure()` is also what the repository's benchmarks time allreduces with
-(benchmarks/ab_allreduce.py), so there is one timing loop, not two.
+The timing loop here is the repository's only one: `measure()` times
+benchmarks/ab_allreduce.py's allreduces, and `timed_samples()` (batches of
+back-to-back collectives, each after a barrier) the samples of
+benchmarks/allreduce.py and benchmarks/collectives.py; `bus_factor()` is their
+busbw factor too.
 """
 
 from __future__ import annotations
@@ -20,25 +23,41 @@ import numpy as np
 
 from gradsync.client import Client
 
-#: nccl-tests' bus bandwidth factors: what each rank moves per byte of `size`.
-_BUS = {"allreduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n}
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' bus bandwidth factor: what each rank moves per byte of the size
+    (allreduce 2(n-1)/n, broadcast 1, the gathers, scatters and all-to-all (n-1)/n)."""
+    if op in ("allreduce", "all_reduce"):
+        return 2 * (world - 1) / world
+    return 1.0 if op == "broadcast" else (world - 1) / world
+
+
+def timed_batch(run: Callable[[], object], k: int) -> int:
+    """Nanoseconds of `k` back-to-back `run()`s."""
+    start = time.perf_counter_ns()
+    for _ in range(k):
+        run()
+    return time.perf_counter_ns() - start
+
+
+def timed_samples(run: Callable[[], object], k: int, samples: int,
+                  barrier: Callable[[], object] = lambda: None) -> list[int]:
+    """`samples` timed batches of `k` runs (nanoseconds), each after `barrier()`, so
+    that every rank starts each batch together."""
+    times = []
+    for _ in range(samples):
+        barrier()
+        times.append(timed_batch(run, k))
+    return times
 
 
 def measure(run: Callable[[], object], agree: Callable[[float], float], seconds: float) -> float:
     """Median seconds of `run()`, after a warm-up; every rank runs the same count
     (`agree` returns the largest count any rank asks for)."""
     run()
-    start = time.perf_counter()
-    run()
-    first = time.perf_counter() - start
+    first = timed_batch(run, 1) / 1e9
     count = int(agree(float(max(5, min(5000, int(seconds / max(first, 1e-6)))))))
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_samples(run, 1, count)) / 1e9
 
 
 def _gradsync_case(client: Client, op: str, nbytes: int) -> Callable[[], object]:
@@ -139,7 +158,7 @@ def _row(library: str, op: str, nbytes: int, world: int, seconds: float,
     algbw = nbytes / seconds / 1e9
     return {"library": library, "op": op, "size": nbytes, "ranks": world,
             "time_us": seconds * 1e6, "algbw_gbps": algbw,
-            "busbw_gbps": algbw * _BUS[op](world), "algorithm": algorithm}
+            "busbw_gbps": algbw * bus_factor(op, world), "algorithm": algorithm}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
