@@ -1,5 +1,6 @@
 """`gradsync doctor`: every check is tested by breaking what it checks (a small
-tmpfs as /dev/shm in a mount namespace, a closed peer port, a peer presenting
+tmpfs as /dev/shm in a mount namespace, a closed peer port, a daemon listening
+on loopback in a network namespace whose peer is on another, a peer presenting
 another key than the one on file, a data port nobody listens on, a peer in
 another protocol version, a world-readable secret key, a socket open to
 everyone, a low open-file limit) and by the same thing in order."""
@@ -21,6 +22,7 @@ import pytest
 import zmq
 from cluster import free_ports, peer_args
 
+from benchmarks.topology import namespaces, namespaces_unavailable
 from conftest import DaemonProcess, poll_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -232,3 +234,29 @@ def test_peers_from_slurm_outside_a_job_says_so() -> None:
     found = {f["check"]: f for f in json.loads(result.stdout)}
     assert result.returncode == 1 and found["slurm"]["status"] == "problem", found
     assert "SLURM_JOB_NODELIST is not set" in found["slurm"]["detail"]
+
+
+def test_a_daemon_listening_on_loopback_with_peers_on_other_hosts(
+    start_daemon: StartDaemon,
+) -> None:
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with namespaces(2) as topo:
+        inside = topo.prefix(0)
+        ports = free_ports(3)
+        other = f"tcp://{topo.hosts[1]}:{ports[2]}"  # node 1's address (no daemon there)
+        # node 0's host name mapped to loopback: its peers could never reach it.
+        wrong = start_daemon("--listen", f"tcp://127.0.0.1:{ports[0]}", "--peers", other,
+                             "--insecure", prefix=inside)
+        right = start_daemon("--listen", f"tcp://{topo.hosts[0]}:{ports[1]}", "--peers", other,
+                             "--insecure", prefix=inside)
+        code, found = doctor("--daemon", wrong.endpoint, prefix=inside)
+        assert code == 1 and found["listen"]["status"] == "problem", found["listen"]
+        assert "127.0.0.1 (lo), a loopback address" in found["listen"]["detail"], found
+        assert topo.hosts[1] in found["listen"]["detail"] and "/etc/hosts" in found["listen"]["fix"]
+        _, found = doctor("--daemon", right.endpoint, prefix=inside)
+        assert found["listen"]["status"] == "ok", found["listen"]
+        assert f"{topo.hosts[0]} ({topo.interfaces[0]})" in found["listen"]["detail"], found
+        for daemon in (wrong, right):  # before their namespace goes
+            assert daemon.stop(30) == 0, daemon.log_tail()

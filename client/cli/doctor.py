@@ -2,28 +2,32 @@
 
 Each check says ok, warning or problem, with the fix in one line: /dev/shm's
 size and free space against what the job needs, the daemon's socket and its
-permissions, whether it answers and speaks our protocol, its peers' links as
-the daemon's own handshakes, probes and data streams found them (keys refused,
-another peer protocol version, a data port that does not answer), whether every
-peer's listen port is reachable from here (the peers given, the daemon's, or
-the Slurm job's nodes), CURVE key files' ownership and modes, the open-file
-and locked-memory limits, the fast path's C module, and the torch backend's
-registration.  The exit status is 1 when any check found a problem; `--json`
-prints the list.
+permissions, whether it answers and speaks our protocol, the address and
+interface it listens on for peers (loopback with peers elsewhere is a problem),
+its peers' links as the daemon's own handshakes, probes and data streams found
+them (keys refused, another peer protocol version, a data port that does not
+answer), whether every peer's listen port is reachable from here (the peers
+given, the daemon's, or the Slurm job's nodes), CURVE key files' ownership and
+modes, the open-file and locked-memory limits, the fast path's C module, and
+the torch backend's registration.  The exit status is 1 when any check found a
+problem; `--json` prints the list.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import importlib.metadata
 import importlib.util
+import ipaddress
 import json
 import os
 import re
 import resource
 import socket
 import stat
+import struct
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -37,9 +41,12 @@ from gradsync.protocol.version import PROTOCOL_VERSION
 OK, WARNING, PROBLEM = "ok", "warning", "problem"
 #: Below this, /dev/shm is a container's default (Docker: 64 MiB), not a node's.
 _SMALL_SHM = 1 << 30
+#: ioctl(2) request for an interface's IPv4 address (linux/sockios.h).
+_SIOCGIFADDR = 0x8915
 #: A rank keeps a few sockets and segments open; a daemon one per client and peer.
 _MIN_OPEN_FILES = 4096
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_TCP_ENDPOINT = re.compile(r"^tcp://(\[[^\]]+\]|[^:/]+):(\d+)$")
 _SIZE_TEXT = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
 
@@ -203,9 +210,66 @@ def _check_data_stream(peer: str, state: str, info: dict[str, Any]) -> Iterator[
                       "run doctor again in a few seconds")
 
 
+def _addresses(host: str) -> list[str]:
+    """The addresses `host` resolves to here (none if it does not resolve)."""
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+    except OSError:
+        return []
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface whose (first) IPv4 address is `address`, if any."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                raw = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+
+
+def check_listen(config: dict[str, Any]) -> Iterator[Finding]:
+    """Which address and interface the daemon listens on for its peers, and whether
+    its peers can reach it there: a host name that resolves to loopback (Debian's
+    /etc/hosts maps it to 127.0.1.1) with peers on other hosts is a classic."""
+    listen = config.get("listen")
+    found = _TCP_ENDPOINT.match(listen or "")
+    if found is None:
+        return  # no peer links: one node
+    host = found.group(1).strip("[]")
+    if host in ("*", "0.0.0.0", "::"):
+        yield Finding("listen", OK, f"{listen}: every interface")
+        return
+    addresses = _addresses(host)
+    if not addresses:
+        yield Finding("listen", PROBLEM, f"{listen}: {host!r} does not resolve here",
+                      "give --listen an address or a name that resolves to this node")
+        return
+    shown = ", ".join(f"{a} ({interface_of(a) or '?'})" for a in addresses)
+    peers = [_TCP_ENDPOINT.match(peer) for peer in config.get("peers", [])]
+    peer_hosts = {match.group(1).strip("[]") for match in peers if match}
+    remote = sorted(h for h in peer_hosts - {host}
+                    if any(not _is_loopback(a) for a in _addresses(h)))
+    if all(_is_loopback(a) for a in addresses) and remote:
+        yield Finding("listen", PROBLEM, f"{listen} is {shown}, a loopback address, but "
+                      f"peers are on other hosts ({', '.join(remote)}): they cannot reach it",
+                      "give --listen the address of the interface the nodes share, or map "
+                      "the host name to it in /etc/hosts")
+        return
+    yield Finding("listen", OK, f"{listen}: {shown}")
+
+
 def check_port(endpoint: str, timeout_s: float) -> Finding:
     """A TCP connection to a peer's listen port, from here."""
-    found = re.match(r"^tcp://(\[[^\]]+\]|[^:/]+):(\d+)$", endpoint)
+    found = _TCP_ENDPOINT.match(endpoint)
     if found is None:
         return Finding(f"port {endpoint}", PROBLEM, "not a tcp://HOST:PORT endpoint",
                        "list peers as tcp://HOST:PORT")
@@ -293,6 +357,7 @@ def diagnose(args: argparse.Namespace) -> list[Finding]:
         in_use = snapshot.get("shm", {}).get("in_use", 0)
         findings.append(Finding("shm in use", OK, f"the daemon holds {in_use / 2**20:.0f} MiB"))
     if snapshot is not None:
+        findings += check_listen(config)
         findings += check_links(snapshot)
     peers = args.peers.split(",") if args.peers else list(config.get("peers", []))
     if args.peers_from_slurm:
