@@ -58,6 +58,21 @@ def test_shm_too_small_for_the_job() -> None:
     assert found["shm"]["status"] == "warning", found["shm"]
 
 
+def test_a_shm_budget_larger_than_dev_shm(start_daemon: StartDaemon) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a mount namespace")
+    small = ["unshare", "-m", "sh", "-c",
+             'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$@"', "sh"]
+    default = start_daemon()  # an 8 GiB budget on a 16 MiB /dev/shm
+    _, found = doctor("--daemon", default.endpoint, prefix=small)
+    budget = found["shm in use"]
+    assert budget["status"] == "warning" and "8192 MiB budget" in budget["detail"], budget
+    assert "only 16 MiB" in budget["detail"] and "max_shm_bytes" in budget["fix"], budget
+    fitting = start_daemon("--max-shm-bytes", "8MiB")
+    _, found = doctor("--daemon", fitting.endpoint, prefix=small)
+    assert found["shm in use"]["status"] == "ok", found["shm in use"]
+
+
 def test_daemon_socket_and_its_mode(daemon: DaemonProcess) -> None:
     code, found = doctor("--daemon", daemon.endpoint)
     assert code == 0, found

@@ -109,6 +109,24 @@ def check_shm(expect: int | None, shm_dir: str = SHM_DIR) -> Finding:
     return Finding("shm", OK, detail)
 
 
+def check_shm_budget(shm: dict[str, Any], shm_dir: str = SHM_DIR) -> Finding:
+    """What the daemon holds and may take (`max_shm_bytes`) against /dev/shm: a
+    budget the tmpfs cannot back fails large jobs with ShmExhaustedError first."""
+    in_use, limit = shm.get("in_use", 0), shm.get("limit", 0)
+    detail = f"the daemon holds {in_use / 2**20:.0f} MiB of its {limit / 2**20:.0f} MiB budget"
+    try:
+        info = os.statvfs(shm_dir)
+    except OSError:
+        return Finding("shm in use", OK, detail)  # check_shm reports the missing folder
+    room = in_use + info.f_bavail * info.f_frsize
+    if limit > room:
+        return Finding("shm in use", WARNING, f"{detail}, but {shm_dir} can back only "
+                       f"{room / 2**20:.0f} MiB of it",
+                       "pass --expect-bytes for the job's need; enlarge /dev/shm, or lower "
+                       "the daemon's max_shm_bytes to what it holds")
+    return Finding("shm in use", OK, detail)
+
+
 def check_socket(endpoint: str) -> Finding:
     if not endpoint.startswith("ipc://"):
         return Finding("socket", PROBLEM, f"{endpoint} is not an ipc:// endpoint",
@@ -354,8 +372,7 @@ def diagnose(args: argparse.Namespace) -> list[Finding]:
     findings.append(daemon)
     config = (snapshot or {}).get("config", {})
     if args.expect_bytes is None and snapshot is not None:
-        in_use = snapshot.get("shm", {}).get("in_use", 0)
-        findings.append(Finding("shm in use", OK, f"the daemon holds {in_use / 2**20:.0f} MiB"))
+        findings.append(check_shm_budget(snapshot.get("shm", {})))
     if snapshot is not None:
         findings += check_listen(config)
         findings += check_links(snapshot)
