@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from gradsync.daemon.algorithms import build_schedules
-from gradsync.daemon.run.executor import ChunkPool, ScheduleRun
+from gradsync.daemon.run.executor import ScheduleRun
+from gradsync.daemon.run.receives import ChunkPool
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveError, ProtocolError
 

@@ -18,8 +18,8 @@ later step writes them before the step after next.
 A slice of the current step whose header arrives over a data stream before
 its payload can be placed (`place`): a copy is received straight into the
 buffer, a reduction into a small reused chunk that is combined into the buffer
-each time it fills, while it is still in cache.  That saves a copy of every
-all-gather byte and a trip through memory for every reduced one.
+each time it fills, while it is still in cache (receives.py).  That saves a copy
+of every all-gather byte and a trip through memory for every reduced one.
 
 With a wire codec (compressed collectives, backends/wire_codec.py) every slice
 is encoded as it is sent, which rounds its range in place to what the peer
@@ -40,7 +40,14 @@ import numpy as np
 
 from gradsync.daemon.backends.reduce import combine_into
 from gradsync.daemon.backends.wire_codec import WireCodec
-from gradsync.daemon.core.interfaces import PlacedPayload
+from gradsync.daemon.run.receives import (
+    ChunkPool,
+    CopyPlacement,
+    Expected,
+    Placement,
+    ReducePlacement,
+    remaining_of,
+)
 from gradsync.daemon.run.residuals import record
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, ProtocolError
@@ -48,36 +55,7 @@ from gradsync.protocol.peer import Fingerprint
 
 #: Sends at least this large go zero-copy and are tracked until libzmq lets go.
 ZERO_COPY_BYTES = 64 * 1024
-#: A placed reduction is received in chunks of this many bytes (cache-sized).
-REDUCE_CHUNK_BYTES = 256 * 1024
-
 SendSlice = Callable[[int, dict[str, Any], memoryview | bytes, bool], Any]
-
-
-class ChunkPool:
-    """Reused `REDUCE_CHUNK_BYTES` buffers for placed reductions.
-
-    A fresh chunk per placed slice cost a page fault for every 4 KiB of it
-    (the allocator hands such sizes back to the kernel when they are freed): in
-    a 16 MiB ring of four daemons, 42,000 faults per daemon in 5 s, now 9,000.
-    A placement holds one while its payload arrives (at most one per stream).
-    """
-
-    def __init__(self, keep: int = 8) -> None:
-        self._keep = keep
-        self._spare: list[np.ndarray] = []
-        #: Chunks made, rather than reused.
-        self.made = 0
-
-    def take(self) -> np.ndarray:
-        if self._spare:
-            return self._spare.pop()
-        self.made += 1
-        return np.empty(REDUCE_CHUNK_BYTES, np.uint8)
-
-    def give(self, chunk: np.ndarray) -> None:
-        if len(self._spare) < self._keep:
-            self._spare.append(chunk)
 
 
 @dataclasses.dataclass
@@ -92,34 +70,6 @@ class _Slice:
     #: Elements of the previous step's receives that must land here first.
     waiting: int = 0
     sent: bool = False
-
-
-@dataclasses.dataclass
-class _Expected:
-    """One receive of the current step: where it lands and what has arrived."""
-
-    reduce: bool
-    start: int
-    stop: int
-    got: int = 0
-    #: Element ranges [begin, end) within the transfer already claimed, sorted.
-    _begins: list[int] = dataclasses.field(default_factory=list)
-    _ends: list[int] = dataclasses.field(default_factory=list)
-
-    def claim(self, offset: int, count: int) -> bool:
-        """Reserve elements [offset, offset + count) of this transfer; False if the
-        range is empty, out of bounds, or overlaps one claimed before (a duplicate
-        or a peer slicing differently: either would corrupt the sum)."""
-        if count <= 0 or offset < 0 or self.start + offset + count > self.stop:
-            return False
-        index = bisect.bisect_right(self._begins, offset)
-        if index > 0 and self._ends[index - 1] > offset:
-            return False
-        if index < len(self._begins) and self._begins[index] < offset + count:
-            return False
-        self._begins.insert(index, offset)
-        self._ends.insert(index, offset + count)
-        return True
 
 
 class ScheduleRun:
@@ -165,7 +115,7 @@ class ScheduleRun:
             self._slice = max(codec.block, self._slice - self._slice % codec.block)
         self.step = -1
         self.done: asyncio.Future[None] = loop.create_future()
-        self._expected: dict[tuple[int, int], _Expected] = {}
+        self._expected: dict[tuple[int, int], Expected] = {}
         self._missing = 0
         self._early: dict[int, list[tuple[int, int, int, Any]]] = {}
         #: The next step's send slices, sorted by `begin`, and their begins.
@@ -192,7 +142,7 @@ class ScheduleRun:
         """Peers (daemon indices) whose slices the current step still needs."""
         if self.step == -1 and self._agreements_missing:
             return sorted(self._agreements_missing)
-        return sorted({peer for (peer, _), exp in self._expected.items() if _remaining(exp)})
+        return sorted({peer for (peer, _), exp in self._expected.items() if remaining_of(exp)})
 
     def needs_from(self, peer: int) -> bool:
         """Whether this run still expects a slice directly from daemon index `peer`."""
@@ -201,7 +151,7 @@ class ScheduleRun:
         if peer in self._agreements_missing:
             return True
         for (source, _), expected in self._expected.items():
-            if source == peer and _remaining(expected):
+            if source == peer and remaining_of(expected):
                 return True
         for index in range(self.step + 1, self.steps):
             wanted = sum(recv.stop - recv.start
@@ -276,9 +226,9 @@ class ScheduleRun:
         begin = expected.start + offset
         target = self.buffer[begin : begin + count]
         placement: Placement = (
-            _ReducePlacement(expected, begin, target, self.op, self._chunks)
+            ReducePlacement(expected, begin, target, self.op, self._chunks)
             if expected.reduce
-            else _CopyPlacement(expected, begin, target)
+            else CopyPlacement(expected, begin, target)
         )
         self._placed.add(placement)
         return placement
@@ -400,7 +350,7 @@ class ScheduleRun:
             for recv in step.recvs:
                 transfer = received_from.get(recv.peer, 0)
                 received_from[recv.peer] = transfer + 1
-                self._expected[(recv.peer, transfer)] = _Expected(
+                self._expected[(recv.peer, transfer)] = Expected(
                     recv.reduce, recv.start, recv.stop
                 )
                 self._missing += recv.stop - recv.start
@@ -485,145 +435,6 @@ def _released(peer: int, sending: Any) -> bool:
     except Exception as exc:
         raise SendFailed(peer, exc) from exc
     return tracker is None or bool(tracker.done)
-
-
-class Placement(PlacedPayload):
-    """Where one placed slice of the current step goes as it arrives (a `PayloadSink`).
-
-    Once `cancel`led (the run ended), the rest of the payload is read and
-    dropped: the buffer may belong to someone else by then.  `window` and
-    `advance` run once per read from the socket, so each subclass implements
-    them whole rather than through a chain of helpers.
-    """
-
-    def __init__(self, expected: _Expected, begin: int, target: np.ndarray) -> None:
-        self.expected = expected
-        self.begin = begin
-        self.count = target.size
-        self.nbytes = target.nbytes
-        self.remaining = target.nbytes
-        self._discard: memoryview | None = None
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def cancel(self) -> None:
-        self._discard = memoryview(bytearray(min(self.remaining, REDUCE_CHUNK_BYTES) or 1))
-        self._drop_target()
-
-    def _discard_window(self) -> memoryview:
-        assert self._discard is not None
-        return self._discard[: min(self.remaining, self._discard.nbytes)]
-
-    def window(self) -> memoryview:
-        raise NotImplementedError
-
-    def advance(self, count: int) -> None:
-        raise NotImplementedError
-
-    def _drop_target(self) -> None:
-        raise NotImplementedError
-
-
-class _CopyPlacement(Placement):
-    """A copy received straight into its place in the buffer."""
-
-    def __init__(self, expected: _Expected, begin: int, target: np.ndarray) -> None:
-        super().__init__(expected, begin, target)
-        self._bytes: memoryview | None = target.view(np.uint8).data
-
-    def window(self) -> memoryview:
-        if self._bytes is None:
-            return self._discard_window()
-        return self._bytes[self.nbytes - self.remaining :]
-
-    def advance(self, count: int) -> None:
-        self.remaining -= count
-
-    def _drop_target(self) -> None:
-        self._bytes = None
-
-
-class _ReducePlacement(Placement):
-    """A reduction received chunk by chunk and combined into the buffer per chunk."""
-
-    def __init__(
-        self, expected: _Expected, begin: int, target: np.ndarray, op: ReduceOp,
-        chunks: ChunkPool,
-    ) -> None:
-        super().__init__(expected, begin, target)
-        self._target: np.ndarray | None = target
-        self._op = op
-        self._pool = chunks
-        self._whole: np.ndarray | None = chunks.take()
-        itemsize = target.itemsize
-        chunk = min(target.nbytes, REDUCE_CHUNK_BYTES - REDUCE_CHUNK_BYTES % itemsize)
-        self._itemsize = itemsize
-        #: The chunk as bytes (what the socket writes) and as elements (what is combined).
-        self._chunk_bytes = self._whole[:chunk].data
-        self._chunk = self._whole[:chunk].view(target.dtype)
-        self._filled = 0  # bytes of the current chunk
-        self._limit = chunk  # bytes the current chunk takes before it is combined
-        self._done = 0  # elements combined into the target
-
-    def _give_back(self) -> None:
-        """The chunk is no longer written or read: the next placement may have it."""
-        if self._whole is not None:
-            self._pool.give(self._whole)
-            self._whole = None
-
-    def window(self) -> memoryview:
-        if self._target is None:
-            return self._discard_window()
-        return self._chunk_bytes[self._filled : self._limit]
-
-    def advance(self, count: int) -> None:
-        self.remaining -= count
-        target = self._target
-        if target is None:
-            return
-        filled = self._filled + count
-        if filled < self._limit:
-            self._filled = filled
-            return
-        size = filled // self._itemsize
-        first = self._done
-        combine_into(target[first : first + size],
-                     self._chunk if size == self._chunk.size else self._chunk[:size], self._op)
-        self._done = first + size
-        self._filled = 0
-        self._limit = min(self._limit, self.remaining)
-        if self.remaining == 0:
-            self._give_back()
-
-    def absorb(self, data: memoryview) -> int:
-        """Combine whole elements of `data` into the target where they lie (an
-        opened record), skipping the copy into the chunk; only between chunks."""
-        target = self._target
-        if target is None or self._filled:
-            return 0
-        count = min(data.nbytes, self.remaining) // self._itemsize
-        if not count:
-            return 0
-        first = self._done
-        combine_into(target[first : first + count],
-                     np.frombuffer(data, dtype=target.dtype, count=count), self._op)
-        taken = count * self._itemsize
-        self._done = first + count
-        self.remaining -= taken
-        self._limit = min(self._chunk_bytes.nbytes, self.remaining)
-        if self.remaining == 0:
-            self._give_back()
-        return taken
-
-    def _drop_target(self) -> None:
-        self._target = None
-        self._give_back()
-
-
-def _remaining(expected: _Expected) -> int:
-    """Elements of an expected receive that have not arrived yet."""
-    return expected.stop - expected.start - expected.got
 
 
 def raw_nbytes(codec: WireCodec | None, itemsize: int, nbytes: int) -> int:

@@ -27,7 +27,8 @@ from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
-from gradsync.daemon.run.executor import ChunkPool, ScheduleRun, SendFailed, raw_nbytes
+from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
+from gradsync.daemon.run.receives import ChunkPool
 from gradsync.daemon.run.residuals import Residuals, fold_in
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
