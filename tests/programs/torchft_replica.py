@@ -1,15 +1,24 @@
 """Replica program: one torchft replica group of one rank, training on gradsync.
 
 Usage: torchft_replica.py REPLICA_ID STEPS KILL_AT VICTIM MARKER_DIR REPLICAS
-Environment: TORCHFT_LIGHTHOUSE (the Lighthouse), GRADSYNC_DAEMON.
+Environment: TORCHFT_LIGHTHOUSE (the Lighthouse), GRADSYNC_DAEMON; and, for
+replicas on several hosts (network namespaces), REPLICA_HOST (the address its
+store and manager are reached at, default 127.0.0.1); REPLICA_PG `gradsync`
+(default) or `gloo` (torchft's ProcessGroupGloo, for comparison);
+REPLICA_TIMEOUT_S (the Manager's and the group's timeout, default 30);
+REPLICA_INIT_SYNC=0 to start from the seeded weights without torchft's step-0
+sync (whose HTTP transport dials the host name, which namespaces share).
 Trains a small model with torchft's Manager (min_replica_size 2), one
 `Manager.allreduce` per gradient, torchft's OptimizerWrapper, until torchft's
 step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
-(once; its restart, which finds its first marker, does not).  It writes
+(once; its restart, which finds its first marker, does not); a VICTIM `stall`
+stops there instead, with the others waiting in the step's allreduces, for the
+test to cut its node off.  It writes
 MARKER_DIR/started-REPLICA_ID (restarted-... when restarted) once its Manager
 is up; the others hold at some steps for those markers (`hold`), so that all
 REPLICAS take part and the rejoin happens before the run ends.  Prints one
-JSON line per step and a final one.
+JSON line per step (with its wall-clock time, and the error of a discarded
+step) and a final one.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 from torchft import Manager, Optimizer
+from torchft.process_group import ProcessGroupGloo
 
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
 
@@ -54,20 +64,24 @@ def hold(markers: Path, step: int, kill_at: int, replicas: int) -> None:
 
 def main() -> None:
     replica_id, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    victim, markers, replicas = sys.argv[4] == "1", Path(sys.argv[5]), int(sys.argv[6])
+    victim, markers, replicas = sys.argv[4] != "0", Path(sys.argv[5]), int(sys.argv[6])
+    stall = sys.argv[4] == "stall"
     restarted = (markers / f"started-{replica_id}").exists()
     torch.manual_seed(0)  # every replica starts equal; torchft syncs step 0 anyway
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    timeout = datetime.timedelta(seconds=30)
+    host = os.environ.get("REPLICA_HOST", "127.0.0.1")
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("REPLICA_TIMEOUT_S", "30")))
+    pg = (ProcessGroupGloo(timeout=timeout) if os.environ.get("REPLICA_PG") == "gloo"
+          else ProcessGroupGradsync(timeout=timeout))
     manager = Manager(
-        pg=ProcessGroupGradsync(timeout=timeout),
+        pg=pg, hostname=host, init_sync=os.environ.get("REPLICA_INIT_SYNC") != "0",
         min_replica_size=2,
         load_state_dict=lambda state: (model.load_state_dict(state["model"]),
                                        inner.load_state_dict(state["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-        replica_id=replica_id, store_addr="127.0.0.1", store_port=store.port,
+        replica_id=replica_id, store_addr=host, store_port=store.port,
         rank=0, world_size=1, timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=60), use_async_quorum=False,
     )
@@ -86,6 +100,10 @@ def main() -> None:
         loss = model(x).square().mean()
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if stall and step >= kill_at:
+            emit({"replica": replica_id, "killed_at": step, "t": time.time()})
+            (markers / "killed").write_text(str(step))
+            time.sleep(600)  # the test cuts this node off, then kills it
         if victim and not restarted and step >= kill_at:
             emit({"replica": replica_id, "killed_at": step})
             (markers / "killed").write_text(str(step))
@@ -96,9 +114,11 @@ def main() -> None:
         for work in works:
             work.wait()
         participants = manager.num_participants()
+        error = manager.errored()
         optimizer.step()  # should_commit: a step with a failure is discarded
         emit({"replica": replica_id, "step": step, "participants": participants,
-              "committed": manager.current_step() > step, "healed": restarted})
+              "committed": manager.current_step() > step, "healed": restarted,
+              "t": time.time(), "error": None if error is None else str(error)[:300]})
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     emit({"replica": replica_id, "final_step": manager.current_step(),
           "params": flat.tolist()[:64], "checksum": float(flat.double().sum()),

@@ -1,0 +1,121 @@
+"""torchft on gradsync when a node vanishes: no socket closes, and the survivors
+still go on after the daemons' peer timeout, not torchft's collective timeout.
+
+Two "hosts" (network namespaces joined by a veth pair): replicas 0 and 1 with
+their daemon and the Lighthouse on the first, replica 2 with its daemon on the
+second.  Mid-step, with the survivors waiting in its allreduces, the second
+host's link goes down (`ip link set ... down`: a cut cable, a dead switch port).
+The collective timeout is torchft's default, 60 s; the daemons' peer timeout is
+2 s.  The survivors' step fails with the lost peer named, is discarded, and they
+commit the next ones as two.  benchmarks/torchft_lost_node.py measures the same
+against torchft's ProcessGroupGloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from benchmarks.topology import namespaces, namespaces_unavailable
+from tests.cluster import free_ports, peer_args
+from tests.conftest import PROGRAMS, DaemonProcess, poll_until
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+
+STEPS = 12
+CUT_AT = 4
+#: torchft's default collective timeout: what gloo would wait.
+TORCHFT_TIMEOUT_S = 60
+PEER_TIMEOUT_S = 2
+
+
+def records(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_a_vanished_node_costs_the_survivors_one_step_not_the_timeout(
+    start_daemon: Callable[..., DaemonProcess], short_tmp: str,
+) -> None:
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    with namespaces(2) as topo:
+        ports = free_ports(3)
+        endpoints = [f"tcp://{topo.hosts[i]}:{ports[i]}" for i in range(2)]
+        daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
+                                           str(PEER_TIMEOUT_S)), prefix=topo.prefix(i))
+                   for i in range(2)]
+        lighthouse = subprocess.Popen(
+            [*topo.prefix(0), sys.executable, str(PROGRAMS / "lighthouse.py"), str(ports[2]),
+             "2", "1000"], stdout=subprocess.PIPE, text=True)
+        replicas: list[subprocess.Popen[str]] = []
+        try:
+            assert lighthouse.stdout is not None and lighthouse.stdout.readline() == "ready\n"
+            for replica, node in enumerate((0, 0, 1)):
+                env = {**os.environ, "GRADSYNC_DAEMON": daemons[node].endpoint,
+                       "TORCHFT_LIGHTHOUSE": f"http://{topo.hosts[0]}:{ports[2]}",
+                       "GRADSYNC_JOB": "torchft-lost-node", "REPLICA_HOST": topo.hosts[node],
+                       "REPLICA_TIMEOUT_S": str(TORCHFT_TIMEOUT_S), "REPLICA_INIT_SYNC": "0"}
+                victim = replica == 2
+                replicas.append(subprocess.Popen(
+                    [*topo.prefix(node), sys.executable, str(PROGRAMS / "torchft_replica.py"),
+                     f"replica{replica}", str(STEPS), str(CUT_AT if victim else -1),
+                     "stall" if victim else "0", str(markers), "3"],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            try:
+                poll_until(lambda: (markers / "killed").exists(), 120,
+                           "replica 2 to reach the step where its node is cut off")
+            except AssertionError as exc:
+                for process in replicas:
+                    process.kill()
+                said = [process.communicate() for process in replicas]
+                raise AssertionError(f"{exc}\n" + "\n".join(
+                    f"replica {r}:\n{out[-2000:]}\n{err[-4000:]}"
+                    for r, (out, err) in enumerate(said))) from None
+            time.sleep(0.5)  # the survivors are in the step's allreduces by now
+            cut = time.time()
+            subprocess.run(["ip", "-n", str(topo.namespaces[1]), "link", "set", topo.interfaces[1],
+                            "down"], check=True, timeout=30)
+            outputs = []
+            for replica in replicas[:2]:
+                out, err = replica.communicate(timeout=150)
+                assert replica.returncode == 0, f"a survivor exited {replica.returncode}:\n" \
+                    f"{out[-3000:]}\n{err[-5000:]}\n{daemons[0].log()[-3000:]}"
+                outputs.append(records(out))
+        finally:
+            for process in replicas:
+                if process.poll() is None:
+                    process.kill()
+                    process.communicate()
+            lighthouse.terminate()
+            lighthouse.wait(30)
+        for daemon in daemons:  # before their namespaces go
+            assert daemon.stop(30) == 0, daemon.log_tail()
+    for survivor in outputs:
+        steps = [r for r in survivor if "step" in r]
+        after = [r for r in steps if r["t"] > cut]
+        # The step in flight at the cut failed on the lost peer, not on the timeout ...
+        failed = after[0]
+        assert not failed["committed"] and failed["step"] == CUT_AT, failed
+        assert endpoints[1] in failed["error"] and "lost" in failed["error"], failed["error"]
+        # ... and the survivors went on as two, to the end.
+        first = next(r for r in after if r["committed"])
+        assert first["participants"] == 2, after
+        print(f"cut to the next committed step: {first['t'] - cut:.1f} s "
+              f"(collective timeout {TORCHFT_TIMEOUT_S} s, peer timeout {PEER_TIMEOUT_S} s)")
+    finals = [next(r for r in survivor if "final_step" in r) for survivor in outputs]
+    assert all(f["final_step"] == STEPS for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"]
+    assert finals[0]["checksum"] == finals[1]["checksum"]
