@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -35,13 +36,13 @@ def lighthouse() -> Iterator[LighthouseServer]:
 
 def spawn_replica(
     replica: int, endpoint: str, lighthouse: str, markers: Path, victim: bool,
-    kill_at: int = KILL_AT, steps: int = STEPS,
+    kill_at: int = KILL_AT, steps: int = STEPS, mode: str = "1", **env_extra: str,
 ) -> subprocess.Popen[str]:
     env = {**os.environ, "GRADSYNC_DAEMON": endpoint, "TORCHFT_LIGHTHOUSE": lighthouse,
-           "GRADSYNC_JOB": "torchft-test"}
+           "GRADSYNC_JOB": "torchft-test", **env_extra}
     return subprocess.Popen(
         [sys.executable, str(PROGRAMS / "torchft_replica.py"), f"replica{replica}", str(steps),
-         str(kill_at), "1" if victim else "0", str(markers), "3"],
+         str(kill_at), mode if victim else "0", str(markers), "3"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -163,3 +164,61 @@ def test_daemon_restart_mid_training_fails_a_step_and_training_goes_on(
         discarded = [r for r in replica if "step" in r and not r["committed"]]
         assert discarded, f"no step was discarded across the restart: {replica}"
         assert replica[-2]["committed"] and replica[-2]["participants"] == 3, replica[-2]
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of process `pid` (T: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_a_hung_replica_costs_the_collective_timeout_then_rejoins(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """Replica 2 SIGSTOPped at step 5 with the others in its step's allreduces: nothing
+    closes, so their step fails at the collective timeout (5 s here), as torchft
+    expects; they commit on as two; sent SIGCONT, replica 2 finds its step failed,
+    heals from a live one and rejoins; all three end identical."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    timeout_s = 5
+    replicas = [spawn_replica(r, daemon.endpoint, lighthouse.address(), markers, victim=r == 2,
+                              mode="stop", REPLICA_TIMEOUT_S=str(timeout_s)) for r in range(3)]
+    try:
+        victim = replicas[2]
+
+        def stopped() -> bool:
+            assert all(p.poll() is None for p in replicas), [finish(p, 1, "a replica")
+                                                              for p in replicas]
+            return (markers / "killed").exists() and process_state(victim.pid) == "T"
+
+        poll_until(stopped, 90, "replica 2 to stop itself at step 5")
+        stopped_at = int((markers / "killed").read_text())
+        # The survivors go on without it, and hold 3 steps on for its return.
+        poll_until(lambda: any(markers.glob(f"*-step-{stopped_at + 2}")), 90,
+                   "the survivors to commit 2 steps without the hung replica")
+        victim.send_signal(signal.SIGCONT)
+        records = [finish(p, 120, f"replica {r}", [daemon.log]) for r, p in enumerate(replicas)]
+    finally:
+        for process in replicas:
+            if process.poll() is None:
+                process.kill()
+    hung = next(r for r in records[2] if "killed_at" in r)
+    for survivor in records[:2]:
+        steps = [r for r in survivor if "step" in r]
+        failed = next(r for r in steps if r["step"] == stopped_at)
+        # The step failed on the collective timeout, not sooner (nothing closed) ...
+        assert not failed["committed"] and failed["t"] - hung["t"] >= timeout_s * 0.9, failed
+        assert "timed out" in failed["error"] or "timeout" in failed["error"], failed["error"]
+        # ... then two went on, and three ended.
+        two = [r for r in steps if r["committed"] and r["participants"] == 2
+               and r["step"] >= stopped_at]
+        assert two and two[0]["step"] == stopped_at, steps
+        assert steps[-1]["committed"] and steps[-1]["participants"] == 3, steps[-1]
+    back = [r for r in records[2] if "step" in r and r["t"] > hung["t"]]
+    assert not back[0]["committed"], back[0]  # the step it hung in failed when it woke
+    assert any(r["committed"] and r["step"] > stopped_at for r in back), back
+    finals = [next(r for r in rs if "final_step" in r) for rs in records]
+    assert all(f["final_step"] == STEPS for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
+    assert finals[0]["checksum"] == finals[1]["checksum"] == finals[2]["checksum"]

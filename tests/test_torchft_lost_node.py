@@ -67,7 +67,8 @@ def test_a_vanished_node_costs_the_survivors_one_step_not_the_timeout(
                 env = {**os.environ, "GRADSYNC_DAEMON": daemons[node].endpoint,
                        "TORCHFT_LIGHTHOUSE": f"http://{topo.hosts[0]}:{ports[2]}",
                        "GRADSYNC_JOB": "torchft-lost-node", "REPLICA_HOST": topo.hosts[node],
-                       "REPLICA_TIMEOUT_S": str(TORCHFT_TIMEOUT_S), "REPLICA_INIT_SYNC": "0"}
+                       "REPLICA_TIMEOUT_S": str(TORCHFT_TIMEOUT_S), "REPLICA_INIT_SYNC": "0",
+                       "REPLICA_TRANSPORT": "pg"}  # heals across namespaces
                 victim = replica == 2
                 replicas.append(subprocess.Popen(
                     [*topo.prefix(node), sys.executable, str(PROGRAMS / "torchft_replica.py"),

@@ -7,13 +7,17 @@ store and manager are reached at, default 127.0.0.1); REPLICA_PG `gradsync`
 (default) or `gloo` (torchft's ProcessGroupGloo, for comparison);
 REPLICA_TIMEOUT_S (the Manager's and the group's timeout, default 30);
 REPLICA_INIT_SYNC=0 to start from the seeded weights without torchft's step-0
-sync (whose HTTP transport dials the host name, which namespaces share).
+sync (whose HTTP transport dials the host name, which namespaces share);
+REPLICA_TRANSPORT=pg to heal through the process group (torchft's PGTransport:
+its send and recv) rather than torchft's default HTTP transport.
 Trains a small model with torchft's Manager (min_replica_size 2), one
 `Manager.allreduce` per gradient, torchft's OptimizerWrapper, until torchft's
 step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
 (once; its restart, which finds its first marker, does not); a VICTIM `stall`
 stops there instead, with the others waiting in the step's allreduces, for the
-test to cut its node off.  It writes
+test to cut its node off; a VICTIM `stop` SIGSTOPs itself there (a hung
+process, once) and, when the test sends SIGCONT, writes its restarted-... marker
+and trains on.  It writes
 MARKER_DIR/started-REPLICA_ID (restarted-... when restarted) once its Manager
 is up; the others hold at some steps for those markers (`hold`), so that all
 REPLICAS take part and the rejoin happens before the run ends.  Prints one
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 from torchft import Manager, Optimizer
+from torchft.checkpointing.pg_transport import PGTransport
 from torchft.process_group import ProcessGroupGloo
 
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
@@ -65,7 +70,7 @@ def hold(markers: Path, step: int, kill_at: int, replicas: int) -> None:
 def main() -> None:
     replica_id, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     victim, markers, replicas = sys.argv[4] != "0", Path(sys.argv[5]), int(sys.argv[6])
-    stall = sys.argv[4] == "stall"
+    stall, stop = sys.argv[4] == "stall", sys.argv[4] == "stop"
     restarted = (markers / f"started-{replica_id}").exists()
     torch.manual_seed(0)  # every replica starts equal; torchft syncs step 0 anyway
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -84,6 +89,8 @@ def main() -> None:
         replica_id=replica_id, store_addr=host, store_port=store.port,
         rank=0, world_size=1, timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=60), use_async_quorum=False,
+        checkpoint_transport=(PGTransport(pg, timeout, torch.device("cpu"))
+                              if os.environ.get("REPLICA_TRANSPORT") == "pg" else None),
     )
     optimizer = Optimizer(manager, inner)
     (markers / f"{'restarted' if restarted else 'started'}-{replica_id}").touch()
@@ -100,15 +107,21 @@ def main() -> None:
         loss = model(x).square().mean()
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if stop and step >= kill_at and not (markers / "killed").exists():
+            emit({"replica": replica_id, "killed_at": step, "t": time.time()})
+            (markers / "killed").write_text(str(step))
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung, with the others in the allreduces
+            (markers / f"restarted-{replica_id}").touch()  # SIGCONT: back, for `hold`
         if stall and step >= kill_at:
             emit({"replica": replica_id, "killed_at": step, "t": time.time()})
             (markers / "killed").write_text(str(step))
             time.sleep(600)  # the test cuts this node off, then kills it
-        if victim and not restarted and step >= kill_at:
+        if sys.argv[4] == "1" and not restarted and step >= kill_at:
             emit({"replica": replica_id, "killed_at": step})
             (markers / "killed").write_text(str(step))
             manager.allreduce(grads[0])  # the first of the step's allreduces, then death:
             time.sleep(0.2)  # the others wait in the second one by now
+            emit({"replica": replica_id, "sigkill_t": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
         works = [manager.allreduce(g) for g in grads]
         for work in works:
