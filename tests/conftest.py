@@ -267,8 +267,19 @@ class RankResult:
     stderr: str
 
     def records(self) -> list[dict[str, object]]:
-        """JSON lines the rank program printed."""
-        return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
+        """JSON records the rank program printed, one or more per line.
+
+        Ranks launched together (torchrun) share one stdout, and two ranks'
+        lines can land on one line; each object on it is decoded.
+        """
+        decoder = json.JSONDecoder()
+        found: list[dict[str, object]] = []
+        for line in self.stdout.splitlines():
+            position = 0
+            while line.startswith("{", position):
+                record, position = decoder.raw_decode(line, position)
+                found.append(record)
+        return found
 
 
 def records_by_scenario(
