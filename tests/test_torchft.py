@@ -72,6 +72,55 @@ def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
     sigkill_heal_rejoin([daemon.endpoint] * 3, lighthouse, Path(short_tmp))
 
 
+def test_torchft_ddp_trains_identical_replicas_on_gradsync(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """torchft's DistributedDataParallel (its comm hook, several buckets per step)
+    on gradsync: 3 replicas commit every step with 3 participants and end equal."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    replicas = [spawn_replica(r, daemon.endpoint, lighthouse.address(), markers, victim=False,
+                              kill_at=-1, steps=8, REPLICA_DDP="0.002") for r in range(3)]
+    records = [finish(process, 120, f"replica {r}") for r, process in enumerate(replicas)]
+    finals = [next(r for r in rs if "final_step" in r) for rs in records]
+    assert all(f["final_step"] == 8 for f in finals), finals
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
+    steps = [r for rs in records for r in rs if "step" in r]
+    assert all(r["committed"] for r in steps), [r for r in steps if not r["committed"]]
+    assert sum(r["participants"] == 3 for r in steps) >= 3 * 5, steps  # after the first quorums
+
+
+@pytest.mark.parametrize("group", ["gradsync", "gloo"])
+def test_torchft_ddp_comm_hook_asserts_when_an_allreduce_fails_on_any_group(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str, group: str
+) -> None:
+    """torchft 0.2.0's bug, shown on gradsync and on its own ProcessGroupGloo alike:
+    when a bucket's allreduce fails, the group's Work.wait() raises (as torch's
+    contract says), torchft's _ManagedWork.wait() reports the error before it sets
+    its future, and DistributedDataParallel._comm_hook's `assert fut._fut` fails:
+    the survivors' backward raises AssertionError and they exit. Manager.allreduce
+    per gradient (the tests above) is what survives a lost replica on 0.2.0."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    replicas = [spawn_replica(r, daemon.endpoint, lighthouse.address(), markers, victim=r == 2,
+                              REPLICA_DDP="25", REPLICA_PG=group) for r in range(3)]
+    try:
+        outcomes = [process.communicate(timeout=120) for process in replicas]
+    finally:
+        for process in replicas:
+            if process.poll() is None:
+                process.kill()
+    assert replicas[2].returncode == -9, outcomes[2]
+    for r in range(2):
+        err = outcomes[r][1]
+        assert replicas[r].returncode == 1, (r, outcomes[r])
+        assert "torchft/ddp.py" in err and "_comm_hook" in err and "assert fut._fut" in err, err
+        assert "AssertionError" in err.strip().splitlines()[-1], err[-2000:]
+        # The allreduce's own error, named by the group, came first (torchft logs it).
+        expected = "rank 2 (pid" if group == "gradsync" else "Connection closed by peer"
+        assert expected in err, err[-4000:]
+
+
 # CURVE only: the default, and a superset of --insecure's path (the suite's time).
 @pytest.mark.parametrize("security", ["curve"])
 def test_sigkilled_replica_on_the_other_daemon(
@@ -88,19 +137,19 @@ def test_sigkilled_replica_on_the_other_daemon(
 
 def sigkill_heal_rejoin(
     endpoints: list[str], lighthouse: LighthouseServer, folder: Path,
-    logs: Sequence[Callable[[], str]] = (),
+    logs: Sequence[Callable[[], str]] = (), **env_extra: str,
 ) -> None:
     """Replica r on daemon endpoints[r]; replica 2 dies, restarts, heals, rejoins."""
     markers = folder / "markers"
     markers.mkdir()
     address = lighthouse.address()
-    replicas = [spawn_replica(r, endpoints[r], address, markers, victim=r == 2)
+    replicas = [spawn_replica(r, endpoints[r], address, markers, victim=r == 2, **env_extra)
                 for r in range(3)]
     try:
         victim = replicas[2]
         out, err = victim.communicate(timeout=90)
         assert victim.returncode == -9, f"replica 2 should have killed itself:\n{out}\n{err}"
-        restarted = spawn_replica(2, endpoints[2], address, markers, victim=True)
+        restarted = spawn_replica(2, endpoints[2], address, markers, victim=True, **env_extra)
         records = [finish(replicas[r], 120, f"replica {r}", logs) for r in range(2)]
         records.append(finish(restarted, 60, "restarted replica 2", logs))
         killed_at = next(json.loads(line)["killed_at"] for line in out.splitlines()

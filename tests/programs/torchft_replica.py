@@ -9,7 +9,10 @@ REPLICA_TIMEOUT_S (the Manager's and the group's timeout, default 30);
 REPLICA_INIT_SYNC=0 to start from the seeded weights without torchft's step-0
 sync (whose HTTP transport dials the host name, which namespaces share);
 REPLICA_TRANSPORT=pg to heal through the process group (torchft's PGTransport:
-its send and recv) rather than torchft's default HTTP transport.
+its send and recv) rather than torchft's default HTTP transport;
+REPLICA_DDP=MB to train through torchft's DistributedDataParallel (its comm
+hook's `Manager.allreduce` per bucket of MB megabytes) rather than one
+`Manager.allreduce` per gradient.
 Trains a small model with torchft's Manager (min_replica_size 2), one
 `Manager.allreduce` per gradient, torchft's OptimizerWrapper, until torchft's
 step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
@@ -40,6 +43,7 @@ import torch
 from torch.distributed import TCPStore
 from torchft import Manager, Optimizer
 from torchft.checkpointing.pg_transport import PGTransport
+from torchft.ddp import DistributedDataParallel
 from torchft.process_group import ProcessGroupGloo
 
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
@@ -93,6 +97,9 @@ def main() -> None:
                               if os.environ.get("REPLICA_TRANSPORT") == "pg" else None),
     )
     optimizer = Optimizer(manager, inner)
+    bucket_mb = os.environ.get("REPLICA_DDP")
+    trained = (DistributedDataParallel(manager, model, bucket_cap_mb=float(bucket_mb))
+               if bucket_mb else model)
     (markers / f"{'restarted' if restarted else 'started'}-{replica_id}").touch()
     while manager.current_step() < steps:
         step = manager.current_step()
@@ -104,8 +111,13 @@ def main() -> None:
         generator = torch.Generator().manual_seed(1000 * manager.current_step()
                                                   + (manager.participating_rank() or 0))
         x = torch.randn(16, 32, generator=generator)
-        loss = model(x).square().mean()
-        loss.backward()
+        loss = trained(x).square().mean()
+        if bucket_mb and sys.argv[4] == "1" and not restarted and step >= kill_at:
+            emit({"replica": replica_id, "killed_at": step})
+            (markers / "killed").write_text(str(step))
+            time.sleep(0.2)  # the others wait in their backward's first bucket by now
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()  # through DDP: its comm hook allreduces each bucket
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if stop and step >= kill_at and not (markers / "killed").exists():
             emit({"replica": replica_id, "killed_at": step, "t": time.time()})
@@ -123,7 +135,7 @@ def main() -> None:
             time.sleep(0.2)  # the others wait in the second one by now
             emit({"replica": replica_id, "sigkill_t": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
-        works = [manager.allreduce(g) for g in grads]
+        works = [] if bucket_mb else [manager.allreduce(g) for g in grads]
         for work in works:
             work.wait()
         participants = manager.num_participants()
