@@ -69,7 +69,8 @@ def test_sigkilled_replica_costs_a_step_then_heals_and_rejoins(
     """3 replicas, min 2: replica 2 dies mid-allreduce at step 5; 0 and 1 discard
     that step, commit on with 2 participants; replica 2 restarts, heals from a
     live one and rejoins; after step 20 all three hold identical parameters."""
-    sigkill_heal_rejoin([daemon.endpoint] * 3, lighthouse, Path(short_tmp))
+    sigkill_heal_rejoin([daemon.endpoint] * 3, lighthouse, Path(short_tmp),
+                        REPLICA_TRANSPORT="gradsync")  # healed through shared memory
 
 
 def test_torchft_ddp_trains_identical_replicas_on_gradsync(
@@ -132,7 +133,9 @@ def test_sigkilled_replica_on_the_other_daemon(
              else [["--insecure"]] * 2)
     daemons = [start_daemon(*peer_args(i, endpoints, *flags[i])) for i in range(2)]
     where = [daemons[0].endpoint, daemons[0].endpoint, daemons[1].endpoint]
-    sigkill_heal_rejoin(where, lighthouse, Path(short_tmp), [d.log for d in daemons])
+    # Healed through gradsync's transport: the peer data streams, sealed.
+    sigkill_heal_rejoin(where, lighthouse, Path(short_tmp), [d.log for d in daemons],
+                        REPLICA_TRANSPORT="gradsync")
 
 
 def sigkill_heal_rejoin(
@@ -176,6 +179,10 @@ def sigkill_heal_rejoin(
     assert finals[0]["checksum"] == finals[1]["checksum"] == finals[2]["checksum"]
     # torchft counts 3 batches per 3-replica step, 2 per 2-replica one: survivors agree.
     assert finals[0]["batches_committed"] == finals[1]["batches_committed"]
+    if env_extra.get("REPLICA_TRANSPORT") == "gradsync":  # the heal came through it
+        heal = finals[2]["heal"]
+        assert heal and heal["step"] == healed[0]["step"] and heal["src_rank"] in (0, 1), heal
+        assert heal["payload_bytes"] >= 4 * (32 * 64 + 64 + 64 * 4 + 4), heal
 
 
 def test_daemon_restart_mid_training_fails_a_step_and_training_goes_on(

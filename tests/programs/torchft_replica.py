@@ -9,7 +9,9 @@ REPLICA_TIMEOUT_S (the Manager's and the group's timeout, default 30);
 REPLICA_INIT_SYNC=0 to start from the seeded weights without torchft's step-0
 sync (whose HTTP transport dials the host name, which namespaces share);
 REPLICA_TRANSPORT=pg to heal through the process group (torchft's PGTransport:
-its send and recv) rather than torchft's default HTTP transport;
+its send and recv) rather than torchft's default HTTP transport, `gradsync`
+through gradsync's own GradsyncTransport (the final record then says what it
+received: `heal`);
 REPLICA_DDP=MB to train through torchft's DistributedDataParallel (its comm
 hook's `Manager.allreduce` per bucket of MB megabytes) rather than one
 `Manager.allreduce` per gradient.
@@ -30,6 +32,7 @@ step) and a final one.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -47,6 +50,7 @@ from torchft.ddp import DistributedDataParallel
 from torchft.process_group import ProcessGroupGloo
 
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
+from gradsync.client.torch.torchft_transport import GradsyncTransport
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -84,6 +88,9 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ.get("REPLICA_TIMEOUT_S", "30")))
     pg = (ProcessGroupGloo(timeout=timeout) if os.environ.get("REPLICA_PG") == "gloo"
           else ProcessGroupGradsync(timeout=timeout))
+    transport_name = os.environ.get("REPLICA_TRANSPORT")
+    transport = (PGTransport(pg, timeout, torch.device("cpu")) if transport_name == "pg"
+                 else GradsyncTransport(pg, timeout) if transport_name == "gradsync" else None)
     manager = Manager(
         pg=pg, hostname=host, init_sync=os.environ.get("REPLICA_INIT_SYNC") != "0",
         min_replica_size=2,
@@ -93,8 +100,7 @@ def main() -> None:
         replica_id=replica_id, store_addr=host, store_port=store.port,
         rank=0, world_size=1, timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=60), use_async_quorum=False,
-        checkpoint_transport=(PGTransport(pg, timeout, torch.device("cpu"))
-                              if os.environ.get("REPLICA_TRANSPORT") == "pg" else None),
+        checkpoint_transport=transport,
     )
     optimizer = Optimizer(manager, inner)
     bucket_mb = os.environ.get("REPLICA_DDP")
@@ -147,7 +153,10 @@ def main() -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     emit({"replica": replica_id, "final_step": manager.current_step(),
           "params": flat.tolist()[:64], "checksum": float(flat.double().sum()),
-          "batches_committed": manager.batches_committed()})
+          "batches_committed": manager.batches_committed(),
+          "heal": (dataclasses.asdict(transport.last_heal)
+                   if isinstance(transport, GradsyncTransport) and transport.last_heal
+                   else None)})
     manager.shutdown(wait=False)
 
 
