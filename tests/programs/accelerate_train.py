@@ -9,6 +9,7 @@ gathered losses, as JSON to PREFIX.RANK.
 """
 
 import json
+import os
 import sys
 import warnings
 
@@ -43,3 +44,11 @@ record = json.dumps({
 })
 with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as out:
     out.write(record)
+if dist.get_backend() == "gloo":
+    # torch 2.13's DDP keeps its gloo group's threads past the end, and a normal
+    # exit now and then aborts ("terminate called without an active exception",
+    # once in a CI run; see ddp_train.py's exit_past_torch_gloo).  The record is
+    # written: the reference run leaves without C++ static destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
