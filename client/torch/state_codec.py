@@ -13,12 +13,13 @@ malformed raises `StateCodecError` naming what is wrong where.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import torch
 
-__all__ = ["HEADER_VERSION", "StateCodecError", "decode", "encode", "payload_size"]
+__all__ = ["HEADER_VERSION", "Layout", "StateCodecError", "decode", "encode", "payload_size"]
 
 HEADER_VERSION = 1
 ALIGN = 64
@@ -85,18 +86,41 @@ class _Encoder:
         return ["T", name, list(flat.shape), offset, nbytes]
 
 
-def encode(state: Any, step: int) -> tuple[bytes, torch.Tensor]:
-    """(header, payload) of `state` at `step`; the payload is a new uint8 tensor."""
-    encoder = _Encoder()
-    tree = encoder.node(state, "")
-    payload = torch.empty(encoder.size, dtype=torch.uint8)
-    for offset, flat in encoder.tensors:
-        nbytes = flat.numel() * flat.element_size()
-        if nbytes:
-            payload[offset:offset + nbytes].copy_(flat.reshape(-1).view(torch.uint8))
-    header = msgpack.packb({"version": HEADER_VERSION, "step": step,
-                            "payload": encoder.size, "tree": tree}, use_bin_type=True)
-    return header, payload
+class Layout:
+    """A state dict laid out: its header, its payload's size, and where each
+    tensor's bytes go, so that the payload can be filled (and sent) in pieces."""
+
+    def __init__(self, state: Any, step: int) -> None:
+        encoder = _Encoder()
+        tree = encoder.node(state, "")
+        self.size = encoder.size
+        self._tensors = [(offset, flat.reshape(-1).view(torch.uint8))
+                         for offset, flat in encoder.tensors]
+        self.header = bytes(msgpack.packb({"version": HEADER_VERSION, "step": step,
+                                           "payload": encoder.size, "tree": tree},
+                                          use_bin_type=True))
+
+    def pack(self, payload: torch.Tensor, start: int = 0, end: int | None = None) -> None:
+        """Copy the tensors' bytes that fall in payload[start:end] there."""
+        stop = self.size if end is None else min(end, self.size)
+        for offset, raw in self._tensors:
+            first, last = max(start, offset), min(stop, offset + raw.numel())
+            if first < last:
+                payload[first:last].copy_(raw[first - offset:last - offset])
+
+
+def encode(state: Any, step: int,
+           allocate: Callable[[int], torch.Tensor] | None = None) -> tuple[bytes, torch.Tensor]:
+    """(header, payload) of `state` at `step`; the payload is a new uint8 tensor,
+    from `allocate(nbytes)` when given (daemon memory, so that sending copies nothing)."""
+    layout = Layout(state, step)
+    payload = (allocate or _host)(layout.size)
+    layout.pack(payload)
+    return layout.header, payload
+
+
+def _host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _unpack(header: bytes) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 `Manager(pg=pg, checkpoint_transport=GradsyncTransport(pg, timeout), ...)` heals
 a restarted replica from a live one over the quorum's own process group: the
 state dict travels as one msgpack header and one flat payload (state_codec),
-in a few large sends (shared memory between replicas on one node, the daemons'
+in a few large sends from and into daemon memory (shared memory between
+replicas on one node, the daemons'
 peer data streams between nodes), not as one send per tensor behind a pickled
 header, as torchft's PGTransport does.  Imports torchft (as torchft_group does).
 """
@@ -20,7 +21,7 @@ import torch
 from torchft.checkpointing.transport import CheckpointTransport
 from torchft.process_group import ProcessGroup
 
-from gradsync.client.torch import state_codec
+from gradsync.client.torch import backend, state_codec
 
 __all__ = ["GradsyncTransport", "Heal"]
 
@@ -29,7 +30,7 @@ _LOG = logging.getLogger("gradsync.torchft")
 T = TypeVar("T")
 #: The tags of a checkpoint's three messages: sizes, header, payload chunks (in order).
 _SIZES, _HEADER, _PAYLOAD = 101, 102, 103
-_CHUNK_BYTES = 32 << 20
+_CHUNK_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +68,17 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
                         timeout: datetime.timedelta) -> None:
-        header, payload = state_codec.encode(state_dict, step)
-        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
-        header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        layout = state_codec.Layout(state_dict, step)
+        sizes = torch.tensor([len(layout.header), layout.size], dtype=torch.int64)
+        header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
         works = []
-        for dst in dst_ranks:
+        for dst in dst_ranks:  # the receivers allocate while this side packs
             works.append(self._pg.send([sizes], dst, _SIZES))
-            works.append(self._pg.send([header_tensor], dst, _HEADER))
-            works += [self._pg.send([chunk], dst, _PAYLOAD) for chunk in self._chunks(payload)]
+            works.append(self._pg.send([header], dst, _HEADER))
+        payload = self._allocate(layout.size)
+        for start, chunk in self._chunks(payload):  # the daemon moves one while the next packs
+            layout.pack(payload, start, start + chunk.numel())
+            works += [self._pg.send([chunk], dst, _PAYLOAD) for dst in dst_ranks]
         for work in works:
             work.wait(timeout)
 
@@ -100,8 +104,8 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
             raise state_codec.StateCodecError(
                 f"replica rank {src_rank}: header announces {announced} payload bytes, the "
                 f"sizes message {payload_bytes}")
-        payload = torch.empty(payload_bytes, dtype=torch.uint8)
-        works = [self._pg.recv([chunk], src_rank, _PAYLOAD) for chunk in self._chunks(payload)]
+        payload = self._allocate(payload_bytes)
+        works = [self._pg.recv([chunk], src_rank, _PAYLOAD) for _, chunk in self._chunks(payload)]
         for work in works:
             work.wait(timeout)
         got_step, state = state_codec.decode(raw, payload)
@@ -114,5 +118,13 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
                   src_rank, payload_bytes, self.last_heal.seconds)
         return state  # type: ignore[no-any-return]
 
-    def _chunks(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        return [payload[i:i + self._chunk] for i in range(0, payload.numel(), self._chunk)]
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """A payload buffer: in daemon memory on a gradsync group (its sends and
+        receives then copy nothing on this side), else ordinary memory."""
+        group = vars(self._pg).get("_pg")  # torchft's wrapper keeps the quorum's group here
+        if isinstance(group, backend.ProcessGroupGradsync) and nbytes:
+            return backend.empty(nbytes, dtype=torch.uint8, group=group)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _chunks(self, payload: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        return [(i, payload[i:i + self._chunk]) for i in range(0, payload.numel(), self._chunk)]
