@@ -260,6 +260,29 @@ class Abort(WireMessage):
                    dict(details))  # type: ignore[arg-type]
 
 
+@dataclasses.dataclass(frozen=True)
+class Unformable(WireMessage):
+    """The answer to an announcement of a job that this daemon broke before it
+    formed, because the announcer was lost to it (a restart, a cut link): the
+    announcer's ranks of that run (its `boot` and `incarnation`, echoed) wait
+    for ranks that will never come here, and fail now instead of at their
+    deadline."""
+
+    kind: ClassVar[str] = "unformable"
+    job: str
+    boot: int
+    incarnation: int
+    reason: str
+    code: str
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Unformable:
+        kind = cls.kind
+        return cls(_text(fields, "job", kind), _int(fields, "boot", kind),
+                   _int(fields, "incarnation", kind), _text(fields, "reason", kind),
+                   _text(fields, "code", kind))
+
+
 #: (algorithm, buffer bytes): what one timing of `auto`'s calibration is of.
 TimingGroup = tuple[str, int]
 
@@ -311,8 +334,8 @@ def _timings(value: Any) -> dict[TimingGroup, float]:
 
 
 #: Every application kind, by name.
-MESSAGES: dict[str, type[Announce | Withdraw | Slice | Abort | Costs]] = {
-    cls.kind: cls for cls in (Announce, Withdraw, Slice, Abort, Costs)
+MESSAGES: dict[str, type[Announce | Withdraw | Slice | Abort | Costs | Unformable]] = {
+    cls.kind: cls for cls in (Announce, Withdraw, Slice, Abort, Costs, Unformable)
 }
 #: The kinds that take a data stream where one is open: a withdrawal follows the
 #: sender's slices, so a peer never hears that a daemon left before it has read
@@ -320,9 +343,10 @@ MESSAGES: dict[str, type[Announce | Withdraw | Slice | Abort | Costs]] = {
 STREAM_KINDS: tuple[str, ...] = (Slice.kind, Withdraw.kind)
 #: Control kinds, which only matter to a peer that is up: one that is down fails
 #: its own collectives, and hears the announcements again when it is back.
-CONTROL_KINDS = frozenset({Announce.kind, Withdraw.kind, Abort.kind, Costs.kind})
+CONTROL_KINDS = frozenset({Announce.kind, Withdraw.kind, Abort.kind, Costs.kind,
+                           Unformable.kind})
 
-Message = Announce | Withdraw | Slice | Abort | Costs
+Message = Announce | Withdraw | Slice | Abort | Costs | Unformable
 
 
 def from_wire(fields: Mapping[str, Any]) -> Message:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from gradsync.protocol.errors import (
     DaemonLostError,
     DaemonShuttingDownError,
     DaemonUnavailableError,
+    PeerLostError,
 )
+from tests.cluster import free_ports, peer_args
 from tests.conftest import DaemonProcess, launch_daemon, segments_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,3 +96,54 @@ def test_a_lost_daemon_is_a_daemon_lost_error(start_daemon: object) -> None:
             client.all_reduce(np.ones(1024, np.float32))
     finally:
         client.close()
+
+
+def test_a_job_broken_while_its_peer_restarted_fails_that_peers_ranks_at_once(
+    start_daemon: Any,
+) -> None:
+    """Rank 0 of a two-daemon job joins on daemon A while daemon B restarts: A breaks
+    the job (its peer lost before it formed), and the withdrawal it sends cannot
+    reach B.  B comes back and rank 1 joins there: A answers B's announcement, and
+    rank 1 fails now, naming A and why, not at its 20 s deadline.  A later run of
+    the job under the same name is not told: it forms and reduces."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    flags = [peer_args(i, endpoints, "--insecure", "--peer-timeout-s", "2") for i in range(2)]
+    a, b = start_daemon(*flags[0]), start_daemon(*flags[1])
+
+    def client(daemon: DaemonProcess, rank: int) -> Client:
+        return Client(daemon=daemon.endpoint, job="away", rank=rank, world_size=2,
+                      local_rank=0, local_world_size=1, timeout_s=20)
+
+    def reduce_across(ranks: list[Client]) -> None:
+        arrays = [np.full(8, float(r + 1), np.float32) for r in range(2)]
+        workers = [threading.Thread(target=ranks[r].all_reduce, args=(arrays[r],))
+                   for r in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(30)
+        for rank in ranks:
+            rank.close()
+        assert all(np.array_equal(x, np.full(8, 3.0, np.float32)) for x in arrays), arrays
+
+    warm = [Client(daemon=d.endpoint, job="warm", rank=r, world_size=2, local_rank=0,
+                   local_world_size=1, timeout_s=20) for r, d in enumerate((a, b))]
+    reduce_across(warm)  # the link is up: B's leaving is a loss
+    assert b.stop() == 0, b.log()
+    with client(a, 0) as rank0, pytest.raises(PeerLostError, match="was lost"):
+        rank0.all_reduce(np.ones(8, np.float32))
+    back = launch_daemon(b.folder, *flags[1], name="d1")
+    try:
+        started = time.monotonic()
+        with client(back, 1) as rank1, pytest.raises(
+                PeerLostError, match=f"peer daemon {endpoints[0]} broke job 'away' before it "
+                "formed, while this daemon was lost to it"):
+            rank1.all_reduce(np.ones(8, np.float32))
+        assert time.monotonic() - started < 12, "rank 1 waited for its deadline"
+
+        # The two daemons serve jobs together again.
+        reduce_across([Client(daemon=d.endpoint, job="away-2", rank=r, world_size=2,
+                              local_rank=0, local_world_size=1, timeout_s=20)
+                       for r, d in enumerate((a, back))])
+    finally:
+        assert back.stop() == 0, back.log()

@@ -21,6 +21,7 @@ MESSAGES: list[peer.Message] = [
     peer.Slice("job", 5, "bucket:4", FP, -1, 0, 0),
     peer.Abort("job", 5, "bucket:4", "mismatch", "ranks disagree", {"job": "job", "key": 3}),
     peer.Costs("job", 5, 2, 5e-5, 1e-9, {("ring", 4096): 1e-4, ("rhd", 1 << 20): 2e-3}, 1.5),
+    peer.Unformable("job", 1 << 61, 7, "peer tcp://10.0.0.2:7000 was lost", "peer_lost"),
 ]
 SENDER = "tcp://127.0.0.1:7000"
 

@@ -33,6 +33,7 @@ from gradsync.daemon.core.membership import (
     new_incarnation,
     ranks_not_announced,
 )
+from gradsync.daemon.core.unformed import UnformedJobs
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.errors import (
@@ -45,7 +46,7 @@ from gradsync.protocol.errors import (
     as_collective_error,
     error_from_wire,
 )
-from gradsync.protocol.peer import Abort, Announce, Key, Slice, Withdraw
+from gradsync.protocol.peer import Abort, Announce, Key, Slice, Unformable, Withdraw
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
@@ -97,6 +98,7 @@ class ClusterJobs:
         self.remote: dict[str, dict[str, Announcement]] = {}
         #: The newest incarnation of each (job, peer) that peer withdrew.
         self.withdrawn = Withdrawals()
+        self.unformed = UnformedJobs()  # broken before forming, for lost peers' return
         #: Peers whose link went down (after being up) and has not come back.
         self.lost: set[str] = set()
         self.transport: PeerTransport = NOT_CONNECTED
@@ -129,8 +131,10 @@ class ClusterJobs:
         self._fail_if_unformable(job)
 
     def peer_up(self, peer: str) -> None:
-        """A link (re)connected: tell it about every job we hold."""
+        """A link (re)connected: tell it our jobs, and which of its broke here unformed."""
         self.lost.discard(peer)
+        for name, table in list(self.remote.items()):
+            self.unformed.tell(peer, table.get(peer), self.jobs.get(name), self.transport)
         for job in list(self.jobs.values()):
             if job.across.announcement is not None and job.broken is None:
                 self.transport.post(peer, job.across.announcement.share.to_wire())
@@ -236,6 +240,10 @@ class ClusterJobs:
                     self.on_slice(job, peer, message, frames)
             elif isinstance(message, Abort):
                 self._on_abort(peer, message, job)
+            elif isinstance(message, Unformable):
+                error = self.unformed.heard(peer, message, job)
+                if job is not None and error is not None:
+                    self._break(job, error)
             else:
                 self._on_costs(peer, message, job)
         except ProtocolError as exc:
@@ -253,6 +261,7 @@ class ClusterJobs:
         table = self.remote.setdefault(message.job, {})
         previous = table.get(peer)
         table[peer] = Announcement(peer, message)
+        self.unformed.tell(peer, table[peer], job, self.transport)
         if job is None:
             return
         if (previous is not None
@@ -527,12 +536,14 @@ class ClusterJobs:
             return
         else:
             gone = sorted(p for p in others if p in self.lost)
-        self._break(job, PeerLostError(
+        error = PeerLostError(
             f"peer daemon {', '.join(gone)} of {job.describe()} was lost"
             f"{f' ({why})' if why else ''} before the job formed; ranks {missing} "
             "can join on no other daemon",
             {"job": job.name, "peer": gone[0], "missing": missing},
-        ))
+        )
+        self._break(job, error)
+        self.unformed.remember(job.name, gone, error)
 
     def stream_broken(self, peer: str, why: str) -> None:
         """A data stream with `peer` broke and may have lost slices, of running
