@@ -191,11 +191,42 @@ def test_daemon_restart_mid_training_fails_a_step_and_training_goes_on(
     """The daemon restarted on its socket (systemctl restart) at step 4: the step in
     flight is discarded, the replicas reconnect at the next quorum, no trainer exits,
     and they end identical."""
-    markers = Path(short_tmp) / "markers"
+    def restart() -> DaemonProcess:
+        assert daemon.stop() == 0, daemon.log()
+        return launch_daemon(daemon.folder, name="d0")
+
+    restart_mid_training([daemon.endpoint] * 3, restart, lighthouse, Path(short_tmp))
+
+
+def test_one_of_two_daemons_restarted_mid_training(
+    start_daemon: Any, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """2 + 1 replicas on two peered daemons; the second daemon restarts at step 4
+    (same socket, same peer address): the first daemon meets its new boot, every
+    replica discards the step in flight, and training goes on on both nodes."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    flags = [peer_args(i, endpoints, "--insecure") for i in range(2)]
+    daemons = [start_daemon(*flags[i]) for i in range(2)]
+
+    def restart() -> DaemonProcess:
+        assert daemons[1].stop() == 0, daemons[1].log()
+        return launch_daemon(daemons[1].folder, *flags[1], name="d1")
+
+    where = [daemons[0].endpoint, daemons[0].endpoint, daemons[1].endpoint]
+    restart_mid_training(where, restart, lighthouse, Path(short_tmp), [daemons[0].log])
+
+
+def restart_mid_training(
+    endpoints: list[str], restart: Callable[[], DaemonProcess], lighthouse: LighthouseServer,
+    folder: Path, logs: Sequence[Callable[[], str]] = (),
+) -> None:
+    """Replica r on endpoints[r]; `restart()` at step 4; all finish, equal."""
+    markers = folder / "markers"
     markers.mkdir()
     steps = 12
-    replicas = [spawn_replica(r, daemon.endpoint, lighthouse.address(), markers, victim=False,
-                              kill_at=-1, steps=steps) for r in range(3)]
+    # REPLICA_LAG: two replicas cannot finish while the third retries the failed step.
+    replicas = [spawn_replica(r, endpoints[r], lighthouse.address(), markers, victim=False,
+                              kill_at=-1, steps=steps, REPLICA_LAG="2") for r in range(3)]
     restarted: DaemonProcess | None = None
     try:
         def at_step_4() -> bool:
@@ -204,9 +235,9 @@ def test_daemon_restart_mid_training_fails_a_step_and_training_goes_on(
             return any(int(m.name.rsplit("-", 1)[1]) >= 4 for m in markers.glob("*-step-*"))
 
         poll_until(at_step_4, 90, "a replica at step 4")
-        assert daemon.stop() == 0, daemon.log()
-        restarted = launch_daemon(daemon.folder, name="d0")
-        records = [finish(p, 120, f"replica {r}") for r, p in enumerate(replicas)]
+        restarted = restart()
+        every_log = [*logs, restarted.log]
+        records = [finish(p, 120, f"replica {r}", every_log) for r, p in enumerate(replicas)]
     finally:
         for process in replicas:
             if process.poll() is None:

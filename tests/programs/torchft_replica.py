@@ -12,9 +12,12 @@ REPLICA_TRANSPORT=pg to heal through the process group (torchft's PGTransport:
 its send and recv) rather than torchft's default HTTP transport, `gradsync`
 through gradsync's own GradsyncTransport (the final record then says what it
 received: `heal`);
-REPLICA_DDP=MB to train through torchft's DistributedDataParallel (its comm
-hook's `Manager.allreduce` per bucket of MB megabytes) rather than one
-`Manager.allreduce` per gradient.
+REPLICA_LAG=N to keep every replica within N steps of the others (each waits,
+60 s at most, before asking for a quorum at step S until every replica has
+asked at S - N or later or waits for a quorum now: the others cannot finish
+while one is failing or retrying a step after a daemon restart); REPLICA_DDP=MB to train through
+torchft's DistributedDataParallel (its comm hook's `Manager.allreduce` per
+bucket of MB megabytes) rather than one `Manager.allreduce` per gradient.
 Trains a small model with torchft's Manager (min_replica_size 2), one
 `Manager.allreduce` per gradient, torchft's OptimizerWrapper, until torchft's
 step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
@@ -75,6 +78,25 @@ def hold(markers: Path, step: int, kill_at: int, replicas: int) -> None:
         time.sleep(0.05)
 
 
+def keep_up(markers: Path, step: int, lag: int, replicas: int) -> None:
+    """Wait until every replica has asked for a quorum at step - lag or later, or
+    is waiting for one now (it then joins the next quorum and heals)."""
+    deadline = time.monotonic() + 60
+    while True:
+        asked: dict[str, int] = {}
+        for marker in markers.glob("asks-*"):
+            _, name, at = marker.name.split("-")
+            asked[name] = max(asked.get(name, -1), int(at))
+        waiting = {marker.name.split("-", 1)[1] for marker in markers.glob("waiting-*")}
+        if step <= lag or (len(asked) >= replicas and all(
+                at >= step - lag or name in waiting for name, at in asked.items())):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"step {step}: a replica stayed more than {lag} steps behind "
+                             f"for 60 s: {asked}")
+        time.sleep(0.02)
+
+
 def main() -> None:
     replica_id, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     victim, markers, replicas = sys.argv[4] != "0", Path(sys.argv[5]), int(sys.argv[6])
@@ -111,7 +133,16 @@ def main() -> None:
         step = manager.current_step()
         if not victim:
             hold(markers, step, kill_at, replicas)
+        lag = int(os.environ.get("REPLICA_LAG", "0"))
+        waiting = markers / f"waiting-{replica_id}"
+        if lag:
+            keep_up(markers, step, lag, replicas)
+            (markers / f"asks-{replica_id}-{step}").touch()
+            waiting.touch()
         optimizer.zero_grad()  # starts the quorum (a healing replica gets its step here)
+        if lag:  # the step it healed to counts as asked: keep_up never waits on it then
+            (markers / f"asks-{replica_id}-{manager.current_step()}").touch()
+            waiting.unlink()
         step = manager.current_step()
         (markers / f"{replica_id}-step-{step}").touch()  # for a test that acts mid-run
         generator = torch.Generator().manual_seed(1000 * manager.current_step()
