@@ -68,7 +68,7 @@ class UnformedJobs:
             wire = answer.to_wire()
             transport.post(peer, wire)
             # A link that has just come up can lose what is sent on it at once; the
-            # peer acts on one answer and counts a repeat as stale.
+            # peer acts on the first answer and ignores a repeat (see `heard`).
             def again() -> None:
                 if transport.is_up(peer):
                     transport.post(peer, wire)
