@@ -38,6 +38,7 @@ from benchmarks import machine, results_file
 from benchmarks.private_daemon import private_daemon
 from benchmarks.processes import (
     command_line,
+    exit_without_destructors,
     log_tail,
     module_command,
     rank_env,
@@ -345,13 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         code = worker(args)
         if args.mode in TORCH_MODES:
-            # torch 2.13's DDP keeps its gloo group (and threads) alive past
-            # destroy_process_group(); a normal exit then aborts now and then
-            # ("terminate called without an active exception").  The result
-            # file is written: leave without C++ static destructors.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            exit_without_destructors(code)  # the result file is written
         return code
     signals_unwind()
     modes = [m for m in args.modes.split(",") if m]

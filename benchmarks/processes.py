@@ -103,6 +103,16 @@ def log_tail(path: str, lines: int = 15) -> str:
         return ""
 
 
+def exit_without_destructors(code: int) -> None:
+    """End a worker that has written its result: flush, then leave without C++
+    static destructors.  torch 2.13 keeps gloo's (and torchft's) threads past
+    the process groups' end, and a normal exit now and then aborts ("terminate
+    called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def module_command(module: str, *args: str) -> list[str]:
     """`python -m benchmarks.MODULE ARGS`: how a benchmark starts its worker processes,
     which inherit its working directory (the repository root) or PYTHONPATH."""

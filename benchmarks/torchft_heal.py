@@ -32,7 +32,14 @@ from typing import Any
 
 from benchmarks import ddp_step
 from benchmarks.private_daemon import private_daemon
-from benchmarks.processes import log_tail, module_command, rank_env, run_all, signals_unwind
+from benchmarks.processes import (
+    exit_without_destructors,
+    log_tail,
+    module_command,
+    rank_env,
+    run_all,
+    signals_unwind,
+)
 
 TRANSPORTS = {
     "http": "torchft HTTPTransport",
@@ -132,9 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         code = worker(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # gloo's and torchft's threads: leave without C++ destructors
+        exit_without_destructors(code)
     if any(name not in TRANSPORTS for name in args.transports):
         print(f"torchft_heal: transports come from {list(TRANSPORTS)}", file=sys.stderr)
         return 2

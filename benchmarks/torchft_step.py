@@ -38,7 +38,14 @@ import numpy as np
 
 from benchmarks import ddp_step
 from benchmarks.private_daemon import private_daemon
-from benchmarks.processes import log_tail, module_command, rank_env, run_all, signals_unwind
+from benchmarks.processes import (
+    exit_without_destructors,
+    log_tail,
+    module_command,
+    rank_env,
+    run_all,
+    signals_unwind,
+)
 from benchmarks.report import format_time
 
 GROUPS = ("gradsync", "gloo")
@@ -184,9 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         code = worker(args)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # torchft's and gloo's threads: leave without C++ destructors
+        exit_without_destructors(code)
     signals_unwind()
     run_dir = tempfile.mkdtemp(prefix="gsb-ftstep-", dir="/tmp")
     plain_args = ddp_step.parse_args(["--steps", str(args.steps), "--warmup", str(args.warmup),
