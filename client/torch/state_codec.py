@@ -139,10 +139,10 @@ def _unpack(header: bytes) -> dict[str, Any]:
     return doc
 
 
-def payload_size(header: bytes) -> tuple[int, int]:
-    """(step, payload bytes) the header announces, checked."""
-    doc = _unpack(header)
-    return doc["step"], doc["payload"]
+def payload_size(header: bytes) -> int:
+    """The payload bytes the header announces, checked."""
+    size: int = _unpack(header)["payload"]
+    return size
 
 
 def decode(header: bytes, payload: torch.Tensor) -> tuple[int, Any]:

@@ -108,13 +108,20 @@ class ProcessGroupGradsync(ProcessGroupWrapper):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Leave the job and join the group's threads."""
-        pg: Any = vars(self).get("_pg")  # the base class's attribute (untyped)
+        pg = self.quorum_group
         self._pg = None
-        if isinstance(pg, backend.ProcessGroupGradsync):
+        if pg is not None:
             pg.shutdown()
+
+    @property
+    def quorum_group(self) -> backend.ProcessGroupGradsync | None:
+        """The current quorum's gradsync process group (None before the first
+        configure): its `empty()` memory is zero-copy for this group's sends."""
+        pg: Any = vars(self).get("_pg")  # the base class's attribute (untyped)
+        return pg if isinstance(pg, backend.ProcessGroupGradsync) else None
 
     @property
     def gradsync_job(self) -> str | None:
         """The current quorum's gradsync job (None before the first configure)."""
-        pg: Any = vars(self).get("_pg")  # the base class's attribute (untyped)
-        return pg.gradsync_job if isinstance(pg, backend.ProcessGroupGradsync) else None
+        pg = self.quorum_group
+        return pg.gradsync_job if pg is not None else None

@@ -22,6 +22,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from torchft.process_group import ProcessGroup
 
 from gradsync.client.torch import backend, state_codec
+from gradsync.client.torch.torchft_group import ProcessGroupGradsync
 
 __all__ = ["GradsyncTransport", "Heal"]
 
@@ -99,7 +100,7 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
         header = torch.empty(header_bytes, dtype=torch.uint8)
         self._pg.recv([header], src_rank, _HEADER).wait(timeout)
         raw = header.numpy().tobytes()
-        sent_step, announced = state_codec.payload_size(raw)
+        announced = state_codec.payload_size(raw)
         if announced != payload_bytes:
             raise state_codec.StateCodecError(
                 f"replica rank {src_rank}: header announces {announced} payload bytes, the "
@@ -109,7 +110,7 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
         for work in works:
             work.wait(timeout)
         got_step, state = state_codec.decode(raw, payload)
-        if got_step != step or sent_step != step:
+        if got_step != step:
             raise state_codec.StateCodecError(
                 f"replica rank {src_rank} sent the checkpoint of step {got_step}; this replica "
                 f"heals to step {step}")
@@ -121,8 +122,9 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
     def _allocate(self, nbytes: int) -> torch.Tensor:
         """A payload buffer: in daemon memory on a gradsync group (its sends and
         receives then copy nothing on this side), else ordinary memory."""
-        group = vars(self._pg).get("_pg")  # torchft's wrapper keeps the quorum's group here
-        if isinstance(group, backend.ProcessGroupGradsync) and nbytes:
+        group = (self._pg.quorum_group if isinstance(self._pg, ProcessGroupGradsync)
+                 else None)
+        if group is not None and nbytes:
             return backend.empty(nbytes, dtype=torch.uint8, group=group)
         return torch.empty(nbytes, dtype=torch.uint8)
 
