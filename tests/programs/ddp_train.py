@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from typing import Any
 
@@ -27,6 +26,7 @@ from ddp_common import (
     shard,
     uses_extra,
 )
+from gloo_exit import exit_past_torch_gloo
 
 from gradsync.client import Client
 from gradsync.client.torch import DistributedDataParallel, comm_hook
@@ -215,22 +215,6 @@ def main() -> int:
             record = SCENARIOS[name](client, store)
             print(json.dumps({"scenario": name, "rank": client.rank, **record}), flush=True)
     return 0
-
-
-def exit_past_torch_gloo(code: int) -> None:
-    """Exit without running C++ static destructors once torch's DDP has met gloo.
-
-    torch 2.13's DistributedDataParallel keeps its gloo process group alive
-    after destroy_process_group() (its pt_gloo_runloop threads stay), and a
-    normal interpreter exit now and then aborts with "terminate called without
-    an active exception".  A 7-line program with DDP, gloo and no gradsync at
-    all does the same (once in 76 two-rank runs here; once in a CI suite run).
-    By here the client is closed and every result printed, so nothing of
-    gradsync's is skipped.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import warnings
 
 import lightning as L
 import torch
+from gloo_exit import leave_if_gloo
 from lightning.pytorch.strategies import DDPStrategy
 
 warnings.filterwarnings("ignore")
@@ -50,6 +51,7 @@ def main() -> None:
     params = [float(v) for p in model.parameters() for v in p.detach().flatten()]
     with open(f"{OUT}.{trainer.global_rank}", "w") as out:
         json.dump(params, out)
+    leave_if_gloo()  # the reference run: torch 2.13's gloo exit abort (gloo_exit.py)
 
 
 if __name__ == "__main__":
