@@ -23,9 +23,9 @@ Trains a small model with torchft's Manager (min_replica_size 2), one
 step reaches STEPS.  At step KILL_AT the VICTIM (1) SIGKILLs itself mid-step
 (once; its restart, which finds its first marker, does not); a VICTIM `stall`
 stops there instead, with the others waiting in the step's allreduces, for the
-test to cut its node off; a VICTIM `stop` SIGSTOPs itself there (a hung
-process, once) and, when the test sends SIGCONT, writes its restarted-... marker
-and trains on.  It writes
+test to cut its node off; a VICTIM `stop` SIGSTOPs itself at the first
+step from KILL_AT that every replica is in (a hung process, once) and, when
+the test sends SIGCONT, writes its restarted-... marker and trains on.  It writes
 MARKER_DIR/started-REPLICA_ID (restarted-... when restarted) once its Manager
 is up; the others hold at some steps for those markers (`hold`), so that all
 REPLICAS take part and the rejoin happens before the run ends.  Prints one
@@ -156,7 +156,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()  # through DDP: its comm hook allreduces each bucket
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if stop and step >= kill_at and not (markers / "killed").exists():
+        # Only in a step all replicas are in: a quorum formed while one was still starting
+        # leaves it out, and then a survivor's step would not wait on the hung one.
+        if (stop and step >= kill_at and manager.num_participants() == replicas
+                and not (markers / "killed").exists()):
             emit({"replica": replica_id, "killed_at": step, "t": time.time()})
             (markers / "killed").write_text(str(step))
             os.kill(os.getpid(), signal.SIGSTOP)  # hung, with the others in the allreduces
