@@ -309,3 +309,57 @@ def test_a_hung_replica_costs_the_collective_timeout_then_rejoins(
     assert all(f["final_step"] == STEPS for f in finals), finals
     assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
     assert finals[0]["checksum"] == finals[1]["checksum"] == finals[2]["checksum"]
+
+
+def spawn_group(replica: int, endpoint: str, lighthouse: str, markers: Path,
+                victim: bool) -> subprocess.Popen[str]:
+    """One 2-rank replica group, as a user runs it: torchrun, restarting its workers once."""
+    env = {**os.environ, "GRADSYNC_DAEMON": endpoint, "TORCHFT_LIGHTHOUSE": lighthouse,
+           "GRADSYNC_JOB": "torchft-groups", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=1", "--monitor-interval=0.1",
+         str(PROGRAMS / "torchft_replica_group.py"), f"group{replica}", str(STEPS),
+         str(KILL_AT), "1" if victim else "0", str(markers), "3"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_a_killed_member_of_a_2_rank_replica_group_costs_a_step_then_its_group_heals(
+    daemon: DaemonProcess, lighthouse: LighthouseServer, short_tmp: str
+) -> None:
+    """3 replica groups of 2 ranks (torch DDP on gradsync inside each, torchft across):
+    group 2's rank 1 dies at step 5 after its backward; the other groups' rank 1 sees
+    its cross-group allreduce fail, so both ranks of groups 0 and 1 discard the step
+    and commit on as 2 participants; torchrun restarts group 2's two workers, both
+    heal from live groups through gradsync and rejoin; all six ranks end identical."""
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    groups = [spawn_group(g, daemon.endpoint, lighthouse.address(), markers, victim=g == 2)
+              for g in range(3)]
+    try:
+        outputs = [finish(process, 150, f"group {g}", [daemon.log])
+                   for g, process in enumerate(groups)]
+    finally:
+        for process in groups:
+            if process.poll() is None:
+                process.kill()
+    killed_at = int((markers / "killed").read_text())
+    for group in outputs[:2]:
+        for rank in (0, 1):
+            steps = [r for r in group if "step" in r and r["rank"] == rank]
+            failed = next(r for r in steps if r["step"] == killed_at)
+            assert not failed["committed"] and failed["participants"] == 3, failed
+            two = [r for r in steps if r["committed"] and r["participants"] == 2
+                   and r["step"] >= killed_at]
+            assert two and two[0]["step"] == killed_at, steps
+            assert steps[-1]["committed"] and steps[-1]["participants"] == 3, steps[-1]
+    # Rank 1 of a survivor saw the dead rank's allreduce fail; rank 0's succeeded.
+    assert any(r.get("error") for r in outputs[0] if r.get("step") == killed_at and r["rank"] == 1)
+    back = [r for r in outputs[2] if "final_step" in r]
+    assert sorted((r["rank"], r["attempt"], r["healed"]) for r in back) == [
+        (0, 1, True), (1, 1, True)], back
+    finals = [r for group in outputs for r in group if "final_step" in r]
+    assert len(finals) == 6 and all(f["final_step"] == STEPS for f in finals), finals
+    assert len({json.dumps(f["params"]) for f in finals}) == 1
+    assert len({f["checksum"] for f in finals}) == 1
