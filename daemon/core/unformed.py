@@ -11,7 +11,6 @@ announcement, and its ranks fail now with the reason.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -27,8 +26,6 @@ __all__ = ["UnformedJobs", "unformable_error"]
 
 #: How long a break is remembered for the lost peer (a restart takes seconds).
 KEEP_S = 120.0
-#: The answer goes again this much later (see `tell`).
-RESEND_S = 0.5
 #: At most this many remembered, the oldest forgotten first.
 KEEP_AT_MOST = 1024
 
@@ -65,15 +62,7 @@ class UnformedJobs:
                   if held is not None and (job is None or job.broken) else None)
         if answer is not None and transport.is_up(peer):  # else: at its peer_up
             self.forget(answer.job, peer)
-            wire = answer.to_wire()
-            transport.post(peer, wire)
-            # A link that has just come up can lose what is sent on it at once; the
-            # peer acts on the first answer and ignores a repeat (see `heard`).
-            def again() -> None:
-                if transport.is_up(peer):
-                    transport.post(peer, wire)
-
-            asyncio.get_running_loop().call_later(RESEND_S, again)
+            transport.post(peer, answer.to_wire())
 
     def heard(self, peer: str, message: Unformable, job: Job | None) -> GradsyncError | None:
         """The error that breaks `job`, still forming in the run the answer names,

@@ -53,7 +53,7 @@ class PeerEvents(Protocol):
         """
 
     def peer_up(self, peer: str) -> None:
-        """The link to `peer` came up (its handshake succeeded)."""
+        """The link to `peer` came up (its handshake succeeded, and a ping came back)."""
 
     def peer_lost(self, peer: str) -> None:
         """The link to `peer` was lost: its connection closed, or it fell silent."""

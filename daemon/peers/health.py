@@ -50,6 +50,9 @@ _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
 _MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
 _MAX_LIVENESS_IVL_S = 1.0
+#: A new connection's confirming ping goes again after this long unanswered (doubling).
+_CONFIRM_FIRST_S = 0.02
+_CONFIRM_MAX_S = 0.5
 DEALER_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -82,6 +85,8 @@ class Link:
     seq: Iterator[int] = dataclasses.field(default_factory=itertools.count)
     tasks: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
     probe: asyncio.Task[None] | None = None
+    #: Pinging a new connection until it answers (`LinkHealth.confirm`), then up.
+    confirming: asyncio.Task[None] | None = None
     #: `time.monotonic()` when anything last arrived from the peer (message or pong).
     last_heard: float | None = None
     #: The peer said goodbye (it is shutting down): its link ending is no failure.
@@ -157,15 +162,18 @@ class LinkHealth:
         return None if last is None else time.monotonic() - last
 
     async def watch(self, link: Link) -> None:
-        """Follow the DEALER's monitor events: handshake → up, disconnect → lost."""
+        """Follow the DEALER's monitor events: handshake → confirm → up, disconnect → lost."""
         assert link.monitor is not None
         while True:
             event = parse_monitor_message(await link.monitor.recv_multipart())
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.handshake_error = None
-                self.mark_up(link)
+                self._stop_confirming(link)
+                link.confirming = asyncio.get_running_loop().create_task(
+                    self.confirm(link), name=f"peer-confirm {link.name}")
             elif kind == zmq.EVENT_DISCONNECTED:
+                self._stop_confirming(link)
                 if link.state == "up":
                     self.mark_lost(link)
             elif kind & _HANDSHAKE_FAILED:
@@ -179,6 +187,41 @@ class LinkHealth:
                 )
             elif kind == zmq.EVENT_MONITOR_STOPPED:
                 return
+
+    async def confirm(self, link: Link) -> None:
+        """Declare the link up once a ping has come back over its new connection.
+
+        libzmq reports the DEALER's handshake before everything sent on the socket
+        reaches the new connection: a message sent at that instant can vanish.
+        Seen with a restarted peer: the one control message sent as its link came
+        up never arrived, while the probe's pings sent 3 ms later all did.  Only
+        a round trip proves that what is sent from now on arrives; up is declared
+        after one, so nothing is posted before it.
+        """
+        assert link.dealer is not None
+        loop = asyncio.get_running_loop()
+        wait_s = _CONFIRM_FIRST_S
+        while True:
+            seq = next(link.seq)
+            answered: asyncio.Future[None] = loop.create_future()
+            link.pongs[seq] = answered
+            link.dealer.try_send([encode_header(self._endpoint, Probe(PING, seq).to_wire())])
+            try:
+                await asyncio.wait_for(answered, wait_s)
+            except TimeoutError:
+                wait_s = min(2 * wait_s, _CONFIRM_MAX_S)
+                continue
+            finally:
+                link.pongs.pop(seq, None)
+            link.confirming = None
+            self.mark_up(link)
+            return
+
+    @staticmethod
+    def _stop_confirming(link: Link) -> None:
+        if link.confirming is not None:
+            link.confirming.cancel()
+            link.confirming = None
 
     async def keep_alive(self, link: Link) -> None:
         """Ping the peer every `liveness_ivl_s` while the link is up.
@@ -242,7 +285,7 @@ class LinkHealth:
             return
         link.state = "up"
         link.leaving = False
-        link.last_heard = time.monotonic()  # the handshake came from the peer
+        link.last_heard = time.monotonic()  # its answer to `confirm` just came
         link.down = asyncio.get_running_loop().create_future()
         log.info("peer %s is up", link.name)
         self._on_up(link)

@@ -458,8 +458,7 @@ class PeerLinks:
         tasks: list[asyncio.Task[None]] = []
         for link in self._links.values():
             tasks += link.tasks
-            if link.probe is not None:
-                tasks.append(link.probe)
+            tasks += [task for task in (link.probe, link.confirming) if task is not None]
             self._end_up_period(link, DaemonShuttingDownError("peer links are closed"))
         for task in tasks:
             task.cancel()
