@@ -172,6 +172,7 @@ def daemon(start_daemon: object) -> DaemonProcess:
 #: module, a test that asks for one of FULL_TIER_FIXTURES stays in the full suite.
 FAST_MODULES = (
     "test_calibration.py",
+    "test_codec_lane.py",
     "test_config.py",
     "test_core_*.py",
     "test_cost_model.py",

@@ -38,7 +38,7 @@ def _by_case(records: list[list[dict[str, Any]]]) -> dict[tuple[Any, ...], list[
     ("ranks_per_daemon", "algorithms", "counts", "extra"),
     [
         ((2,), "ring", "1,1000", ()),
-        ((2, 1), "ring,tree,rhd,star", "1,7,1000,50001", ()),
+        ((2, 1), "ring,tree,rhd,star", "1,7,1000,50001,300001", ()),
         ((1, 1, 1), "ring,tree,rhd,star", "7,257,12001", ("--pipeline-slice-bytes", "20KiB")),
         ((1, 2, 1, 1), "ring,tree,rhd,star", "1,1000,30001", ()),
     ],

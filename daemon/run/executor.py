@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +42,7 @@ import numpy as np
 
 from gradsync.daemon.backends.reduce import combine_into
 from gradsync.daemon.backends.wire_codec import WireCodec
+from gradsync.daemon.run.codec_lane import CodecLane
 from gradsync.daemon.run.receives import (
     ChunkPool,
     CopyPlacement,
@@ -96,6 +99,7 @@ class ScheduleRun:
         chunks: ChunkPool | None = None,
         codec: WireCodec | None = None,
         residual: np.ndarray | None = None,
+        codec_pool: concurrent.futures.Executor | None = None,
     ) -> None:
         self.schedule = schedule
         #: The wire format of a compressed collective (None: the buffer's bytes), and
@@ -115,6 +119,8 @@ class ScheduleRun:
             self._slice = max(codec.block, self._slice - self._slice % codec.block)
         self.step = -1
         self.done: asyncio.Future[None] = loop.create_future()
+        #: Where the codec runs: `codec_pool`'s one thread, in order (codec_lane.py).
+        self._lane = CodecLane(loop, codec_pool, self.done)
         self._expected: dict[tuple[int, int], Expected] = {}
         self._missing = 0
         self._early: dict[int, list[tuple[int, int, int, Any]]] = {}
@@ -257,7 +263,8 @@ class ScheduleRun:
         begin = expected.start + offset
         target = self.buffer[begin : begin + count]
         if self.codec is not None:
-            self.codec.decode_into(payload, target, add=expected.reduce)
+            self._lane.submit(functools.partial(self.codec.decode_into, payload, target,
+                                                add=expected.reduce), _nothing, target.nbytes)
         elif expected.reduce:
             combine_into(target, np.frombuffer(payload, dtype=self.buffer.dtype), self.op)
         else:
@@ -374,26 +381,29 @@ class ScheduleRun:
     def _send_slice(self, step: int, piece: _Slice) -> None:
         itemsize = self.buffer.itemsize
         self.bytes_raw += (piece.end - piece.begin) * itemsize
+        piece.sent = True
         if self.codec is not None:
-            # A fresh encoding nobody writes again: zero-copy from it is safe.
             values = self.buffer[piece.begin : piece.end]
-            before = values.copy() if self.residual is not None else None
-            view = self.codec.encode(values)
-            if before is not None:
-                record(self.residual[piece.begin : piece.end], before, values)  # type: ignore[index]
-        else:
-            # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
-            view = self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data
+            residual = (None if self.residual is None
+                        else self.residual[piece.begin : piece.end])
+            self._lane.submit(functools.partial(_encode, self.codec, values, residual),
+                              functools.partial(self._post, step, piece), values.nbytes)
+            return
+        # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
+        self._post(step, piece,
+                   self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data)
+
+    def _post(self, step: int, piece: _Slice, view: memoryview) -> None:
+        """Send one slice's bytes (the buffer's, or their encoding)."""
         zero_copy = view.nbytes >= ZERO_COPY_BYTES
         header = {"step": step, "t": piece.transfer, "off": piece.offset}
-        piece.sent = True
         tracker = self._send(piece.peer, header, view if zero_copy else bytes(view), zero_copy)
         if tracker is not None:
             self.trackers.append((piece.peer, tracker))
         self.bytes_sent += view.nbytes
         sent = self.sent_to.setdefault(piece.peer, [0, 0])
         sent[0] += view.nbytes
-        sent[1] += (piece.end - piece.begin) * itemsize
+        sent[1] += (piece.end - piece.begin) * self.buffer.itemsize
 
     async def wait_sent(self, timeout_s: float) -> None:
         """Wait until libzmq no longer reads any zero-copy slice of the buffer.
@@ -405,6 +415,13 @@ class ScheduleRun:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        try:
+            await asyncio.wait_for(self._lane.settle(), timeout_s)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"this daemon did not code its last slices within {timeout_s:g}s") from None
+        if self._lane.error is not None:
+            raise self._lane.error
         delay = 0.0
         while not all(_released(peer, sending) for peer, sending in self.trackers):
             if loop.time() > deadline:
@@ -413,6 +430,26 @@ class ScheduleRun:
                 )
             await asyncio.sleep(delay)
             delay = min(max(2 * delay, 50e-6), 2e-3)
+
+
+    async def settle(self) -> None:
+        """Wait until no encode or decode of this run touches the buffer any more."""
+        await self._lane.settle()
+
+
+def _encode(codec: WireCodec, values: np.ndarray, residual: np.ndarray | None) -> memoryview:
+    """A slice's encoding, a fresh buffer nobody writes again (zero-copy from it is
+    safe); it rounds `values` in place, and with error feedback records the rounding."""
+    if residual is None:
+        return codec.encode(values)
+    before = values.copy()
+    view = codec.encode(values)
+    record(residual, before, values)
+    return view
+
+
+def _nothing(_: object) -> None:
+    """A decode's follow-up: its bookkeeping was done when it was queued."""
 
 
 class SendFailed(Exception):

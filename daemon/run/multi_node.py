@@ -12,6 +12,7 @@ tells the other members.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -68,6 +69,9 @@ class CrossDaemonRunner:
         self.chunks = ChunkPool()
         #: Error feedback's residuals, by buffer; `alive(segment)`: not yet freed.
         self.residuals = Residuals(alive)
+        #: Compressed runs' encodes and decodes, one at a time (run/codec_lane.py);
+        #: started with the first compressed run.
+        self._codec_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def run_plan(
         self,
@@ -152,6 +156,7 @@ class CrossDaemonRunner:
             ] if plan.agree_first else [],
             chunks=self.chunks,
             codec=codec, residual=residual,
+            codec_pool=self._codec_thread() if codec is not None else None,
         )
         self.cluster.run_started(job, ready.key, run)
         data_phase = time.monotonic()
@@ -160,6 +165,7 @@ class CrossDaemonRunner:
                 job, ready, run, formation, algorithm, deadline))
         finally:
             self.cluster.run_ended(job, ready.key)
+            await run.settle()  # no encode or decode touches the buffer past here
             run.release()
         if plan.timed is not None and len(formation.daemons) > 1:
             self.meter.record(len(formation.daemons), plan.timed,
@@ -180,6 +186,12 @@ class CrossDaemonRunner:
         if plan.after is not None:
             await self.run_call(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
+
+    def _codec_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._codec_pool is None:
+            self._codec_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="gradsync-codec")
+        return self._codec_pool
 
     def _residual(
         self, job: Job, ready: PendingCollective, collective: Collective
