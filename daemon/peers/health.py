@@ -191,12 +191,12 @@ class LinkHealth:
     async def confirm(self, link: Link) -> None:
         """Declare the link up once a ping has come back over its new connection.
 
-        libzmq reports the DEALER's handshake before everything sent on the socket
-        reaches the new connection: a message sent at that instant can vanish.
-        Seen with a restarted peer: the one control message sent as its link came
-        up never arrived, while the probe's pings sent 3 ms later all did.  Only
-        a round trip proves that what is sent from now on arrives; up is declared
-        after one, so nothing is posted before it.
+        A message sent on the DEALER the instant libzmq reports its handshake can
+        vanish.  Seen with a restarted peer daemon, in about one restart in five:
+        the one control message sent as its link came up was taken by ZeroMQ and
+        never arrived, while the probe's pings sent 3 ms later all did (where in
+        libzmq it goes is not pinned down).  A round trip proves that what is sent
+        from now on arrives; up is declared after one, so nothing is posted before.
         """
         assert link.dealer is not None
         loop = asyncio.get_running_loop()
