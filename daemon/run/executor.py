@@ -23,8 +23,9 @@ of every all-gather byte and a trip through memory for every reduced one.
 
 With a wire codec (compressed collectives, backends/wire_codec.py) every slice
 is encoded as it is sent, which rounds its range in place to what the peer
-decodes, and decoded as it arrives (added, or copied); such slices are not
-placed, since the bytes on the wire are not the buffer's.
+decodes, and decoded as it arrives (added, or copied), both on the run's codec
+lane (codec_lane.py: one thread, in this order); such slices are not placed,
+since the bytes on the wire are not the buffer's.
 """
 
 from __future__ import annotations
@@ -394,7 +395,10 @@ class ScheduleRun:
                    self.buffer.view(np.uint8)[piece.begin * itemsize : piece.end * itemsize].data)
 
     def _post(self, step: int, piece: _Slice, view: memoryview) -> None:
-        """Send one slice's bytes (the buffer's, or their encoding)."""
+        """Send one slice's bytes (the buffer's, or their encoding); an encoding
+        that comes off the lane after the run failed goes nowhere."""
+        if self.done.done() and not self.done.cancelled() and self.done.exception():
+            return
         zero_copy = view.nbytes >= ZERO_COPY_BYTES
         header = {"step": step, "t": piece.transfer, "off": piece.offset}
         tracker = self._send(piece.peer, header, view if zero_copy else bytes(view), zero_copy)
@@ -430,7 +434,6 @@ class ScheduleRun:
                 )
             await asyncio.sleep(delay)
             delay = min(max(2 * delay, 50e-6), 2e-3)
-
 
     async def settle(self) -> None:
         """Wait until no encode or decode of this run touches the buffer any more."""
