@@ -107,3 +107,22 @@ def test_without_a_pool_everything_runs_inline() -> None:
         await lane.settle()
 
     run_lane(body)
+
+
+def test_after_the_run_failed_elsewhere_no_follow_up_runs() -> None:
+    """An abort fails the run's `done` while encodes are queued: they finish (the
+    buffer is settled) but none is sent."""
+    async def body(pool: concurrent.futures.Executor) -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        lane = CodecLane(loop, pool, done)
+        worked: list[int] = []
+        sent: list[int] = []
+        for number in range(3):
+            lane.submit(lambda number=number: worked.append(number), sent.append, BIG)
+        done.set_exception(PeerLostError("job aborted", {}))
+        await lane.settle()
+        assert worked == [0, 1, 2] and sent == [] and not lane.busy
+        done.exception()
+
+    run_lane(body)

@@ -39,9 +39,10 @@ class CodecLane:
         fails: asyncio.Future[None],
     ) -> None:
         """`pool` must run one job at a time (one worker): that is the order.
-        When a job or its follow-up raises, `error` holds it, `fails` (the run's
-        `done`; not the run itself, which a cycle would keep alive) gets it if
-        still pending, and later follow-ups are skipped."""
+        When a job or its follow-up raises, `error` holds it and `fails` (the
+        run's `done`; not the run itself, which a cycle would keep alive) gets it
+        if still pending.  Once `fails` holds an error (this one, or the run's
+        abort), later follow-ups are skipped: nothing more is sent."""
         self._loop = loop
         self._pool = pool
         self._fails = fails
@@ -58,9 +59,15 @@ class CodecLane:
         self._tail = future
         future.add_done_callback(functools.partial(self._finished, then))
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job or its follow-up is still to run."""
+        return self._pending > 0
+
     def _finished(self, then: Callable[[Any], None], future: asyncio.Future[Any]) -> None:
         self._pending -= 1
-        if self.error is not None or future.cancelled():
+        failed = self._fails.done() and not self._fails.cancelled() and self._fails.exception()
+        if self.error is not None or failed or future.cancelled():
             return
         try:
             then(future.result())
