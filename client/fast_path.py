@@ -21,7 +21,6 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from fcntl import LOCK_EX, LOCK_UN, flock
 from typing import Any
 
 import numpy as np
@@ -179,16 +178,13 @@ class FastPath:
         at = self._key_at[index]  # the buffer's words: key, fingerprint codes, count
         q[at + B_CODES], q[at + B_COUNT] = fingerprint
         # (A daemon that died is noticed by a rank that has to wait: _wait.)
-        flock(page.fd, LOCK_EX)
-        try:
+        with page.locked():
             refused = q[page.broken_at] or page.withdrawn(key)
             if not refused:
                 q[at] = key
                 q[self._published_ns_at] = time.monotonic_ns()
                 q[self._published_at] = key
                 page.bump_bell()
-        finally:
-            flock(page.fd, LOCK_UN)
         if refused:
             return REFUSED
         woke = q[page.sleepers_at] > 0

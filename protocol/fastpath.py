@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import functools
 import mmap
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -86,6 +87,8 @@ FAST_REDUCTIONS: dict[tuple[str, ReduceOp], int] = {
 Print = tuple[int, int]
 #: (dtype, count) pairs whose buffer views a page keeps.
 _VIEWS_KEPT = 64
+#: Tries at the page's lock, yielding between them, before waiting for it asleep.
+LOCK_TRIES = 64
 
 
 def fingerprint(dtype: str, count: int, op: ReduceOp, algorithm: str | None) -> Print:
@@ -212,7 +215,15 @@ class FastPage:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        """Hold the page's lock: tried again after yielding the core while another
+        holds it (for a few stores), asleep only after LOCK_TRIES tries, as
+        protocol/_fastpage.c takes it (being woken costs more than the wait)."""
+        for _ in range(LOCK_TRIES):
+            if self.try_lock():
+                break
+            os.sched_yield()
+        else:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
