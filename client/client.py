@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -34,7 +35,7 @@ from gradsync.protocol.errors import (
     GradsyncError,
     InvalidArgumentError,
 )
-from gradsync.protocol.fastpath import fingerprint
+from gradsync.protocol.fastpath import Print, fingerprint
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 from gradsync.protocol.requests import ALLREDUCE
 
@@ -45,8 +46,24 @@ Buffer = Any
 #: How long past the collective deadline a client waits for the daemon itself.
 _GUARD_MARGIN_S = 30.0
 _HELLO_TIMEOUT_S = 30.0
+#: The longest a run of fast-path allreduces goes without looking for a lost daemon.
+PROBE_INTERVAL_S = 1e-3
 _LOG = logging.getLogger("gradsync.client")
 ALGORITHMS = ALGORITHM_CHOICES
+
+
+class _Reconnected(Exception):
+    """`Client._on_page`: the daemon went away while the key was on the page."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PageCall:
+    """An allreduce's checked description for `Client.page_all_reduce`."""
+
+    dtype: str
+    op: ReduceOp
+    count: int
+    fingerprint: Print
 
 
 class Client:
@@ -95,6 +112,8 @@ class Client:
         self._submit_lock = threading.Lock()
         self._sequence = 0
         self._closed = False
+        #: When a fast-path call next probes the socket for a daemon gone (_check_open).
+        self._probe_due = 0.0
         self._barrier_buffer: np.ndarray | None = None
         self._device: DeviceBuffers | None = None
         self._groups: list[Client] = []
@@ -195,11 +214,20 @@ class Client:
     ) -> None:
         self.close()
 
-    def _check_open(self) -> None:
+    def _check_open(self, probe: bool = True) -> None:
+        """Raise if closed; reconnect if the daemon went away; free let-go segments.
+
+        Finding a daemon that went away takes a poll of the socket (a system call,
+        ~1 us: a sixth of a fast-path allreduce), so with `probe=False` (a call
+        that may end on the fast page, which needs no daemon) it is made at most
+        every PROBE_INTERVAL_S; an idle client still notices at its next call.
+        """
         if self._closed:
             raise DaemonUnavailableError("this gradsync Client is closed")
-        if self._connection.lost is not None:
-            self._reconnect()
+        if probe or time.monotonic() >= self._probe_due:
+            self._probe_due = time.monotonic() + PROBE_INTERVAL_S
+            if self._connection.lost is not None:
+                self._reconnect()
         if self._segments.collected:
             self._free_collected()
 
@@ -350,7 +378,7 @@ class Client:
         where it applies); `error_feedback` adds each daemon's rounding residual
         of this buffer to its next call (README, "Compression").
         """
-        self._check_open()
+        self._check_open(probe=False)  # the fast page needs no daemon: probed below
         timeout_s = timeout_s or self.timeout_s
         algorithm = algorithm or self.algorithm
         if algorithm is not None and algorithm not in ALGORITHMS:
@@ -358,27 +386,91 @@ class Client:
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
         wire_dtype, reduce_op, count, device = self._check_array(array, op)
-        chosen = choose(compression, error_feedback, self.compression, ALLREDUCE, wire_dtype,
-                        reduce_op.value, device is not None)
-        key, waited_s = None, None
+        key, waited_s = None, 0.0
         fast = self._fast  # async_op too with _fast_wait_s (the torch backend's): None if done
         if (fast is not None and (not async_op or _fast_wait_s is not None)
-                and device is None and array.nbytes <= fast.limit):
-            print_ = fingerprint(wire_dtype, count, reduce_op, algorithm)
+                and device is None and array.nbytes <= fast.limit
+                # Compression is between daemons: only an explicit ask can refuse.
+                and compression is None and not error_feedback):
             wait_s = min(timeout_s or self._daemon_timeout_s, _fast_wait_s or math.inf)
-            with fast.lock:
-                key = self._next_key()
-                waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key, wait_s)
-            if waited_s is None:
+            try:
+                tried = self._on_page(fast, array, fingerprint(wire_dtype, count, reduce_op,
+                                                               algorithm),
+                                      wire_dtype, reduce_op, wait_s)
+            except _Reconnected:
+                return self.all_reduce(array, op, async_op, algorithm, timeout_s, compression,
+                                       error_feedback, _fast_wait_s)
+            if tried is None:
                 return None
-            if fast.page.stopping:  # the socket path's answer, which it can no longer give
-                raise DaemonShuttingDownError("daemon shutting down")
-            # It could not end on the fast page: the socket path answers for this key.
+            key, waited_s = tried
+        else:
+            self._check_open()
+        return self._all_reduce_over_socket(
+            array, wire_dtype, reduce_op, count, device, async_op, algorithm, timeout_s,
+            compression, error_feedback, key, waited_s)
+
+    def page_call(self, array: np.ndarray, op: str | ReduceOp) -> PageCall:
+        """What `page_all_reduce` needs of `array` and `op`, checked once (the torch
+        backend keeps it with a tensor it sees again and again)."""
+        wire_dtype, reduce_op, count, _ = self._check_array(array, op)
+        return PageCall(wire_dtype, reduce_op, count,
+                        fingerprint(wire_dtype, count, reduce_op, self.algorithm))
+
+    def page_all_reduce(self, array: np.ndarray, call: PageCall, wait_s: float) -> Work | None:
+        """`all_reduce(array, op, async_op=True)` of the torch backend's small host
+        tensors: tried on the fast page for at most `wait_s` first (None: done),
+        without the per-call checks `page_call` made once."""
+        self._check_open(probe=False)
+        fast = self._fast
+        if fast is None or array.nbytes > fast.limit:
+            return self.all_reduce(array, call.op, async_op=True, _fast_wait_s=wait_s)
+        try:
+            tried = self._on_page(fast, array, call.fingerprint, call.dtype, call.op,
+                                  min(self.timeout_s or self._daemon_timeout_s, wait_s))
+        except _Reconnected:
+            return self.all_reduce(array, call.op, async_op=True, _fast_wait_s=wait_s)
+        if tried is None:
+            return None
+        key, waited_s = tried
+        return self._all_reduce_over_socket(
+            array, call.dtype, call.op, call.count, None, True, self.algorithm, self.timeout_s,
+            None, False, key, waited_s)
+
+    def _on_page(
+        self, fast: FastPath, array: np.ndarray, print_: Print, wire_dtype: str,
+        reduce_op: ReduceOp, wait_s: float,
+    ) -> tuple[int, float] | None:
+        """One allreduce on the fast page: None when it ended there, else the key and
+        the seconds it waited, for the socket path to go on with.  Raises _Reconnected
+        when the daemon went away meanwhile: the whole call then goes to the new
+        session (keys from 0 there), as it would have after the probe."""
+        with fast.lock:
+            key = self._next_key()
+            waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key, wait_s)
+        if waited_s is None:
+            return None
+        if fast.page.stopping:  # the socket path's answer, which it can no longer give
+            raise DaemonShuttingDownError("daemon shutting down")
+        connection = self._connection
+        self._check_open()
+        if self._connection is not connection:
+            raise _Reconnected
+        return key, waited_s
+
+    def _all_reduce_over_socket(
+        self, array: Buffer, wire_dtype: str, reduce_op: ReduceOp, count: int,
+        device: DeviceArrayInfo | None, async_op: bool, algorithm: str | None,
+        timeout_s: float | None, compression: str | None, error_feedback: bool,
+        key: int | None, waited_s: float,
+    ) -> Work | None:
+        """The allreduce through the daemon (`key`: the one the fast page gave up)."""
+        chosen = choose(compression, error_feedback, self.compression, ALLREDUCE, wire_dtype,
+                        reduce_op.value, device is not None)
         placed = self._place(array, copy_in=True, copy_out=True, device=device)
         request = functools.partial(
             wire.Collective, ALLREDUCE, segment=placed.segment, offset=placed.offset,
             count=count, dtype=wire_dtype, op=reduce_op, timeout_s=timeout_s,
-            algorithm=algorithm, waited_s=waited_s or 0.0, compression=chosen.format,
+            algorithm=algorithm, waited_s=waited_s, compression=chosen.format,
             # A staged array's scratch slot serves other arrays too: the daemon keys
             # residuals by slot, so a staged one gets none (README, "Compression").
             error_feedback=chosen.error_feedback and placed.on_finish is None,

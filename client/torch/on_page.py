@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.client.client import Client
+from gradsync.client.client import Client, PageCall
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.tensors import as_buffer, flat_wire_tensor, wire_op
 from gradsync.client.torch.work import CompletedWork, Operation, TorchWork, torch_error
@@ -36,9 +36,9 @@ PAGE_WAIT_S = 2e-3
 #: Views kept: each holds its tensor's memory (at most the page's limit, 64 KiB).
 VIEWS_KEPT = 8
 
-#: (address, dtype, elements, reduce op) → (the wire tensor, its array, the op's name)
+#: (address, dtype, elements, reduce op) → (the wire tensor, its array, its checked call)
 _ViewKey = tuple[int, torch.dtype, int, Any]
-_View = tuple[torch.Tensor, np.ndarray, str]
+_View = tuple[torch.Tensor, np.ndarray, PageCall]
 
 
 class PageAllreduce:
@@ -59,13 +59,15 @@ class PageAllreduce:
         not on the CPU)."""
         if not self._limit or len(tensors) != 1:
             return None
-        found = self._view(tensors[0], op)
+        try:
+            found = self._view(tensors[0], op)
+        except GradsyncError as exc:  # the tensor's dtype or the op refused
+            raise torch_error(exc, self._group_name()) from exc
         if found is None:
             return None
-        array, name = found
+        array, call = found
         try:
-            work = self._client.all_reduce(array, op=name, async_op=True,
-                                           _fast_wait_s=PAGE_WAIT_S)
+            work = self._client.page_all_reduce(array, call, PAGE_WAIT_S)
         except GradsyncError as exc:
             raise torch_error(exc, self._group_name()) from exc
         outputs = list(tensors)
@@ -74,8 +76,8 @@ class PageAllreduce:
         return TorchWork(Operation(self._group_name, "allreduce", [work], outputs),
                          self._completer)
 
-    def _view(self, tensor: torch.Tensor, op: Any) -> tuple[np.ndarray, str] | None:
-        """The array over `tensor`'s memory and the op's wire name, made once per tensor.
+    def _view(self, tensor: torch.Tensor, op: Any) -> tuple[np.ndarray, PageCall] | None:
+        """The array over `tensor`'s memory and its checked call, made once per tensor.
 
         A kept view is the right one while the tensor it holds still starts at the
         address: that memory cannot belong to anything else, so a tensor found there,
@@ -91,7 +93,8 @@ class PageAllreduce:
                 or tensor.numel() * tensor.element_size() > self._limit):
             return None
         wire = flat_wire_tensor(tensor)
-        view = (wire, as_buffer(wire), wire_op(tensor, op))
+        array = as_buffer(wire)
+        view = (wire, array, self._client.page_call(array, wire_op(tensor, op)))
         if len(self._views) >= VIEWS_KEPT:
             self._views.clear()
         self._views[key] = view
