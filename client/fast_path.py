@@ -31,6 +31,7 @@ from gradsync.protocol.fastpath import (
     B_CODES,
     B_COUNT,
     BUFFERS_PER_SLOT,
+    BUSY,
     COMPLETED,
     DONE,
     FALLBACKS,
@@ -114,6 +115,8 @@ class FastPath:
         self._peer_done_at = [at for r, at in enumerate(page.done_at) if r != rank]
         #: The compiled publish-and-spin, unless not built or GRADSYNC_FAST_PATH=python.
         self._compiled = None if os.environ.get("GRADSYNC_FAST_PATH") == "python" else _fastpage
+        #: The compiled reduction of each fingerprint code word seen (0: by the caller).
+        self._reductions: dict[int, int] = {}
 
     def close(self) -> None:
         page = self.page
@@ -130,25 +133,33 @@ class FastPath:
         """Reduce `array` in place on the page: None when done, else the seconds
         waited before the key must go over the socket (call with `lock` held)."""
         started = time.monotonic()
-        page, me, q = self.page, self.rank, self.page.q
-        flat = array.reshape(-1)
+        page = self.page
         index = self._next
         last_key, read = self._buffers[index]
-        if q[page.broken_at] or (read and not (
+        compiled = self._compiled
+        if compiled is not None:
+            while True:
+                outcome = compiled.publish(
+                    page.q, page.c_layout, page.fd, self.rank, index, key, *fingerprint,
+                    array, self._reduction(fingerprint[0], dtype, op), _SPIN_NS,
+                    _WAKER_SPIN_NS, last_key if read else NOTHING,
+                )
+                if outcome == REDUCED:  # the common ending: every rank came within the spin
+                    self._next = index ^ 1
+                    self._buffers[index] = (key, True)
+                    return None
+                if outcome != BUSY:
+                    break
+                # A peer still reads this buffer (its last key): wait for it, then again.
+                if not self._reusable(index, started + timeout_s):
+                    return self._left(started, key)
+                read = False
+        elif page.q[page.broken_at] or (read and not (
             self._peers_done(last_key) or self._reusable(index, started + timeout_s)
         )):
             return self._left(started, key)
-        if self._compiled is not None:
-            outcome = self._compiled.publish(
-                q, page.c_layout, page.fd, me, index, key, *fingerprint, flat,
-                FAST_REDUCTIONS.get((dtype, op), 0), _SPIN_NS, _WAKER_SPIN_NS,
-            )
-            if outcome == REDUCED:
-                self._next = index ^ 1
-                self._buffers[index] = (key, True)
-                return None
         else:
-            outcome = self._publish(flat, fingerprint, key, index)
+            outcome = self._publish(array.reshape(-1), fingerprint, key, index)
         if outcome == REFUSED:
             return self._left(started, key)
         self._next = index ^ 1
@@ -161,11 +172,19 @@ class FastPath:
         self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
         if isinstance(outcome, int):  # MISMATCH: every rank sees it, all go to the socket
             return self._left(started, key)
+        flat = array.reshape(-1)
         views = page.views(flat.dtype, flat.size)
         reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(outcome)], op)
-        q[self._done_at] = key
-        q[self._completed_at] += 1
+        page.q[self._done_at] = key
+        page.q[self._completed_at] += 1
         return None
+
+    def _reduction(self, codes: int, dtype: str, op: ReduceOp) -> int:
+        """The C module's reduction code for a fingerprint's codes (kept per codes)."""
+        reduction = self._reductions.get(codes)
+        if reduction is None:
+            reduction = self._reductions[codes] = FAST_REDUCTIONS.get((dtype, op), 0)
+        return reduction
 
     def _publish(
         self, flat: np.ndarray, fingerprint: Print, key: int, index: int

@@ -44,6 +44,7 @@
 #define REFUSED (-1)  /* not published: the page is broken or the key withdrawn */
 #define WAITING (-2)  /* published; the spin ended before every rank published */
 #define MISMATCH (-3) /* every rank published, but some fingerprint differs */
+#define BUSY (-4)     /* not published: a peer still reads the buffer (its last key) */
 #define REDUCED 1     /* done: the result is in the caller's array, the done words written */
 
 /* The reductions done here (FAST_REDUCTIONS in protocol/fastpath.py); any other
@@ -211,11 +212,15 @@ static int lock_page(int fd)
 static int publish_and_spin(const Look *look, int fd, Py_ssize_t me, int index,
                             int64_t codes, int64_t count, void *data, size_t nbytes,
                             int reduction, int64_t spin_ns, int64_t waker_spin_ns,
-                            unsigned char *indices, void **inputs)
+                            int64_t reuse_key, unsigned char *indices, void **inputs)
 {
     volatile int64_t *q = look->q;
     const int64_t *layout = look->layout;
     const int64_t *mine = rank_words(look, me);
+    /* The buffer held `reuse_key`, read by the peers: free once each is done with it. */
+    for (Py_ssize_t rank = 0; reuse_key >= 0 && rank < look->ranks; rank++)
+        if (rank != me && load(q, rank_words(look, rank)[R_DONE]) < reuse_key)
+            return BUSY;
     int64_t at = mine[R_BUFFER_0 + index];
     memcpy((char *)q + at * 8 + layout[L_DATA_BYTE_OFFSET], data, nbytes);
     store(q, at + layout[L_CODES_OFFSET], codes);
@@ -265,20 +270,21 @@ published:
 
 PyDoc_STRVAR(publish_doc,
 "publish(page, layout, fd, rank, index, key, codes, count, data, reduction,\n"
-"        spin_ns, waker_spin_ns) -> list[int] | int\n\n"
+"        spin_ns, waker_spin_ns, reuse_key=-1) -> list[int] | int\n\n"
 "Publish `data` (a writable C-contiguous buffer) as `rank`'s `key` in its\n"
 "buffer `index` of the fast page `page` (writable, locked through `fd`), then\n"
 "spin until every rank has published `key`.  `layout`: int64 word indices,\n"
 "FastPage.c_layout.  If every rank published it with the same fingerprint,\n"
 "reduces into `data` and returns REDUCED, or, for a `reduction` of 0 (the\n"
 "caller's), returns every rank's buffer index.  Else REFUSED, WAITING or\n"
-"MISMATCH (protocol/fastpath.py).");
+"MISMATCH (protocol/fastpath.py), or BUSY, without publishing, while a peer\n"
+"has not finished `reuse_key` (>= 0: the key the buffer last held, read by peers).");
 
 static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "publish() takes 12 arguments");
+    if (nargs != 12 && nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 12 or 13 arguments");
         return NULL;
     }
     int fd = (int)PyLong_AsLong(args[2]);
@@ -290,6 +296,7 @@ static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int reduction = (int)PyLong_AsLong(args[9]);
     long long spin_ns = PyLong_AsLongLong(args[10]);
     long long waker_spin_ns = PyLong_AsLongLong(args[11]);
+    long long reuse_key = nargs == 13 ? PyLong_AsLongLong(args[12]) : -1;
     if (PyErr_Occurred())
         return NULL;
     Py_buffer page, layout, data;
@@ -374,7 +381,7 @@ static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_BEGIN_ALLOW_THREADS
     outcome = publish_and_spin(&look, fd, me, index, codes, count, data.buf,
                                (size_t)data.len, reduction, spin_ns, waker_spin_ns,
-                               indices, inputs);
+                               reuse_key, indices, inputs);
     Py_END_ALLOW_THREADS
     if (outcome <= -100) {
         errno = -(outcome + 100);
@@ -410,7 +417,8 @@ static int exec_module(PyObject *module)
     if (PyModule_AddIntConstant(module, "REFUSED", REFUSED) < 0
             || PyModule_AddIntConstant(module, "WAITING", WAITING) < 0
             || PyModule_AddIntConstant(module, "MISMATCH", MISMATCH) < 0
-            || PyModule_AddIntConstant(module, "REDUCED", REDUCED) < 0)
+            || PyModule_AddIntConstant(module, "REDUCED", REDUCED) < 0
+            || PyModule_AddIntConstant(module, "BUSY", BUSY) < 0)
         return -1;
     return 0;
 }

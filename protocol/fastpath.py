@@ -75,6 +75,9 @@ NOTHING = -1
 REFUSED, WAITING, MISMATCH = -1, -2, -3
 #: ... and how it ends when it reduced the result itself.
 REDUCED = 1
+#: ... and, from the C module given the key a buffer last held, when a peer has not
+#: finished reading it yet (nothing published: wait for the peer, then publish).
+BUSY = -4
 #: The (dtype, op) pairs protocol/_fastpage.c reduces itself, and its codes for them
 #: (0: the caller reduces in numpy, given every rank's buffer index).
 FAST_REDUCTIONS: dict[tuple[str, ReduceOp], int] = {

@@ -23,6 +23,7 @@ import pytest
 from gradsync.protocol import fastpath
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.fastpath import (
+    BUSY,
     FAST_REDUCTIONS,
     MISMATCH,
     PUBLISHED,
@@ -72,10 +73,10 @@ def open_page() -> Iterator[OpenPage]:
 
 
 def publish(page: FastPage, rank: int, key: int, data: np.ndarray, reduction: int,
-            codes: int = 7, index: int = 0) -> object:
+            codes: int = 7, index: int = 0, reuse_key: int = -1) -> object:
     assert _fastpage is not None
     return _fastpage.publish(page.q, page.c_layout, page.fd, rank, index, key, codes,
-                             data.size, data, reduction, SPIN_NS, SPIN_NS)
+                             data.size, data, reduction, SPIN_NS, SPIN_NS, reuse_key)
 
 
 def test_the_module_was_built_and_agrees_with_the_python_constants() -> None:
@@ -83,8 +84,8 @@ def test_the_module_was_built_and_agrees_with_the_python_constants() -> None:
         f"gradsync.protocol._fastpage was not built ({IMPORT_ERROR}); "
         "install with a C compiler (pip install -e .)"
     )
-    assert (_fastpage.REFUSED, _fastpage.WAITING, _fastpage.MISMATCH, _fastpage.REDUCED) == (
-        REFUSED, WAITING, MISMATCH, REDUCED)
+    assert (_fastpage.REFUSED, _fastpage.WAITING, _fastpage.MISMATCH, _fastpage.REDUCED,
+            _fastpage.BUSY) == (REFUSED, WAITING, MISMATCH, REDUCED, BUSY)
 
 
 def awkward_values(dtype: np.dtype, count: int, seed: int) -> np.ndarray:
@@ -122,6 +123,30 @@ def test_a_compiled_reduction_equals_numpys_bit_for_bit(
         assert page.word(ranks - 1, fastpath.DONE) == key
         assert page.word(ranks - 1, fastpath.COMPLETED) == key + 1
         assert page.all_published(key) == [0] * ranks  # what the others see on their look
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_a_buffer_a_peer_still_reads_is_not_written_until_the_peer_is_done(
+    open_page: OpenPage,
+) -> None:
+    """The buffer last held key 3, read by the peers: while rank 2 has not finished
+    key 3, publishing key 5 from it is BUSY and leaves the buffer as it was."""
+    page = open_page(3)
+    sum_f32 = FAST_REDUCTIONS[("float32", ReduceOp.SUM)]
+    for rank in range(3):
+        assert publish(page, rank, 3, np.full(4, 1.0, np.float32), sum_f32) in (
+            WAITING, REDUCED)
+    page.set_word(0, fastpath.DONE, 3)
+    page.set_word(1, fastpath.DONE, 3)
+    page.set_word(2, fastpath.DONE, 2)  # rank 2 is still reading key 3
+    held = page.views(np.dtype(np.float32), 4)[0][0].copy()
+    fresh = np.full(4, 9.0, np.float32)
+    assert publish(page, 0, 5, fresh, sum_f32, reuse_key=3) == BUSY
+    assert page.buffer_key(0, 0) == 3 and page.word(0, fastpath.PUBLISHED) == 3
+    assert (page.views(np.dtype(np.float32), 4)[0][0] == held).all()
+    page.set_word(2, fastpath.DONE, 3)
+    assert publish(page, 0, 5, fresh, sum_f32, reuse_key=3) == WAITING
+    assert page.buffer_key(0, 0) == 5
 
 
 @pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
