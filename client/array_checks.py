@@ -30,8 +30,8 @@ class Checked(NamedTuple):
     device: DeviceArrayInfo | None
 
 
-#: (numpy dtype, op as given) → (wire dtype, ReduceOp), for pairs already checked.
-_CHECKED_HOST: dict[tuple[Any, Any], tuple[str, ReduceOp]] = {}
+#: (numpy dtype, op as given, elements) → the Checked of a host array already seen.
+_CHECKED_HOST: dict[tuple[Any, Any, int], Checked] = {}
 
 
 def check_array(array: Any, op: str | ReduceOp, cupy: Callable[[], Any]) -> Checked:
@@ -39,6 +39,10 @@ def check_array(array: Any, op: str | ReduceOp, cupy: Callable[[], Any]) -> Chec
 
     `cupy` gives the cupy module, asked for only when `array` is a device array.
     """
+    if type(array) is np.ndarray:  # the common case first: a plain host array
+        checked = _CHECKED_HOST.get((array.dtype, op, array.size))
+        if checked is not None and array.flags.c_contiguous and array.flags.writeable:
+            return checked
     if is_device_array(array):
         info = describe(array, cupy())
         try:
@@ -58,15 +62,14 @@ def check_array(array: Any, op: str | ReduceOp, cupy: Callable[[], Any]) -> Chec
         )
     if not array.flags.writeable:
         raise InvalidArgumentError("array is read-only; collectives write in place")
-    checked = _CHECKED_HOST.get((array.dtype, op))
-    if checked is None:
-        try:
-            wire_dtype = dtype_name(array.dtype)
-            reduce_op = parse_reduce_op(op)
-            check_op_for_dtype(reduce_op, wire_dtype)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        checked = (wire_dtype, reduce_op)
-        if len(_CHECKED_HOST) < 256:
-            _CHECKED_HOST[(array.dtype, op)] = checked
-    return Checked(checked[0], checked[1], int(array.size), None)
+    try:
+        wire_dtype = dtype_name(array.dtype)
+        reduce_op = parse_reduce_op(op)
+        check_op_for_dtype(reduce_op, wire_dtype)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    checked = Checked(wire_dtype, reduce_op, int(array.size), None)
+    if len(_CHECKED_HOST) >= 256:
+        _CHECKED_HOST.clear()
+    _CHECKED_HOST[(array.dtype, op, array.size)] = checked
+    return checked

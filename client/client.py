@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -110,7 +111,8 @@ class Client:
         self._mapped: set[int] = set()
         self._scratch = ScratchPool(self._segments)
         self._submit_lock = threading.Lock()
-        self._sequence = 0
+        #: This session's collective keys, 0, 1, 2, ... (next() is atomic).
+        self._keys = itertools.count()
         self._closed = False
         #: When a fast-path call next probes the socket for a daemon gone (_check_open).
         self._probe_due = 0.0
@@ -164,7 +166,7 @@ class Client:
         self._segments.collected.clear()
         self._mapped.clear()
         with self._submit_lock:
-            self._sequence, self._connection = 0, Connection(self.daemon)
+            self._keys, self._connection = itertools.count(), Connection(self.daemon)
         self._open_session()
         _LOG.warning("gradsync: rank %d of job %r reconnected to the daemon at %s (pid %d, "
                      "was %d: %s); a new session, collectives in flight were lost",
@@ -481,10 +483,7 @@ class Client:
         )
 
     def _next_key(self) -> int:
-        with self._submit_lock:
-            key = self._sequence
-            self._sequence += 1
-            return key
+        return next(self._keys)  # atomic: one bytecode-level call under the GIL
 
     # -- the other collectives (torch.distributed's names and semantics) ---------
 
@@ -635,8 +634,7 @@ class Client:
 
         with self._submit_lock:
             if key is None:
-                key = self._sequence
-                self._sequence += 1
+                key = next(self._keys)
             try:
                 request_id = self._connection.send_message(request(key=key).to_wire)
             except GradsyncError:

@@ -79,6 +79,47 @@ def test_collective_after_a_restart_raises_once_then_the_client_reconnects(
             client.close()
 
 
+def allreduce_on_both(ranks: list[Client], count: int) -> list[np.ndarray]:
+    """A synchronous allreduce of `count` floats on both ranks (one thread each)."""
+    arrays = [np.full(count, float(r + 1), np.float32) for r in range(2)]
+    threads = [threading.Thread(target=c.all_reduce, args=(a,))
+               for c, a in zip(ranks, arrays, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return arrays
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["restart", "crash"])
+def test_a_run_of_fast_page_allreduces_moves_to_a_restarted_daemon(
+    start_daemon: object, how: signal.Signals
+) -> None:
+    """Small allreduces end on the fast page, which needs no daemon, so a client looks
+    for a lost one at most every PROBE_INTERVAL_S there: the first call after a restart
+    still finds the new daemon and runs in a new session, on both ranks."""
+    daemon: DaemonProcess = start_daemon()  # type: ignore[operator]
+    ranks = [Client(daemon=daemon.endpoint, job="fast-restart", rank=r, world_size=2,
+                    local_rank=r, local_world_size=2, timeout_s=20) for r in range(2)]
+    try:
+        assert 0 < 1024 * 4 <= ranks[0].fast_path_bytes
+        for _ in range(50):
+            assert all(np.all(a == 3.0) for a in allreduce_on_both(ranks, 1024))
+        old_pid = ranks[0].daemon_pid
+        new = restart(daemon, how)
+        try:
+            assert all(np.all(a == 3.0) for a in allreduce_on_both(ranks, 1024))
+            assert ranks[0].daemon_pid == ranks[1].daemon_pid == new.pid != old_pid
+        finally:
+            for client in ranks:
+                client.close()
+            assert new.stop() == 0, new.log()
+            assert not segments_of(new.pid)
+    finally:
+        for client in ranks:
+            client.close()
+
+
 def test_a_lost_daemon_is_a_daemon_lost_error(start_daemon: object) -> None:
     """An idle client whose daemon crashed: its next collective finds no daemon and
     says so; it raised DaemonLostError for the one in flight."""

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import DaemonProcess
 from gradsync.client import Client, InvalidArgumentError
+from gradsync.client.array_checks import check_array
 from gradsync.protocol import errors, messages
 from gradsync.protocol.codec import MAX_FRAME_BYTES, FrameReader, decode_body, encode_frame
 from gradsync.protocol.dtypes import (
@@ -323,6 +324,22 @@ BAD_CALLS: list[Any] = [
                  id="uint16"),
     pytest.param(lambda: [1.0, 2.0], "sum", "numpy array", id="list"),
 ]
+
+
+@pytest.mark.timeout(10)
+def test_a_checked_array_remembered_does_not_pass_a_bad_one_of_the_same_kind() -> None:
+    """check_array keeps what it found of a host array by (dtype, op, elements): an array
+    of the same three that is strided or read-only is still refused."""
+    good = np.ones(8, dtype=np.float32)
+    first = check_array(good, "sum", lambda: None)
+    assert check_array(np.zeros(8, dtype=np.float32), "sum", lambda: None) is first
+    assert first == ("float32", ReduceOp.SUM, 8, None)
+    with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+        check_array(np.ones(16, dtype=np.float32)[::2], "sum", lambda: None)
+    read_only = np.ones(8, dtype=np.float32)
+    read_only.setflags(write=False)
+    with pytest.raises(InvalidArgumentError, match="read-only"):
+        check_array(read_only, "sum", lambda: None)
 
 
 @pytest.fixture
