@@ -534,6 +534,17 @@ def on_page_reused_memory(check: Checker) -> None:
         dist.all_reduce(t)
         check.equal(f"same tensor {step}", t, torch.full((1024,), float(
             sum(r + step for r in range(WORLD)))))
+    t.fill_(float(RANK + 1))  # the same tensor object again, with another op
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    check.equal("same tensor, other op", t, torch.full((1024,), float(WORLD)))
+    dist.all_reduce(t.fill_(1.0))  # then, after the same call again,
+    t.resize_(512).fill_(float(RANK))  # shrunk in place: same address, fewer elements
+    guard = t.untyped_storage()
+    tail = torch.tensor([], dtype=t.dtype).set_(guard, 512, (512,)).fill_(-7.0)
+    dist.all_reduce(t)
+    check.equal("same tensor, shrunk", t, torch.full((512,), float(sum(range(WORLD)))))
+    check.equal("past the shrunk end", tail, torch.full((512,), -7.0))
+    t.resize_(1024)
     square = t.view(32, 32).fill_(float(RANK + 2))
     dist.all_reduce(square, op=dist.ReduceOp.MAX)
     check.equal("other shape and op", square, torch.full((32, 32), float(WORLD + 1)))
