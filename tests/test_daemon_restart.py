@@ -60,23 +60,21 @@ def test_collective_after_a_restart_raises_once_then_the_client_reconnects(
             assert isinstance(lost.value, expected), repr(lost.value)
             # Rank 1 was idle: its next call finds the session gone and reconnects.
             # Rank 0's too.  Both then run in a new session of the job.
-            arrays = [np.full(1 << 18, float(r + 1), np.float32) for r in range(2)]
-            threads = [threading.Thread(target=c.all_reduce, args=(a,), kwargs={"op": "sum"})
-                       for c, a in zip(ranks, arrays, strict=True)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(30)
-            assert all(np.all(a == 3.0) for a in arrays)
+            assert all(np.all(a == 3.0) for a in allreduce_on_both(ranks, 1 << 18))
             assert ranks[0].daemon_pid == ranks[1].daemon_pid == new.pid != old_pid
         finally:
-            for client in ranks:
-                client.close()
-            assert new.stop() == 0, new.log()
-            assert not segments_of(new.pid)
+            close_and_stop(ranks, new)
     finally:
         for client in ranks:
             client.close()
+
+
+def close_and_stop(ranks: list[Client], daemon: DaemonProcess) -> None:
+    """Close the clients, then stop the restarted daemon: a clean exit, no segment left."""
+    for client in ranks:
+        client.close()
+    assert daemon.stop() == 0, daemon.log()
+    assert not segments_of(daemon.pid)
 
 
 def allreduce_on_both(ranks: list[Client], count: int) -> list[np.ndarray]:
@@ -111,10 +109,7 @@ def test_a_run_of_fast_page_allreduces_moves_to_a_restarted_daemon(
             assert all(np.all(a == 3.0) for a in allreduce_on_both(ranks, 1024))
             assert ranks[0].daemon_pid == ranks[1].daemon_pid == new.pid != old_pid
         finally:
-            for client in ranks:
-                client.close()
-            assert new.stop() == 0, new.log()
-            assert not segments_of(new.pid)
+            close_and_stop(ranks, new)
     finally:
         for client in ranks:
             client.close()
