@@ -26,6 +26,7 @@ from gradsync.daemon.core.cost_epochs import (
     epoch_to_offer,
     explores,
 )
+from gradsync.daemon.run.outcomes import settled
 from gradsync.protocol.errors import PeerLostError
 
 TRUE = Costs(450e-6, 1.8e-9)  # what a step and a byte really cost
@@ -182,20 +183,37 @@ def test_members_agree_on_the_medians_once_all_have_sent() -> None:
 
 
 def test_a_waiter_gets_the_figures_or_the_jobs_error() -> None:
+    daemons = ("a", "b")
+    epochs = CostEpochs()
+    waiting = epochs.waiter(1, 2)
+    epochs.add(1, 2, "a", Offer(Costs(1e-3, 1e-9), {}))
+    epochs.notify(1, 2, daemons)
+    assert not waiting.done()
+    epochs.add(1, 2, "b", Offer(Costs(3e-3, 3e-9), {}))
+    epochs.notify(1, 2, daemons)
+    assert waiting.result().costs == Costs(2e-3, 2e-9)
+    broken = epochs.waiter(1, 3)
+    epochs.fail(PeerLostError("peer b was lost"))
+    with pytest.raises(PeerLostError):
+        broken.result()
+
+
+def test_a_waiter_on_the_loop_gets_the_figures_or_its_timeout() -> None:
+    """run/outcomes.settled: the agreed figures when they come, TimeoutError when they
+    do not, and the outcome unchanged by the waiter that gave up."""
     async def scenario() -> None:
-        daemons = ("a", "b")
         epochs = CostEpochs()
         waiting = epochs.waiter(1, 2)
-        epochs.add(1, 2, "a", Offer(Costs(1e-3, 1e-9), {}))
-        epochs.notify(1, 2, daemons)
-        assert not waiting.done()
-        epochs.add(1, 2, "b", Offer(Costs(3e-3, 3e-9), {}))
-        epochs.notify(1, 2, daemons)
-        assert (await asyncio.wait_for(waiting, 1)).costs == Costs(2e-3, 2e-9)
-        broken = epochs.waiter(1, 3)
+        asyncio.get_running_loop().call_soon(lambda: (
+            epochs.add(1, 2, "a", Offer(Costs(1e-3, 1e-9), {})), epochs.notify(1, 2, ("a",))))
+        assert (await settled(waiting, 5.0)).costs == Costs(1e-3, 1e-9)
+        late = epochs.waiter(1, 3)
+        with pytest.raises(TimeoutError):
+            await settled(late, 0.01)
+        assert not late.done()
         epochs.fail(PeerLostError("peer b was lost"))
         with pytest.raises(PeerLostError):
-            await asyncio.wait_for(broken, 1)
+            await settled(late, 5.0)
 
     asyncio.run(scenario())
 

@@ -7,10 +7,9 @@ same decisions on the event loop is tested end to end in test_failures.py.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -58,23 +57,12 @@ class FakeClock:
         self.time = end
 
 
-@pytest.fixture(autouse=True)
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """A job holds a future for its formation across daemons: it needs a loop,
-    which nothing here runs."""
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.set_event_loop(None)
-    loop.close()
-
-
 class Harness:
     """One job of `ranks` local ranks, its deadlines, and what they failed."""
 
     def __init__(self, ranks: int = 2, fast: set[int] | None = None) -> None:
         self.clock = FakeClock()
-        self.job = Job("train", ranks, ranks, asyncio.get_event_loop(), clock=self.clock.now)
+        self.job = Job("train", ranks, ranks, self.clock.now)
         for rank in range(ranks):
             self.job.add_member(Member(rank, rank, 100 + rank, rank))
         self.failed: list[tuple[PendingCollective, CollectiveTimeoutError]] = []

@@ -65,10 +65,15 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
+def still_clock() -> float:
+    """Now, for the core: these tests wait for nothing."""
+    return 1000.0
+
+
 def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, dict[str, Job]]:
     transport = FakeTransport(HERE, [HERE, PEER])
     jobs: dict[str, Job] = {}
-    cluster = ClusterJobs(DaemonConfig(), jobs)
+    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
     cluster.connect(transport)
     return cluster, transport, jobs
 
@@ -76,7 +81,7 @@ def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, d
 def local_job(cluster: ClusterJobs, jobs: dict[str, Job], loop: asyncio.AbstractEventLoop,
               name: str = "train") -> Job:
     """A world of 2: rank 0 here, rank 1 on PEER; our rank has joined."""
-    job = Job(name, 2, 1, loop)
+    job = Job(name, 2, 1, still_clock)
     job.add_member(Member(0, 0, 100, 1))
     jobs[name] = job
     cluster.local_complete(job)

@@ -77,3 +77,41 @@ def test_the_core_imports_nothing_above_it() -> None:
         if (found := imports_from_above(path.read_text()))
     }
     assert not offenders, f"daemon/core imports from run/, io/ or peers/: {offenders}"
+
+
+#: What the core must not touch (DESIGN.md): an event loop, sockets, or a clock
+#: of its own (time is an input: an injected clock).
+NOT_IN_THE_CORE = ("asyncio", "socket", "selectors", "time", "datetime", "uvloop", "zmq")
+
+
+def loop_socket_or_clock(source: str) -> list[str]:
+    """Every import of `source` from NOT_IN_THE_CORE, including under TYPE_CHECKING."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [name for name in names
+                  if any(name == banned or name.startswith(banned + ".")
+                         for banned in NOT_IN_THE_CORE)]
+    return found
+
+
+def test_the_loop_and_clock_check_sees_them() -> None:
+    source = ("import asyncio\nfrom time import monotonic\nimport timeit\n"
+              "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import zmq.asyncio\n")
+    assert sorted(loop_socket_or_clock(source)) == ["asyncio", "time", "zmq.asyncio"]
+
+
+def test_the_core_has_no_event_loop_socket_or_clock() -> None:
+    offenders = {
+        str(path.relative_to(REPO)): found
+        for path in sorted((REPO / "daemon" / "core").glob("*.py"))
+        if (found := loop_socket_or_clock(path.read_text()))
+    }
+    assert not offenders, (
+        f"daemon/core imports an event loop, sockets or a clock: {offenders}; settle an "
+        "Outcome (core/outcome.py) and take time from an injected clock instead")

@@ -6,7 +6,8 @@ jobs (`cluster.py`: the peers' messages, early slices, failures — the peer
 links' events land here, and it sends through them as its transport); the
 `auto` policy (`auto.py`) and its per-epoch cost agreement (`cost_epochs.py`);
 the plans that say how a collective runs (`plans.py`).  `io/` and `peers/`
-call in; nothing here calls back up.  The one asyncio thing kept is futures
-(a job's formation, an epoch's agreement), created on the loop they are given
-and awaited only by `run/`; tests drive the core with a loop that never runs.
+call in; nothing here calls back up.  No asyncio and no clock here: what is
+decided later (a job's formation, an epoch's agreement) is settled on an
+`Outcome` (`outcome.py`), which `run/outcomes.py` awaits; time comes in as an
+injected clock; tests drive the core with fakes and no loop.
 """

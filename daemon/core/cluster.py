@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.core.cluster_job import payload_bytes
@@ -88,6 +88,7 @@ class ClusterJobs:
         self,
         config: DaemonConfig,
         jobs: dict[str, Job],
+        clock: Callable[[], float],
         stats: StatsRecorder | None = None,
     ) -> None:
         self.config = config
@@ -98,7 +99,7 @@ class ClusterJobs:
         self.remote: dict[str, dict[str, Announcement]] = {}
         #: The newest incarnation of each (job, peer) that peer withdrew.
         self.withdrawn = Withdrawals()
-        self.unformed = UnformedJobs()  # broken before forming, for lost peers' return
+        self.unformed = UnformedJobs(clock)  # broken before forming, for lost peers' return
         #: Peers whose link went down (after being up) and has not come back.
         self.lost: set[str] = set()
         self.transport: PeerTransport = NOT_CONNECTED

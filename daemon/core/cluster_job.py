@@ -8,13 +8,13 @@ and the request handlers (io/service.py) tell it what happened, and read.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from gradsync.daemon.core.auto import AutoPolicy
 from gradsync.daemon.core.interfaces import CollectiveRun
 from gradsync.daemon.core.membership import Announcement, Formation
+from gradsync.daemon.core.outcome import Outcome
 from gradsync.protocol.errors import GradsyncError
 from gradsync.protocol.peer import Key, Slice
 
@@ -66,7 +66,7 @@ class EarlySlices:
 class ClusterJob:
     """A job's membership across daemons, its generation, and what runs over it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self) -> None:
         self.incarnation = 0
         self.announcement: Announcement | None = None
         self.withdrawn = False
@@ -79,7 +79,8 @@ class ClusterJob:
         #: as it came, so that daemons further on name where the end began.
         self.end_origin: tuple[str, str] | None = None
         self.formation: Formation | None = None
-        self.formed: asyncio.Future[Formation] = (loop or asyncio.get_event_loop()).create_future()
+        #: Settled with the formation (or the error that ended the job before it).
+        self.formed: Outcome[Formation] = Outcome()
         #: The collectives whose inter-daemon phase runs here now, by key.
         self.runs: dict[Key, CollectiveRun] = {}
         self.early = EarlySlices()

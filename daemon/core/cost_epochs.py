@@ -25,7 +25,6 @@ Pure bookkeeping: `ClusterJobs` sends and receives the messages.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import statistics
 from collections import OrderedDict
@@ -34,6 +33,7 @@ from typing import NamedTuple
 
 from gradsync.daemon.algorithms.calibration import Costs, Group
 from gradsync.daemon.core.membership import Formation
+from gradsync.daemon.core.outcome import Outcome
 from gradsync.protocol.errors import GradsyncError
 
 #: Keys per epoch: how often the members re-agree on `auto`'s figures.
@@ -97,7 +97,7 @@ class CostEpochs:
     def __init__(self) -> None:
         self._tables: OrderedDict[Epoch, dict[str, Offer]] = OrderedDict()
         self._offered: OrderedDict[Epoch, None] = OrderedDict()
-        self._waiters: dict[Epoch, asyncio.Future[Agreement]] = {}
+        self._waiters: dict[Epoch, Outcome[Agreement]] = {}
         self._agreed: OrderedDict[Epoch, Agreement] = OrderedDict()
         #: The figures agreed for the newest epoch so far (None before the first).
         self.latest: Costs | None = None
@@ -159,13 +159,12 @@ class CostEpochs:
         table = self._tables.get((generation, epoch), {})
         return [daemon for daemon in daemons if daemon not in table]
 
-    def waiter(self, generation: int, epoch: int) -> asyncio.Future[Agreement]:
-        """A future for the agreed figures; `notify` resolves it, `fail` fails it."""
-        future = self._waiters.get((generation, epoch))
-        if future is None:
-            future = asyncio.get_running_loop().create_future()
-            self._waiters[(generation, epoch)] = future
-        return future
+    def waiter(self, generation: int, epoch: int) -> Outcome[Agreement]:
+        """The agreed figures, once in: `notify` settles it, `fail` fails it."""
+        outcome = self._waiters.get((generation, epoch))
+        if outcome is None:
+            outcome = self._waiters[(generation, epoch)] = Outcome()
+        return outcome
 
     def notify(self, generation: int, epoch: int, daemons: tuple[str, ...]) -> None:
         future = self._waiters.get((generation, epoch))
@@ -183,8 +182,7 @@ class CostEpochs:
 
     def fail(self, error: GradsyncError) -> None:
         """The job broke: nobody will send the missing figures."""
-        for future in self._waiters.values():
-            if not future.done():
-                future.set_exception(error)
-                future.exception()  # retrieved: the waiter may have gone
+        for outcome in self._waiters.values():
+            if not outcome.done():
+                outcome.set_exception(error)
         self._waiters.clear()

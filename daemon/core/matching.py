@@ -9,9 +9,7 @@ sockets or the event loop, so its rules are easy to test and to read.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -88,8 +86,7 @@ class Job:
         name: str,
         world_size: int,
         local_world_size: int,
-        loop: asyncio.AbstractEventLoop | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
     ) -> None:
         self.name = name
         #: Now, in seconds of CLOCK_MONOTONIC (a fake in core tests).
@@ -102,7 +99,7 @@ class Job:
         self.broken: GradsyncError | None = None
         self.completed = 0
         #: Its state across daemons (used when world_size > local_world_size).
-        self.across = ClusterJob(loop)
+        self.across = ClusterJob()
 
     @property
     def multi_node(self) -> bool:

@@ -10,10 +10,9 @@ cost-model inputs, without any extra agreement round.  After a failure the
 job is created anew on each daemon, with new incarnations, hence a new
 generation: messages of the old one are recognisable and dropped.
 
-Incarnations grow within one run of a daemon, not across restarts (they start
-from the clock, which may be stepped back): so every announcement also names
-the daemon's `BOOT`, random per start, and incarnations are only compared
-within one boot.
+Incarnations grow within one run of a daemon (from 1), not across restarts: so
+every announcement also names the daemon's `BOOT`, random per start, and
+incarnations are only compared within one boot.
 """
 
 from __future__ import annotations
@@ -22,15 +21,13 @@ import collections
 import dataclasses
 import hashlib
 import itertools
-import os
 import secrets
 import statistics
-import time
 from collections.abc import Iterable
 
 from gradsync.protocol.peer import Announce
 
-_incarnations = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + os.getpid() % 1000)
+_incarnations = itertools.count(1)
 
 
 #: This run of the daemon (see the module docstring).

@@ -11,7 +11,7 @@ announcement, and its ranks fail now with the reason.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gradsync.daemon.core.interfaces import PeerTransport
@@ -33,11 +33,13 @@ KEEP_AT_MOST = 1024
 class UnformedJobs:
     """(job, lost peer) → why the job broke here, for a while."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        #: Now, in seconds of CLOCK_MONOTONIC (a fake in core tests).
+        self.clock = clock
         self._kept: dict[tuple[str, str], tuple[float, str, str]] = {}
 
     def remember(self, job: str, peers: list[str], error: GradsyncError) -> None:
-        expires = time.monotonic() + KEEP_S
+        expires = self.clock() + KEEP_S
         for peer in peers:
             self._kept[(job, peer)] = (expires, error.message, error.code)
         while len(self._kept) > KEEP_AT_MOST:
@@ -46,7 +48,7 @@ class UnformedJobs:
     def answer(self, peer: str, message: Announce) -> Unformable | None:
         """The answer to `peer`'s announcement of a job remembered for it."""
         kept = self._kept.get((message.job, peer))
-        if kept is None or kept[0] < time.monotonic():
+        if kept is None or kept[0] < self.clock():
             return None
         return Unformable(message.job, message.boot, message.incarnation, kept[1], kept[2])
 

@@ -46,7 +46,7 @@ class Peering:
         self.service = service
         # The cluster core hears what the links hear (it is their PeerEvents), and
         # sends through them (they are its PeerTransport).
-        self.cluster = ClusterJobs(config, service.jobs, service.stats)
+        self.cluster = ClusterJobs(config, service.jobs, service.clock.now, service.stats)
         self.links = PeerLinks(
             config.listen,
             list(config.all_peers()),

@@ -209,7 +209,7 @@ class GradsyncService:
         job = self.jobs.get(job_name)
         forming = job is None
         if job is None:
-            job = Job(job_name, world, local_world, self.loop, self.clock.now)
+            job = Job(job_name, world, local_world, self.clock.now)
         job.check_compatible(world, local_world)
         job.add_member(Member(rank, hello.local_rank, hello.pid, session.session_id))
         self.jobs[job_name] = job

@@ -29,6 +29,7 @@ from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
 from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
+from gradsync.daemon.run.outcomes import settled
 from gradsync.daemon.run.receives import ChunkPool
 from gradsync.daemon.run.residuals import Residuals, fold_in
 from gradsync.daemon.stats import StatsRecorder
@@ -94,9 +95,7 @@ class CrossDaemonRunner:
         formation = job.across.formation
         if formation is None:
             try:
-                formation = await asyncio.wait_for(
-                    asyncio.shield(job.across.formed), max(0.0, deadline - time.monotonic())
-                )
+                formation = await settled(job.across.formed, deadline - time.monotonic())
             except TimeoutError:
                 missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job.members,
                                               job.world_size)
@@ -237,10 +236,8 @@ class CrossDaemonRunner:
             if job.broken is not None:
                 raise job.broken
             try:
-                agreement = await asyncio.wait_for(
-                    asyncio.shield(policy.epochs.waiter(generation, epoch)),
-                    max(0.0, deadline - time.monotonic()),
-                )
+                agreement = await settled(policy.epochs.waiter(generation, epoch),
+                                          deadline - time.monotonic())
             except TimeoutError:
                 policy.epochs.forget_waiter(generation, epoch)
                 missing = policy.epochs.missing(generation, epoch, daemons)
