@@ -6,7 +6,7 @@ each class's `SCHEMA` (a bad one is a `ProtocolError`, counted as malformed);
 every value that needs no daemon state (ranges, names, the collective and its
 reduction) and raises `InvalidArgumentError` naming the field.  What depends
 on the daemon (a job's world size, the segments a client may use, its limits)
-the daemon checks where it holds that state (io/service.py, core/plans.py).
+the daemon checks where it holds that state (io/service.py, core/collectives/).
 
 The bytes are those of protocol v3: every request is a map with `v`, `id`,
 `kind` and the fields below; `allreduce` and `collective` are one family,

@@ -46,8 +46,8 @@ def test_mypy_passes() -> None:
 ABOVE_THE_CORE = ("gradsync.daemon.run", "gradsync.daemon.io", "gradsync.daemon.peers")
 
 
-def imports_from_above(source: str) -> list[str]:
-    """Every module `source` imports from the layers above the core, including
+def imported_from(source: str, packages: tuple[str, ...]) -> list[str]:
+    """Every module `source` imports from `packages` (or below them), including
     imports under `if TYPE_CHECKING:` (a type the core borrows is still a tie)."""
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -58,8 +58,13 @@ def imports_from_above(source: str) -> list[str]:
         else:
             continue
         found += [name for name in names
-                  if any(name == top or name.startswith(top + ".") for top in ABOVE_THE_CORE)]
+                  if any(name == top or name.startswith(top + ".") for top in packages)]
     return found
+
+
+def imports_from_above(source: str) -> list[str]:
+    """Every module `source` imports from the layers above the core."""
+    return imported_from(source, ABOVE_THE_CORE)
 
 
 def test_the_layering_check_sees_an_upward_import() -> None:
@@ -86,18 +91,7 @@ NOT_IN_THE_CORE = ("asyncio", "socket", "selectors", "time", "datetime", "uvloop
 
 def loop_socket_or_clock(source: str) -> list[str]:
     """Every import of `source` from NOT_IN_THE_CORE, including under TYPE_CHECKING."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        found += [name for name in names
-                  if any(name == banned or name.startswith(banned + ".")
-                         for banned in NOT_IN_THE_CORE)]
-    return found
+    return imported_from(source, NOT_IN_THE_CORE)
 
 
 def test_the_loop_and_clock_check_sees_them() -> None:

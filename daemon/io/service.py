@@ -20,10 +20,10 @@ import numpy as np
 
 from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.collectives import Collective as CoreCollective
+from gradsync.daemon.core.collectives import chunk_count
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
-from gradsync.daemon.core.plans import Collective as CoreCollective
-from gradsync.daemon.core.plans import chunk_count
 from gradsync.daemon.io.loop_clock import LoopClock
 from gradsync.daemon.run.fast_pages import FastPages
 from gradsync.daemon.run.local import LocalRuns

@@ -23,9 +23,9 @@ import numpy as np
 from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.backends.reduce import split_ranges
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.collectives import Collective, run_local
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, PendingCollective
-from gradsync.daemon.core.plans import Collective, run_local
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder

@@ -25,9 +25,9 @@ from gradsync.daemon.algorithms.calibration import CostMeter
 from gradsync.daemon.backends.wire_codec import CODECS
 from gradsync.daemon.core.auto import epoch_of, epoch_to_offer, wants_auto
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.collectives import Collective, Views, chooses_algorithm, make_plan
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
-from gradsync.daemon.core.plans import CHOSEN_ALGORITHM, Collective, Views, make_plan
 from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
 from gradsync.daemon.run.outcomes import settled
 from gradsync.daemon.run.receives import ChunkPool
@@ -88,7 +88,7 @@ class CrossDaemonRunner:
         which sees the link costs the members agreed for this key's epoch.
         """
         op = collective.op or ReduceOp.SUM
-        chosen = collective.kind in CHOSEN_ALGORITHM
+        chosen = chooses_algorithm(collective.kind)
         auto = chosen and wants_auto(collective.algorithm, self.config.algorithm)
         fingerprint = ready.submissions[min(ready.submissions)].fingerprint
         deadline = ready.first_seen + ready.deadline_s
