@@ -19,12 +19,12 @@ import pytest
 from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.matching import Job, Member
+from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.core.membership import Announcement, form
 from gradsync.daemon.run.executor import ScheduleRun
 from gradsync.protocol import peer as wire
 from gradsync.protocol.dtypes import ReduceOp
-from gradsync.protocol.errors import PeerLostError, RankLostError
+from gradsync.protocol.errors import GradsyncError, PeerLostError, RankLostError
 
 HERE = "tcp://10.0.0.1:7000"
 PEER = "tcp://10.0.0.2:7000"
@@ -65,6 +65,19 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
+class RecordedFailures:
+    """The daemon's failure path as the core sees it (run/local.py's LocalRuns.fail):
+    what the core failed, answered once, as LocalRuns answers."""
+
+    def __init__(self) -> None:
+        self.failed: list[tuple[Any, GradsyncError]] = []
+
+    def fail(self, pending: PendingCollective, error: GradsyncError) -> None:
+        self.failed.append((pending.key, error))
+        for submission in pending.submissions.values():
+            submission.respond(error)
+
+
 def still_clock() -> float:
     """Now, for the core: these tests wait for nothing."""
     return 1000.0
@@ -74,7 +87,7 @@ def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, d
     transport = FakeTransport(HERE, [HERE, PEER])
     jobs: dict[str, Job] = {}
     cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
-    cluster.connect(transport)
+    cluster.connect(transport, RecordedFailures())
     return cluster, transport, jobs
 
 
@@ -109,6 +122,33 @@ def test_a_job_forms_once_the_peer_announces_and_tells_it_our_share(
     cluster.on_message(PEER, announce(5), ())
     assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
     assert job.across.formed.result() is job.across.formation
+
+
+def test_a_lost_peer_fails_a_pending_collective_through_the_one_failure_path(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Rank 0 of two local ranks submitted key 0 (rank 1 has not): the peer holding
+    rank 2 is lost, and the pending key goes to the failure path, which answers it
+    once (LocalRuns.fail: counted in the statistics, its deadline cancelled)."""
+    cluster, _, jobs = core(loop)
+    job = Job("three", 3, 2, still_clock)
+    for rank in (0, 1):
+        job.add_member(Member(rank, rank, 100 + rank, 2))
+    jobs["three"] = job
+    cluster.local_complete(job)
+    cluster.on_message(PEER, wire.Announce("three", 5, BOOT, 3, (2,), 5e-5, 1e-9).to_wire(), ())
+    assert job.across.formation is not None
+    answers: list[GradsyncError | None] = []
+    submission = Submission(0, wire.Fingerprint("allreduce", "float32", 4, "sum"), None,
+                            lambda error, timing=None: answers.append(error), 30.0)
+    assert job.submit(0, submission) is None  # pending: rank 1 has not come
+    cluster.peer_lost(PEER)
+    failures = cluster.failures
+    assert isinstance(failures, RecordedFailures)
+    assert [key for key, _ in failures.failed] == [0]
+    assert isinstance(failures.failed[0][1], PeerLostError)
+    assert len(answers) == 1 and isinstance(answers[0], PeerLostError)
+    assert not job.pending
 
 
 def test_a_withdrawal_that_overtook_its_announcement_drops_the_announcement(

@@ -19,6 +19,7 @@ from gradsync.daemon.core.cluster_job import payload_bytes
 from gradsync.daemon.core.interfaces import (
     NOT_CONNECTED,
     CollectiveRun,
+    FailedCollectives,
     IncomingMessage,
     PeerTransport,
     PlacedPayload,
@@ -103,11 +104,14 @@ class ClusterJobs:
         #: Peers whose link went down (after being up) and has not come back.
         self.lost: set[str] = set()
         self.transport: PeerTransport = NOT_CONNECTED
+        self.failures: FailedCollectives | None = None
 
-    def connect(self, transport: PeerTransport) -> None:
+    def connect(self, transport: PeerTransport, failures: FailedCollectives) -> None:
         """Send through `transport` (the peer links, which report to this object:
-        it is their `PeerEvents`, see daemon/peers/events.py)."""
+        it is their `PeerEvents`, see daemon/peers/events.py); fail collectives
+        through `failures` (the daemon's one failure path)."""
         self.transport = transport
+        self.failures = failures
 
     # -- PeerEvents: the links report here, from the event loop ---------------
 
@@ -588,11 +592,10 @@ class ClusterJobs:
                 run.fail(error)
         if not job.across.formed.done():
             job.across.formed.set_exception(error)
-            job.across.formed.exception()  # mark retrieved: nobody may be waiting
+        assert self.failures is not None, "ClusterJobs.connect() was not called"
         for pending in list(job.pending.values()):
             job.pending.pop(pending.key, None)
-            for submission in pending.submissions.values():
-                submission.respond(error)
+            self.failures.fail(pending, error)
         if fail_runs or not job.across.runs:
             self.withdraw(job, error)
         elif job.across.withdrawal is None:

@@ -8,10 +8,13 @@ driven with them, or with fakes in tests.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gradsync.protocol.errors import GradsyncError
 from gradsync.protocol.peer import Fingerprint
+
+if TYPE_CHECKING:
+    from gradsync.daemon.core.matching import PendingCollective
 
 
 class PlacedPayload:
@@ -109,6 +112,14 @@ class PeerTransport(Protocol):
     def link_costs(self) -> tuple[float, float] | None: ...
 
     def is_up(self, peer: str) -> bool: ...
+
+
+class FailedCollectives(Protocol):
+    """Where the core sends a collective it fails before it ran: the one failure path,
+    which answers its ranks once, counts it and cancels its deadline
+    (`run.local.LocalRuns` is the one)."""
+
+    def fail(self, pending: PendingCollective, error: GradsyncError) -> None: ...
 
 
 class _NotConnected:

@@ -62,7 +62,7 @@ class Peering:
             data_port=config.data_port,
             data_advertise=config.data_advertise,
         )
-        self.cluster.connect(self.links)
+        self.cluster.connect(self.links, service.runs)
         runner = CrossDaemonRunner(
             self.cluster, service.loop, service.run_call, service.stats, service.trace,
             alive=lambda segment: service.buffers.get(segment) is not None,
