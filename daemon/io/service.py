@@ -20,8 +20,7 @@ import numpy as np
 
 from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.collectives import Collective as CoreCollective
-from gradsync.daemon.core.collectives import chunk_count
+from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.io.loop_clock import LoopClock
@@ -333,8 +332,9 @@ class GradsyncService:
         ready = self._submit(job, request.key, submission, request.waited_s)
         if ready is None:
             return
-        self.runs.start(job, ready, CoreCollective(kind, dtype, chunk, op, root, request.algorithm,
-                                                   request.compression, request.error_feedback))
+        self.runs.start(job, ready, MatchedCollective(
+            kind, dtype, chunk, op, root, request.algorithm, request.compression,
+            request.error_feedback))
 
     def _submit(
         self, job: Job, key: Any, submission: Submission, waited_s: float = 0.0

@@ -23,7 +23,7 @@ import numpy as np
 from gradsync.daemon.backends import Backend, Buffers, Slab
 from gradsync.daemon.backends.reduce import split_ranges
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.collectives import Collective, run_local
+from gradsync.daemon.core.collectives import MatchedCollective, run_local
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, PendingCollective
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
@@ -71,7 +71,7 @@ class LocalRuns:
     def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         self.cluster, self.runner = cluster, runner
 
-    def start(self, job: Job, ready: PendingCollective, collective: Collective) -> None:
+    def start(self, job: Job, ready: PendingCollective, collective: MatchedCollective) -> None:
         """Run a matched collective: a single-node allreduce straight on its
         backend, every other one (and every multi-node one) through its plan."""
         if collective.kind == ALLREDUCE and not job.multi_node:
@@ -85,7 +85,7 @@ class LocalRuns:
         for pending in list(self.in_flight.values()):
             self.fail(pending, error)
 
-    async def _run(self, job: Job, ready: PendingCollective, collective: Collective) -> None:
+    async def _run(self, job: Job, ready: PendingCollective, collective: MatchedCollective) -> None:
         """Run a collective here (`run_local`) or across daemons (its plan), on
         host copies where its buffers are on a device that cannot run it."""
         kind, op, root, chunk, dtype = (collective.kind, collective.op, collective.root,

@@ -25,7 +25,7 @@ from gradsync.daemon.algorithms.calibration import CostMeter
 from gradsync.daemon.backends.wire_codec import CODECS
 from gradsync.daemon.core.auto import epoch_of, epoch_to_offer, wants_auto
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.collectives import Collective, Views, chooses_algorithm, make_plan
+from gradsync.daemon.core.collectives import MatchedCollective, Views, chooses_algorithm, make_plan
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
@@ -78,7 +78,7 @@ class CrossDaemonRunner:
         self,
         job: Job,
         ready: PendingCollective,
-        collective: Collective,
+        collective: MatchedCollective,
         ins: Views,
         outs: Views,
     ) -> None:
@@ -193,7 +193,7 @@ class CrossDaemonRunner:
         return self._codec_pool
 
     def _residual(
-        self, job: Job, ready: PendingCollective, collective: Collective
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective
     ) -> np.ndarray | None:
         """The error-feedback residual of this collective's buffer (the lowest local
         rank's input slot: the work buffer's size), or None without error feedback

@@ -34,9 +34,9 @@ from gradsync.daemon.core.collectives import (  # noqa: F401 (each registers its
 )
 from gradsync.daemon.core.collectives.base import (
     KINDS,
-    Collective,
     CollectiveKind,
     Layout,
+    MatchedCollective,
     Plan,
     Views,
     block_of,
@@ -45,7 +45,7 @@ from gradsync.daemon.core.collectives.base import (
 from gradsync.daemon.core.membership import Formation
 from gradsync.protocol.dtypes import ReduceOp
 
-__all__ = ["KINDS", "Collective", "CollectiveKind", "Plan", "Views", "block_of",
+__all__ = ["KINDS", "MatchedCollective", "CollectiveKind", "Plan", "Views", "block_of",
            "chooses_algorithm", "chunk_count", "kind_of", "make_plan", "run_local"]
 
 
@@ -70,8 +70,8 @@ def run_local(
 
 
 def make_plan(
-    collective: Collective, formation: Formation, me: int, ins: Views, outs: Views, world: int,
-    algorithm: str | None = None,
+    collective: MatchedCollective, formation: Formation, me: int, ins: Views, outs: Views,
+    world: int, algorithm: str | None = None,
 ) -> Plan:
     """Daemon `me`'s plan in `formation`; `ins`/`outs` hold the views of its local
     ranks.  `algorithm`: the one chosen, for a kind that `chooses_algorithm`."""

@@ -22,7 +22,7 @@ Views = dict[int, np.ndarray | None]
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class MatchedCollective:
     """What a matched collective is, the same on every local rank (their
     fingerprints agree): its kind, element type, per-rank chunk, and the
     reduction, root and requested algorithm where it has them."""
@@ -73,7 +73,7 @@ class Layout:
     """Where a multi-node collective's ranks are, as daemon `me` of `formation` sees
     it, with the views of its local ranks' buffers."""
 
-    collective: Collective
+    collective: MatchedCollective
     formation: Formation
     me: int
     ins: Views
