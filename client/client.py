@@ -36,7 +36,7 @@ from gradsync.protocol.errors import (
     GradsyncError,
     InvalidArgumentError,
 )
-from gradsync.protocol.fastpath import Print, fingerprint
+from gradsync.protocol.fast_path import Print, fingerprint
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 from gradsync.protocol.requests import ALLREDUCE
 

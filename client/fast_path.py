@@ -1,4 +1,4 @@
-"""A rank's side of the shared-memory fast path (the rules: protocol/fastpath.py).
+"""A rank's side of the shared-memory fast path (the rules: protocol/fast_path.py).
 
 A small synchronous allreduce of a single-node job runs here, without the
 socket: write the data into this rank's slot, publish the key, wait (a short
@@ -27,7 +27,7 @@ import numpy as np
 
 from gradsync.client.connection import Connection
 from gradsync.protocol.dtypes import ReduceOp
-from gradsync.protocol.fastpath import (
+from gradsync.protocol.fast_path import (
     B_CODES,
     B_COUNT,
     BUFFERS_PER_SLOT,

@@ -39,7 +39,7 @@ class DaemonConfig:
     max_shm_bytes: int = 8 * 1024**3
     inline_reduce_bytes: int = 4 * 1024**2
     #: Synchronous allreduces of single-node jobs up to this size take the shared-
-    #: memory fast path (protocol/fastpath.py); 0 turns it off.
+    #: memory fast path (protocol/fast_path.py); 0 turns it off.
     fast_path_bytes: int = 64 * 1024
     log_level: str = "info"
     #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group

@@ -55,7 +55,7 @@ class DaemonState:
         self.cluster: ClusterCounters | None = None
         #: The peer links' own counters (shown with a `links_` prefix).
         self.link_counters: Callable[[], Mapping[str, int]] = dict
-        #: The shared-memory fast path's counters (run/fast_pages.py).
+        #: The shared-memory fast path's counters (run/fast_path.py).
         self.fast_counters: Callable[[], Mapping[str, int]] = dict
         #: Error feedback's residuals held (run/residuals.py), once this daemon has peers.
         self.error_feedback: Callable[[], Mapping[str, int]] = dict

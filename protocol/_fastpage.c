@@ -10,7 +10,7 @@
  * the same steps in Python took 90-110 us.  (Sleeping on the futex at once
  * instead of spinning was 2-4x slower: waking a vCPU is slow on a VM.)
  *
- * The rules are protocol/fastpath.py's, step for step the same as the Python
+ * The rules are protocol/fast_path.py's, step for step the same as the Python
  * version in client/fast_path.py (which runs where this module was not built):
  * data and fingerprint first, then under the page's flock (taken by trying and
  * yielding, not by sleeping: lock_page), unless the page is
@@ -40,14 +40,14 @@
 /* Tries at the page's lock, yielding between them, before waiting for it asleep. */
 #define LOCK_TRIES 64
 
-/* Results other than a list of buffer indices (protocol/fastpath.py names them). */
+/* Results other than a list of buffer indices (protocol/fast_path.py names them). */
 #define REFUSED (-1)  /* not published: the page is broken or the key withdrawn */
 #define WAITING (-2)  /* published; the spin ended before every rank published */
 #define MISMATCH (-3) /* every rank published, but some fingerprint differs */
 #define BUSY (-4)     /* not published: a peer still reads the buffer (its last key) */
 #define REDUCED 1     /* done: the result is in the caller's array, the done words written */
 
-/* The reductions done here (FAST_REDUCTIONS in protocol/fastpath.py); any other
+/* The reductions done here (FAST_REDUCTIONS in protocol/fast_path.py); any other
  * dtype or op is reduced by the caller in numpy, given the buffer indices.  These
  * are IEEE adds, multiplies and one division per element, in rank order, as numpy
  * does them: bit for bit the same result (tests/test_fast_path.py compares them). */
@@ -277,7 +277,7 @@ PyDoc_STRVAR(publish_doc,
 "FastPage.c_layout.  If every rank published it with the same fingerprint,\n"
 "reduces into `data` and returns REDUCED, or, for a `reduction` of 0 (the\n"
 "caller's), returns every rank's buffer index.  Else REFUSED, WAITING or\n"
-"MISMATCH (protocol/fastpath.py), or BUSY, without publishing, while a peer\n"
+"MISMATCH (protocol/fast_path.py), or BUSY, without publishing, while a peer\n"
 "has not finished `reuse_key` (>= 0: the key the buffer last held, read by peers).");
 
 static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)

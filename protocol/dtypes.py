@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-#: The wire names, in the order whose indices the fast page stores (protocol/fastpath.py).
+#: The wire names, in the order whose indices the fast page stores (protocol/fast_path.py).
 _WIRE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 #: The one dtype that is not numpy's own (ml_dtypes').
 _BFLOAT16 = "bfloat16"

@@ -6,7 +6,7 @@ changes the fast page's bell wakes them: one system call each way, no thread,
 no socket.  Process-shared futexes (no FUTEX_PRIVATE_FLAG) on a MAP_SHARED
 mapping work across processes.  Only x86-64 Linux is supported, where the
 syscall number is fixed and stores are seen in order by other cores (the
-fast path's publication relies on that, see protocol/fastpath.py).
+fast path's publication relies on that, see protocol/fast_path.py).
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ _ALLREDUCE_SCHEMA: Schema = {
     "timeout_s": ((float, int, _NONE), False),
     "algorithm": ((str, _NONE), False),
     # Seconds this rank already waited for the key on the shared-memory fast
-    # path (protocol/fastpath.py) before it came here: its deadline counts from then.
+    # path (protocol/fast_path.py) before it came here: its deadline counts from then.
     "waited_s": ((float, int, _NONE), False),
     # The inter-daemon wire format (protocol/compression.py); sent only when set.
     "compression": ((str, _NONE), False),

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from gradsync.protocol import fastpath
+from gradsync.protocol import fast_path
 from gradsync.protocol.dtypes import ReduceOp
-from gradsync.protocol.fastpath import (
+from gradsync.protocol.fast_path import (
     BUSY,
     FAST_REDUCTIONS,
     MISMATCH,
@@ -120,8 +120,8 @@ def test_a_compiled_reduction_equals_numpys_bit_for_bit(
         expected = np.empty_like(inputs[0])
         reduce_in_rank_order(expected, inputs, op)
         assert data[-1].tobytes() == expected.tobytes(), (dtype, op, ranks, size)
-        assert page.word(ranks - 1, fastpath.DONE) == key
-        assert page.word(ranks - 1, fastpath.COMPLETED) == key + 1
+        assert page.word(ranks - 1, fast_path.DONE) == key
+        assert page.word(ranks - 1, fast_path.COMPLETED) == key + 1
         assert page.all_published(key) == [0] * ranks  # what the others see on their look
 
 
@@ -136,15 +136,15 @@ def test_a_buffer_a_peer_still_reads_is_not_written_until_the_peer_is_done(
     for rank in range(3):
         assert publish(page, rank, 3, np.full(4, 1.0, np.float32), sum_f32) in (
             WAITING, REDUCED)
-    page.set_word(0, fastpath.DONE, 3)
-    page.set_word(1, fastpath.DONE, 3)
-    page.set_word(2, fastpath.DONE, 2)  # rank 2 is still reading key 3
+    page.set_word(0, fast_path.DONE, 3)
+    page.set_word(1, fast_path.DONE, 3)
+    page.set_word(2, fast_path.DONE, 2)  # rank 2 is still reading key 3
     held = page.views(np.dtype(np.float32), 4)[0][0].copy()
     fresh = np.full(4, 9.0, np.float32)
     assert publish(page, 0, 5, fresh, sum_f32, reuse_key=3) == BUSY
-    assert page.buffer_key(0, 0) == 3 and page.word(0, fastpath.PUBLISHED) == 3
+    assert page.buffer_key(0, 0) == 3 and page.word(0, fast_path.PUBLISHED) == 3
     assert (page.views(np.dtype(np.float32), 4)[0][0] == held).all()
-    page.set_word(2, fastpath.DONE, 3)
+    page.set_word(2, fast_path.DONE, 3)
     assert publish(page, 0, 5, fresh, sum_f32, reuse_key=3) == WAITING
     assert page.buffer_key(0, 0) == 5
 
@@ -158,7 +158,7 @@ def test_the_callers_reduction_gets_every_ranks_buffer_index(open_page: OpenPage
     assert publish(page, 2, 4, data, 0, index=1) == [1, 0, 1]
     views = page.views(np.dtype(np.int32), 5)
     assert all((views[rank][i] == data).all() for rank, i in enumerate([1, 0, 1]))
-    assert page.word(2, fastpath.DONE) == fastpath.NOTHING  # the caller writes it
+    assert page.word(2, fast_path.DONE) == fast_path.NOTHING  # the caller writes it
 
 
 @pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
@@ -169,11 +169,11 @@ def test_a_broken_page_or_a_withdrawn_key_refuses_and_publishes_nothing(
     data = np.ones(4, dtype=np.float32)
     page.set_word(1, WITHDRAWN, 3)
     assert publish(page, 0, 3, data, FAST_REDUCTIONS[("float32", ReduceOp.SUM)]) == REFUSED
-    assert page.word(0, PUBLISHED) == fastpath.NOTHING
+    assert page.word(0, PUBLISHED) == fast_path.NOTHING
     assert page.published_index(0, 3) is None
     page.set_broken()
     assert publish(page, 0, 4, data, FAST_REDUCTIONS[("float32", ReduceOp.SUM)]) == REFUSED
-    assert page.word(0, PUBLISHED) == fastpath.NOTHING
+    assert page.word(0, PUBLISHED) == fast_path.NOTHING
 
 
 @pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
@@ -184,7 +184,7 @@ def test_differing_fingerprints_leave_the_buffers_unreduced(open_page: OpenPage)
     assert publish(page, 0, 0, first, sum_f32, codes=7) == WAITING
     assert publish(page, 1, 0, second, sum_f32, codes=8) == MISMATCH
     assert (second == 5.0).all()
-    assert page.word(1, fastpath.DONE) == fastpath.NOTHING
+    assert page.word(1, fast_path.DONE) == fast_path.NOTHING
 
 
 @pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
@@ -226,5 +226,5 @@ def test_arguments_that_do_not_fit_the_page_are_refused_before_anything_is_writt
         call(values=read_only)
     with pytest.raises(TypeError):
         _fastpage.publish(page.q, page.c_layout)
-    assert page.word(0, PUBLISHED) == fastpath.NOTHING
-    assert page.word(1, PUBLISHED) == fastpath.NOTHING
+    assert page.word(0, PUBLISHED) == fast_path.NOTHING
+    assert page.word(1, PUBLISHED) == fast_path.NOTHING

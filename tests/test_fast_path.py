@@ -24,7 +24,7 @@ from conftest import FAST_PATH_SETTINGS, DaemonProcess, poll_until, run_ranks
 from gradsync.client import Client, DaemonShuttingDownError, DaemonUnavailableError
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
-from gradsync.protocol.fastpath import PUBLISHED
+from gradsync.protocol.fast_path import PUBLISHED
 
 StartDaemon = Callable[..., DaemonProcess]
 LIMIT = 4096

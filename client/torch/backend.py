@@ -32,7 +32,7 @@ from gradsync.client.environment import resolve_identity
 from gradsync.client.torch.at_exit import leave_at_exit
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
-from gradsync.client.torch.on_page import PageAllreduce
+from gradsync.client.torch.fast_path import FastPathAllreduce
 from gradsync.client.torch.point_to_point import PairJobs
 from gradsync.client.torch.private_daemon import choose_daemon
 from gradsync.client.torch.rendezvous import fresh_round, node_identities
@@ -100,7 +100,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._issuing = threading.local()
         name = group_id or "default"
         self._completer = FutureCompleter(f"gradsync-futures-{name}", f"gradsync-callbacks-{name}")
-        self._on_page = PageAllreduce(self._client, self._completer, lambda: self._group_name)
+        self._fast_path = FastPathAllreduce(self._client, self._completer, lambda: self._group_name)
         self._closed = False
         leave_at_exit(self)
 
@@ -174,7 +174,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             return
         self._closed = True
         self._pairs.close()
-        self._on_page.forget()
+        self._fast_path.forget()
         self._client.close()
         self._completer.close()
 
@@ -232,9 +232,9 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     ) -> dist.Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if not self._closed:  # small: done before this returns, if the peers are there
-            on_page = self._on_page(tensors, op)
-            if on_page is not None:
-                return on_page
+            done = self._fast_path(tensors, op)
+            if done is not None:
+                return done
         staged = [self._stage(t) for t in tensors]
         ops = [wire_op(t, op) for t in tensors]
 

@@ -24,7 +24,7 @@ from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
 from gradsync.daemon.io.loop_clock import LoopClock
-from gradsync.daemon.run.fast_pages import FastPages
+from gradsync.daemon.run.fast_path import FastPages
 from gradsync.daemon.run.local import LocalRuns
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.state import DaemonState

@@ -526,7 +526,7 @@ def on_page_reused_memory(check: Checker) -> None:
     """The page's kept view of a tensor is right for whatever lies at its address
     next: the same tensor with new values, another shape, dtype or op over the
     same bytes, a storage moved by a resize, and more tensors than it keeps."""
-    from gradsync.client.torch.on_page import VIEWS_KEPT
+    from gradsync.client.torch.fast_path import VIEWS_KEPT
 
     t = torch.zeros(1024)
     for step in range(3):

@@ -57,7 +57,7 @@ class _Last:
     done: CompletedWork
 
 
-class PageAllreduce:
+class FastPathAllreduce:
     """A group's small allreduces on its client's fast page."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The daemon's side of the shared-memory fast path (protocol/fastpath.py).
+"""The daemon's side of the shared-memory fast path (protocol/fast_path.py).
 
 Each single-node job gets a fast page when it forms; its ranks then run small
 synchronous allreduces among themselves.  The daemon only keeps the page
@@ -20,7 +20,7 @@ from typing import Any
 
 from gradsync.daemon.backends import Buffers, Slab
 from gradsync.protocol import futex
-from gradsync.protocol.fastpath import (
+from gradsync.protocol.fast_path import (
     COMPLETED,
     FALLBACKS,
     LAYOUT_VERSION,
