@@ -4,8 +4,9 @@
 
 Everything else is in pyproject.toml.  Both extensions are optional: where no C
 compiler is found, the install still succeeds, the fast path publishes and spins in
-Python (slower where ranks outnumber cores; see README, "Small collectives") and
-numpy encodes and decodes compressed slices (slower; see README, "Compression").
+Python (slower where ranks outnumber cores; see docs/design.md, "The fast path for
+small collectives") and numpy encodes and decodes compressed slices (slower; see
+docs/compression.md).
 """
 
 from setuptools import Extension, setup

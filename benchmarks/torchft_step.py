@@ -9,7 +9,7 @@ one core per rank), on N replicas of one rank each (default 2) on this node:
 * torchft: a Lighthouse (from the torchft wheel, in this process), one
   `Manager` per replica (min_replica_size N, its defaults otherwise: async
   quorum, 60 s timeout), one `Manager.allreduce` per gradient (what survives a
-  failure on torchft 0.2.0; see README "Fault-tolerant training"), torchft's
+  failure on torchft 0.2.0; see docs/fault-tolerance.md), torchft's
   `Optimizer` (should_commit on every step);  on `ProcessGroupGradsync` (one
   private daemon) and on torchft's `ProcessGroupGloo`;
 * plain torch DDP on the same two backends (ddp_step's own runs, bucket 25 MB).

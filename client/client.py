@@ -378,7 +378,7 @@ class Client:
         `compression` ("bf16", "fp8" or "none") sets the wire format between
         daemons of a float32/float64 sum or avg (default: `GRADSYNC_COMPRESSION`
         where it applies); `error_feedback` adds each daemon's rounding residual
-        of this buffer to its next call (README, "Compression").
+        of this buffer to its next call (docs/compression.md).
         """
         self._check_open(probe=False)  # the fast page needs no daemon: probed below
         timeout_s = timeout_s or self.timeout_s
@@ -474,7 +474,7 @@ class Client:
             count=count, dtype=wire_dtype, op=reduce_op, timeout_s=timeout_s,
             algorithm=algorithm, waited_s=waited_s, compression=chosen.format,
             # A staged array's scratch slot serves other arrays too: the daemon keys
-            # residuals by slot, so a staged one gets none (README, "Compression").
+            # residuals by slot, so a staged one gets none (docs/compression.md).
             error_feedback=chosen.error_feedback and placed.on_finish is None,
         )
         return self._issue(

@@ -31,7 +31,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**
 
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
-    """Everything a daemon needs to know at start (README: "Settings")."""
+    """Everything a daemon needs to know at start (docs/running.md, "Settings")."""
 
     socket: str = dataclasses.field(default_factory=default_endpoint)
     threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)

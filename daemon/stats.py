@@ -149,7 +149,7 @@ class StatsRecorder:
             self.jobs[job].errors[code] += 1
 
     def snapshot(self, service: GradsyncService, links: Any = None) -> dict[str, Any]:
-        """One plain-data picture of the daemon (see README, "Statistics")."""
+        """One plain-data picture of the daemon (see docs/statistics.md)."""
         now = time.monotonic()
         config = service.config
         return {

@@ -54,10 +54,11 @@ def test_defaults() -> None:
     assert config.socket.startswith("ipc:///") and config.socket.endswith("/gradsyncd.sock")
 
 
-def test_the_readmes_settings_tables_name_every_setting_its_flag_and_default() -> None:
+def test_the_docs_settings_tables_name_every_setting_its_flag_and_default() -> None:
     """Docs that match: each setting once, with its flag and, where the code has
     a fixed default, that value (none is said in words)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    readme = "\n".join(page.read_text() for page in sorted(docs.glob("*.md")))
     rows = re.findall(r"^\| `([a-z_]+)` \| `(--[a-z-]+)` \| (.+?) \| ", readme, re.MULTILINE)
     documented = {name: (flag, default) for name, flag, default in rows}
     assert len(documented) == len(rows), "a setting is documented twice"
@@ -70,9 +71,9 @@ def test_the_readmes_settings_tables_name_every_setting_its_flag_and_default() -
         if field.default is dataclasses.MISSING:
             continue  # computed at start (the socket path, the core count)
         if field.default in (None, ()):
-            assert literal is None, f"{field.name}: README gives {default}, the code none"
+            assert literal is None, f"{field.name}: the docs give {default}, the code none"
             continue
-        assert literal is not None, f"{field.name}: README gives {default!r}, not a value"
+        assert literal is not None, f"{field.name}: the docs give {default!r}, not a value"
         text = literal.group(1)
         if isinstance(field.default, bool):
             assert text == str(field.default).lower(), field.name

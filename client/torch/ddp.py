@@ -96,7 +96,7 @@ class DistributedDataParallel(torch.nn.Module):
     which gradients became ready, and the buckets are rebuilt in rank 0's
     order (every rank the same) when it differs from the assumed one.
     `compression` ("bf16", "fp8") and `error_feedback` set the wire format of
-    float32/float64 buckets between daemons (README, "Compression").
+    float32/float64 buckets between daemons (docs/compression.md).
     """
 
     def __init__(
@@ -111,8 +111,8 @@ class DistributedDataParallel(torch.nn.Module):
         error_feedback: bool = False,
     ) -> None:
         super().__init__()
-        #: The wire format between daemons for float32/float64 buckets (README,
-        #: "Compression"; None: the client's default, GRADSYNC_COMPRESSION); other
+        #: The wire format between daemons for float32/float64 buckets
+        #: (docs/compression.md; None: the client's default, GRADSYNC_COMPRESSION); other
         #: buckets stay exact.
         self.compression = Compression.parse(compression, error_feedback)
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
