@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradsync.daemon.peers.endpoints import TcpEndpoint
+from gradsync.daemon.peers.link_counters import Counter
 from gradsync.daemon.peers.stream import (
     MAGIC,
     SEALED_MAGIC,
@@ -79,7 +80,7 @@ class DataPlane:
         name: str,
         identify: Callable[[str], str | None],
         on_message: Callable[[str, str, bytes, list[memoryview | PayloadSink]], None],
-        on_event: Callable[[str, str, str], None],
+        on_event: Callable[[Counter, str, str], None],
         on_broken: Callable[[str, str], None],
         limits: tuple[int, int, int],
         connect_timeout_s: float,
@@ -345,7 +346,7 @@ class DataPlane:
         self._receivers.discard(receiver)
         if exc is not None:
             label = receiver.peer or "a stranger"
-            counter = "stream_refused" if receiver.peer is None else "stream_failed"
+            counter: Counter = "stream_refused" if receiver.peer is None else "stream_failed"
             if isinstance(exc, StreamAuthError):
                 counter = "stream_auth_failed"
             self._on_event(counter, label, f"incoming data stream closed: {exc}")

@@ -37,6 +37,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from gradsync.daemon.peers.endpoints import TcpEndpoint
+from gradsync.daemon.peers.link_counters import LinkCounters
 from gradsync.daemon.peers.probe import LinkStats
 from gradsync.daemon.peers.socket_io import LoopSocket
 from gradsync.daemon.peers.wire import PING, encode_header
@@ -116,7 +117,7 @@ class LinkHealth:
         endpoint: str,
         peer_timeout_s: float,
         heartbeat_ivl_s: float,
-        counters: dict[str, int],
+        counters: LinkCounters,
         *,
         warn_once: Callable[..., None],
         on_up: Callable[[Link], None],
@@ -177,7 +178,7 @@ class LinkHealth:
                 if link.state == "up":
                     self.mark_lost(link)
             elif kind & _HANDSHAKE_FAILED:
-                self._counters["handshake_failed"] += 1
+                self._counters.add("handshake_failed")
                 link.handshake_error = zmq.Event(kind).name
                 self._warn_once(
                     f"handshake:{link.name}",
@@ -292,7 +293,7 @@ class LinkHealth:
 
     def mark_lost(self, link: Link) -> None:
         link.state = "lost"
-        self._counters["peer_lost"] += 1
+        self._counters.add("peer_lost")
         if link.leaving:
             log.info("peer %s left: it shut down", link.name)
         else:

@@ -103,7 +103,7 @@ class IncomingMessages:
 
     def _deliver(self, message: PeerMessage) -> None:
         """Hand an accepted application message to the events."""
-        self._counters.values["received"] += 1
+        self._counters.add("received")
         self._events.message(message)
 
     def _accept(self, frames: list[zmq.Frame]) -> PeerMessage | None:
@@ -166,9 +166,9 @@ class IncomingMessages:
             self._counters.drop("malformed", peer, str(exc))
             return
         self._links[peer].last_heard = time.monotonic()
-        self._counters.values["stream_received"] += 1
+        self._counters.add("stream_received")
         if self._data is not None and self._data.sealed:
-            self._counters.values["stream_encrypted_received"] += 1
+            self._counters.add("stream_encrypted_received")
         self._deliver(PeerMessage(peer, header, list(payloads)))
 
     def on_dealer_frames(self, link: Link, frames: list[zmq.Frame]) -> None:

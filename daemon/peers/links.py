@@ -52,7 +52,7 @@ from gradsync.daemon.peers.events import PeerEvents
 from gradsync.daemon.peers.health import Link, LinkHealth, PeerState
 from gradsync.daemon.peers.incoming import IncomingMessages
 from gradsync.daemon.peers.keys import CurveConfig
-from gradsync.daemon.peers.link_counters import LinkCounters
+from gradsync.daemon.peers.link_counters import Counter, LinkCounters
 from gradsync.daemon.peers.link_sockets import LinkSockets
 from gradsync.daemon.peers.link_table import LinkTable
 from gradsync.daemon.peers.outgoing import MessageFramer, Payload, raise_down, send_frames
@@ -178,9 +178,8 @@ class PeerLinks:
         self._events = events
         keys = self._table.load_keys(curve) if curve is not None and self._links else None
         self._counters = LinkCounters()
-        self.counters: dict[str, int] = self._counters.values
         self._health = LinkHealth(
-            self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self.counters,
+            self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self._counters,
             warn_once=self._counters.warn_once, on_up=self._link_up, on_lost=self._link_lost,
             closed=lambda: self._closed,
         )
@@ -199,6 +198,11 @@ class PeerLinks:
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The links' counters so far, by name (link_counters.LinkCounts)."""
+        return self._counters.as_dict()
 
     async def start(self) -> None:
         """Bind the ROUTER, connect the DEALERs, start the background tasks."""
@@ -402,7 +406,7 @@ class PeerLinks:
                 raise_down(link, down)
             return
         await send_frames(link, self._framer.frames(header, payloads), wait_sent, self._closed)
-        self.counters["sent"] += 1
+        self._counters.sent()
 
     def send_nowait(
         self,
@@ -432,14 +436,11 @@ class PeerLinks:
         if stream is not None:
             written = stream.send(message_head(frames[0], [f.nbytes for f in frames[1:]]),
                                   frames[1:])
-            self.counters["sent"] += 1
-            self.counters["stream_sent"] += 1
-            if stream.sealed:
-                self.counters["stream_encrypted_sent"] += 1
+            self._counters.sent(stream=True, sealed=stream.sealed)
             # Done (with None: no tracker to wait for) once the kernel has it all.
             return cast("asyncio.Future[zmq.MessageTracker | None]", written)
         sending: asyncio.Future[zmq.MessageTracker | None] = link.dealer.send(frames, track)
-        self.counters["sent"] += 1
+        self._counters.sent()
         return sending
 
     def _stream_for(self, link: Link, header: Mapping[str, Any]) -> StreamSender | None:
@@ -495,14 +496,14 @@ class PeerLinks:
                 log.info("peer %s did not answer our goodbye (%s)", link.name,
                          type(result).__name__)
 
-    def _stream_event(self, counter: str, peer: str, reason: str) -> None:
+    def _stream_event(self, counter: Counter, peer: str, reason: str) -> None:
         """A data stream refused or broken: counted, and a warning unless the peer
         said goodbye (its streams end as it shuts down)."""
         link = self._links.get(peer)
         if link is not None and counter == "stream_failed":
             link.stream_error = reason
         if link is not None and link.leaving:
-            self._counters.values[counter] += 1
+            self._counters.add(counter)
             log.info("peer %s: %s (it is shutting down)", peer, reason)
             return
         self._counters.stream_event(counter, peer, reason)
