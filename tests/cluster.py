@@ -8,6 +8,7 @@ from pathlib import Path
 
 from benchmarks.topology import free_ports
 from conftest import DaemonProcess, RankResult, assert_all_exited_0, collect, spawn_rank
+from gradsync.client.cli.keygen import generate_keypair
 
 __all__ = ["curve_args", "free_ports", "peer_args", "run_spread", "spawn_spread"]
 
@@ -55,14 +56,11 @@ def run_spread(
 
 
 def curve_args(folder: Path, endpoints: Sequence[str]) -> list[list[str]]:
-    """Keys for daemons at `endpoints` (`gradsync keygen`, one folder holding every
-    public key): each daemon's CURVE flags."""
-    import sys
-
+    """Keys for daemons at `endpoints` (what `gradsync keygen` writes, made in this
+    process: tests/test_keygen.py covers the command; one folder holding every public
+    key): each daemon's CURVE flags."""
     folder.mkdir(mode=0o700, exist_ok=True)
     for index, endpoint in enumerate(endpoints):  # node<i>.key and node<i>.key_secret
-        keygen = ["keygen", str(folder), "--name", f"node{index}", "--endpoint", endpoint]
-        subprocess.run([sys.executable, "-m", "gradsync.client.cli", *keygen],
-                       check=True, capture_output=True, timeout=60)
+        generate_keypair(str(folder), f"node{index}", endpoint)
     return [["--curve-secret", str(folder / f"node{index}.key_secret"),
              "--curve-authorized", str(folder)] for index in range(len(endpoints))]

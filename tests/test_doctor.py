@@ -24,6 +24,7 @@ from cluster import free_ports, peer_args
 
 from benchmarks.topology import namespaces, namespaces_unavailable
 from conftest import DaemonProcess, poll_until
+from gradsync.client.cli.keygen import generate_keypair
 
 pytestmark = pytest.mark.timeout(120)
 StartDaemon = Callable[..., DaemonProcess]
@@ -108,8 +109,7 @@ def test_peer_link_and_port(start_daemon: StartDaemon) -> None:
 
 
 def test_secret_key_mode(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(tmp_path),
-                    "--name", "n0"], check=True, capture_output=True, timeout=60)
+    generate_keypair(str(tmp_path), "n0")
     secret = tmp_path / "n0.key_secret"
     keys = ["--curve-secret", str(secret), "--curve-authorized", str(tmp_path),
             "--daemon", "ipc:///nonexistent/d.sock"]
@@ -134,11 +134,9 @@ def test_open_file_limit() -> None:
 
 
 def keygen(folder: Path, name: str, endpoint: str) -> Path:
-    """A node's CURVE key pair in `folder` (NAME.key, NAME.key_secret)."""
-    subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(folder),
-                    "--name", name, "--endpoint", endpoint], check=True, capture_output=True,
-                   timeout=60)
-    return folder / f"{name}.key"
+    """A node's CURVE key pair in `folder` (NAME.key, NAME.key_secret), as `gradsync
+    keygen` writes it (tests/test_keygen.py covers the command)."""
+    return Path(generate_keypair(str(folder), name, endpoint)[0])
 
 
 def test_a_peer_presenting_another_key_than_the_one_on_file(

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from cluster import free_ports, peer_args, run_spread, spawn_spread
+from cluster import curve_args, free_ports, peer_args, run_spread, spawn_spread
 
 from conftest import PROGRAMS, DaemonProcess, collect, poll_until, spawn_rank
+from gradsync.client.cli.keygen import generate_keypair
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
 from gradsync.daemon.core.membership import Announcement, form
@@ -317,11 +318,9 @@ def test_curve_links_work_and_unknown_keys_are_rejected(
     for folder in (keys, authorized, rogue):
         folder.mkdir(mode=0o700)
     for index, endpoint in enumerate(endpoints):
-        subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(keys),
-                        "--name", f"node{index}", "--endpoint", endpoint], check=True)
+        generate_keypair(str(keys), f"node{index}", endpoint)
         os.link(keys / f"node{index}.key", authorized / f"node{index}.key")
-    subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(rogue),
-                    "--name", "intruder", "--endpoint", intruder_endpoint], check=True)
+    generate_keypair(str(rogue), "intruder", intruder_endpoint)
     daemons = [
         start_daemon(*peer_args(i, endpoints, "--curve-secret", str(keys / f"node{i}.key_secret"),
                                 "--curve-authorized", str(authorized)))
@@ -500,14 +499,9 @@ def curve_daemons(
     """`count` daemons peered over 127.0.0.1 with CURVE keys (their data streams are
     sealed) and a short peer timeout."""
     endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
-    keys.mkdir(mode=0o700)
-    for index, endpoint in enumerate(endpoints):  # node<i>.key and node<i>.key_secret
-        keygen = ["keygen", str(keys), "--name", f"node{index}", "--endpoint", endpoint]
-        subprocess.run([sys.executable, "-m", "gradsync.client.cli", *keygen],
-                       check=True, capture_output=True, timeout=60)
+    flags = curve_args(keys, endpoints)
     daemons = [
-        start_daemon(*peer_args(i, endpoints, "--curve-secret", str(keys / f"node{i}.key_secret"),
-                                "--curve-authorized", str(keys),
+        start_daemon(*peer_args(i, endpoints, *flags[i],
                                 "--peer-timeout-s", str(PEER_TIMEOUT_S)))
         for i in range(count)
     ]

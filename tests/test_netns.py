@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cluster import run_spread, spawn_spread
+from cluster import curve_args, run_spread, spawn_spread
 
 from conftest import DaemonProcess, collect, poll_until
 
@@ -138,17 +137,11 @@ def test_a_cut_link_with_data_in_flight_fails_both_sides_within_the_peer_timeout
     endpoints = [f"tcp://{SUBNET}.{i}:29400" for i in (1, 2)]
     peers = ",".join(endpoints)
     keys = Path(short_tmp) / "keys"
-    keys.mkdir(mode=0o700)
-    for index, endpoint in enumerate(endpoints):
-        subprocess.run([sys.executable, "-m", "gradsync.client.cli", "keygen", str(keys),
-                        "--name", f"node{index}", "--endpoint", endpoint],
-                       check=True, capture_output=True, timeout=60)
+    flags = curve_args(keys, endpoints)
     daemons = [
         start_daemon("--listen", endpoints[i], "--peers", peers,
                      "--peer-timeout-s", str(peer_timeout_s),
-                     *(["--curve-secret", str(keys / f"node{i}.key_secret"),
-                        "--curve-authorized", str(keys)] if security == "curve"
-                       else ["--insecure"]),
+                     *(flags[i] if security == "curve" else ["--insecure"]),
                      prefix=["ip", "netns", "exec", two_hosts[i]])
         for i in range(2)
     ]
