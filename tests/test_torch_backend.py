@@ -187,12 +187,15 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(
     if layout == "one daemon":
         daemons = [start_daemon()]
         processes = spawn_ranks(daemons[0].endpoint, "torch_backend_fail.py", 3,
-                                env={**rendezvous_env(), "GRADSYNC_TEST_TIMEOUT_S": "40"})
+                                env={**rendezvous_env(), "GRADSYNC_TEST_TIMEOUT_S": "40",
+                                     "GRADSYNC_TEST_DAEMONS": daemons[0].endpoint})
     else:
         endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
         daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(2)]
         processes = spawn_spread(daemons, (2, 1), "torch_backend_fail.py",
-                                 env={**rendezvous_env(), "GRADSYNC_TEST_TIMEOUT_S": "40"})
+                                 env={**rendezvous_env(), "GRADSYNC_TEST_TIMEOUT_S": "40",
+                                      "GRADSYNC_TEST_DAEMONS": ",".join(
+                                          daemon.endpoint for daemon in daemons)})
     results = collect(processes, 110)
     assert results[-1].returncode == -9
     for result in results[:-1]:

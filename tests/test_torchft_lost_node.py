@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("torchft")
 
 from benchmarks.topology import namespaces, namespaces_unavailable
+from gradsync.client.cli.stats import fetch_snapshot
 from tests.cluster import free_ports, peer_args
 from tests.conftest import PROGRAMS, DaemonProcess, poll_until
 
@@ -37,6 +38,15 @@ CUT_AT = 4
 #: torchft's default collective timeout: what gloo would wait.
 TORCHFT_TIMEOUT_S = 60
 PEER_TIMEOUT_S = 2
+
+
+def survivors_wait_for(daemon: DaemonProcess, peer: str) -> bool:
+    """Whether a collective on `daemon` has all its local ranks in and waits for `peer`."""
+    for job in fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"].values():
+        for entry in job.get("in_flight") or []:
+            if peer in (entry.get("waiting_for_peers") or []):
+                return True
+    return False
 
 
 def records(out: str) -> list[dict[str, Any]]:
@@ -85,7 +95,8 @@ def test_a_vanished_node_costs_the_survivors_one_step_not_the_timeout(
                 raise AssertionError(f"{exc}\n" + "\n".join(
                     f"replica {r}:\n{out[-2000:]}\n{err[-4000:]}"
                     for r, (out, err) in enumerate(said))) from None
-            time.sleep(0.5)  # the survivors are in the step's allreduces by now
+            poll_until(lambda: survivors_wait_for(daemons[0], endpoints[1]), 60,
+                       "the survivors' allreduce of the step to wait on the second node")
             cut = time.time()
             subprocess.run(["ip", "-n", str(topo.namespaces[1]), "link", "set", topo.interfaces[1],
                             "down"], check=True, timeout=30)
