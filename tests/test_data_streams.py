@@ -25,7 +25,7 @@ from cluster import free_ports
 from peer_events import Events
 from test_peer_links import FAST, READY_S, TESTS, poll, run
 
-from gradsync.daemon.peers import CurveConfig, PeerLinks
+from gradsync.daemon.peers import CurveConfig, LinkSettings, PeerLinks
 from gradsync.daemon.peers.stream import encode_hello, message_head
 from gradsync.protocol.errors import PeerLostError
 from gradsync.protocol.peer import PEER_PROTOCOL_VERSION
@@ -48,8 +48,10 @@ async def start_streaming(
     sealed streams); returns once every stream is open."""
     curve: list[CurveConfig | None] = [None] * len(names) if configs is None else [*configs]
     links = [
-        PeerLinks(name, names, config, events=inbox, insecure=config is None, kinds=KINDS,
-                  stream_kinds=STREAM, **{**FAST, **options})
+        PeerLinks(LinkSettings(
+            name, names, config, insecure=config is None, kinds=KINDS, stream_kinds=STREAM,
+            **{**FAST, **options},
+        ), events=inbox)
         for name, config, inbox in zip(names, curve, events, strict=True)
     ]
     for link in links:
@@ -204,8 +206,9 @@ def test_a_stream_that_breaks_mid_message_is_reported_and_the_link_goes_on() -> 
         names = endpoints(2)
         events_a, events_b = events = [Events(), Events(on_place)]
         links = [
-            PeerLinks(name, names, events=inbox, insecure=True, kinds=KINDS,
-                      stream_kinds=STREAM, **FAST)
+            PeerLinks(LinkSettings(
+                name, names, insecure=True, kinds=KINDS, stream_kinds=STREAM, **FAST,
+            ), events=inbox)
             for name, inbox in zip(names, events, strict=True)
         ]
         a, b = links
@@ -261,7 +264,9 @@ def test_a_stream_send_keeps_the_buffer_until_the_kernel_has_it() -> None:
 def test_no_stream_kinds_means_no_streams() -> None:
     async def main() -> None:
         names = endpoints(2)
-        plain = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS, **FAST)
+        plain = PeerLinks(LinkSettings(
+            names[0], names, insecure=True, kinds=KINDS, **FAST,
+        ), events=Events())
         await plain.start()
         try:
             assert plain.data_port is None and not plain.stream_open(names[1])
@@ -312,8 +317,9 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
 
     async def main() -> None:
         events = Events()
-        a = PeerLinks(names[0], names, events=events, insecure=True, kinds=KINDS,
-                      stream_kinds=STREAM, **FAST)
+        a = PeerLinks(LinkSettings(
+            names[0], names, insecure=True, kinds=KINDS, stream_kinds=STREAM, **FAST,
+        ), events=events)
         await a.start()
         try:
             fields = await asyncio.to_thread(pong_fields, names)
@@ -345,8 +351,9 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
             assert await asyncio.to_thread(closed_by_peer, impostor)
             await poll(lambda: a.counters["stream_failed"] == 1, READY_S, "the broken stream")
             # The real peer still gets through, over ZeroMQ and then its own stream.
-            b = PeerLinks(names[1], names, events=Events(), insecure=True, kinds=KINDS,
-                          stream_kinds=STREAM, **FAST)
+            b = PeerLinks(LinkSettings(
+                names[1], names, insecure=True, kinds=KINDS, stream_kinds=STREAM, **FAST,
+            ), events=Events())
             await b.start()
             try:
                 await b.wait_up(READY_S)
@@ -366,13 +373,15 @@ def test_bad_streams_are_refused_without_disturbing_the_links() -> None:
 CHILD = """
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[4])
-from gradsync.daemon.peers import CurveConfig, PeerLinks
+from gradsync.daemon.peers import CurveConfig, LinkSettings, PeerLinks
 from peer_events import Events
 
 async def main():
-    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), events=Events(), insecure=True,
-                      kinds=["chunk", "note"], stream_kinds=["chunk"],
-                      peer_timeout_s=float(sys.argv[3]), probe_bytes=0, probe_rounds=1)
+    links = PeerLinks(LinkSettings(sys.argv[1], json.loads(sys.argv[2]), insecure=True,
+                                   kinds=["chunk", "note"], stream_kinds=["chunk"],
+                                   peer_timeout_s=float(sys.argv[3]), probe_bytes=0,
+                                   probe_rounds=1),
+                      events=Events())
     await links.start()
     print("started", flush=True)
     await asyncio.Event().wait()  # until killed
@@ -394,9 +403,10 @@ def test_stream_sends_waiting_for_a_lost_peer_fail_instead_of_hanging() -> None:
     )
 
     async def main() -> None:
-        links = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS,
-                          stream_kinds=STREAM, peer_timeout_s=peer_timeout_s, probe_bytes=0,
-                          probe_rounds=1)
+        links = PeerLinks(LinkSettings(
+            names[0], names, insecure=True, kinds=KINDS, stream_kinds=STREAM,
+            peer_timeout_s=peer_timeout_s, probe_bytes=0, probe_rounds=1,
+        ), events=Events())
         await links.start()
         try:
             await links.wait_up(READY_S)

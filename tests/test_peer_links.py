@@ -33,6 +33,7 @@ from gradsync.daemon.config import ConfigError
 from gradsync.daemon.peers import (
     CurveConfig,
     KeyFileError,
+    LinkSettings,
     PeerLinks,
     PeerMessage,
     load_secret,
@@ -94,8 +95,9 @@ async def start_all(
     names: list[str], configs: list[CurveConfig | None], events: list[Events], **options: Any
 ) -> list[PeerLinks]:
     links = [
-        PeerLinks(name, names, config, events=inbox, insecure=config is None, kinds=KINDS,
-                  **{**FAST, **options})
+        PeerLinks(LinkSettings(
+            name, names, config, insecure=config is None, kinds=KINDS, **{**FAST, **options},
+        ), events=inbox)
         for name, config, inbox in zip(names, configs, events, strict=True)
     ]
     for link in links:
@@ -205,33 +207,32 @@ def test_sending_zero_copy_waits_until_buffers_are_released() -> None:
 def test_missing_keys_without_insecure_raises() -> None:
     names = endpoints(2)
     with pytest.raises(ConfigError, match=r"--curve-secret.*--curve-authorized.*--insecure"):
-        PeerLinks(names[0], names, events=Events())
-    PeerLinks(names[0], [names[0]], events=Events())  # alone: nothing to secure, nothing bound
+        PeerLinks(LinkSettings(names[0], names), events=Events())
+    # Alone: nothing to secure, nothing bound.
+    PeerLinks(LinkSettings(names[0], [names[0]]), events=Events())
 
 
 def test_self_is_recognised_under_an_equivalent_address() -> None:
     own, other = free_ports(2)
-    links = PeerLinks(
-        f"tcp://127.0.0.1:{own}",
-        [f"tcp://localhost:{own}", f"tcp://127.0.0.1:{other}"],
-        events=Events(), insecure=True,
-    )
+    links = PeerLinks(LinkSettings(
+        f"tcp://127.0.0.1:{own}", [f"tcp://localhost:{own}", f"tcp://127.0.0.1:{other}"],
+        insecure=True,
+    ), events=Events())
     assert links.endpoint == f"tcp://localhost:{own}"
     assert links.peers == (f"tcp://127.0.0.1:{other}",)
-    wildcard = PeerLinks(
-        f"tcp://*:{own}", [f"tcp://127.0.0.1:{own}", f"tcp://127.0.0.1:{other}"],
-        events=Events(), insecure=True,
-    )
+    wildcard = PeerLinks(LinkSettings(
+        f"tcp://*:{own}", [f"tcp://127.0.0.1:{own}", f"tcp://127.0.0.1:{other}"], insecure=True,
+    ), events=Events())
     assert wildcard.peers == (f"tcp://127.0.0.1:{other}",)
     with pytest.raises(ConfigError, match="twice"):
-        PeerLinks(
-            f"tcp://127.0.0.1:{own}",
-            [f"tcp://127.0.0.1:{other}", f"tcp://localhost:{other}"],
-            events=Events(), insecure=True,
-        )
+        PeerLinks(LinkSettings(
+            f"tcp://127.0.0.1:{own}", [f"tcp://127.0.0.1:{other}", f"tcp://localhost:{other}"],
+            insecure=True,
+        ), events=Events())
     with pytest.raises(ConfigError, match="list this daemon's own address"):
-        PeerLinks(f"tcp://*:{own}", [f"tcp://127.0.0.1:{other}"], events=Events(),
-                  insecure=True)
+        PeerLinks(LinkSettings(
+            f"tcp://*:{own}", [f"tcp://127.0.0.1:{other}"], insecure=True,
+        ), events=Events())
 
 
 def test_peers_file(tmp_path: Path) -> None:
@@ -253,7 +254,7 @@ def test_secret_key_readable_by_others_is_refused(
     config = keys(names)[0]
     os.chmod(config.secret_file, 0o644)
     with pytest.raises(KeyFileError, match=rf"{config.secret_file} has mode 0644"):
-        PeerLinks(names[0], names, config, events=Events())
+        PeerLinks(LinkSettings(names[0], names, config), events=Events())
 
 
 def test_peer_without_recorded_endpoint_is_refused(tmp_path: Path) -> None:
@@ -264,7 +265,7 @@ def test_peer_without_recorded_endpoint_is_refused(tmp_path: Path) -> None:
     public_b, _ = generate_keypair(str(tmp_path / "b"), "b")  # no --endpoint
     os.replace(public_b, folder / "b.key")
     with pytest.raises(KeyFileError, match=rf"records the endpoint of peer {names[1]}"):
-        PeerLinks(names[0], names, CurveConfig(secret, str(folder)), events=Events())
+        PeerLinks(LinkSettings(names[0], names, CurveConfig(secret, str(folder))), events=Events())
 
 
 # -- authentication ------------------------------------------------------------------
@@ -287,10 +288,9 @@ def test_unknown_key_never_delivers_and_is_counted(
         events = [Events(), Events()]
         a, b = await start_all(names, [config_a, config_b], events)
         rogue_keys = CurveConfig(rogue_secret, str(rogue_folder))
-        rogue = PeerLinks(
-            rogue_endpoint, [rogue_endpoint, names[0]], rogue_keys, events=Events(),
-            kinds=KINDS, **FAST
-        )
+        rogue = PeerLinks(LinkSettings(
+            rogue_endpoint, [rogue_endpoint, names[0]], rogue_keys, kinds=KINDS, **FAST,
+        ), events=Events())
         await rogue.start()
         # A raw CURVE socket with the rogue key, queueing messages before the handshake.
         context = zmq.asyncio.Context()
@@ -330,8 +330,12 @@ def test_authorised_daemon_cannot_speak_for_another(
 
     async def main() -> None:
         events_a = Events()
-        a = PeerLinks(names[0], names, configs[0], events=events_a, kinds=KINDS, **FAST)
-        b = PeerLinks(names[1], names, configs[1], events=Events(), kinds=KINDS, **FAST)
+        a = PeerLinks(LinkSettings(
+            names[0], names, configs[0], kinds=KINDS, **FAST,
+        ), events=events_a)
+        b = PeerLinks(LinkSettings(
+            names[1], names, configs[1], kinds=KINDS, **FAST,
+        ), events=Events())
         for links in (a, b):
             await links.start()
         await a.wait_up(READY_S, [names[1]])
@@ -398,7 +402,9 @@ def test_malformed_messages_are_dropped_and_counted() -> None:
 
     async def main() -> None:
         events = Events()
-        a = PeerLinks(names[0], names, events=events, insecure=True, kinds=KINDS, **FAST)
+        a = PeerLinks(LinkSettings(
+            names[0], names, insecure=True, kinds=KINDS, **FAST,
+        ), events=events)
         await a.start()
         context = zmq.asyncio.Context()
         try:
@@ -430,12 +436,13 @@ def test_malformed_messages_are_dropped_and_counted() -> None:
 CHILD = """
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[4])
-from gradsync.daemon.peers import PeerLinks
+from gradsync.daemon.peers import LinkSettings, PeerLinks
 from peer_events import Events
 
 async def main():
-    links = PeerLinks(sys.argv[1], json.loads(sys.argv[2]), events=Events(), insecure=True,
-                      peer_timeout_s=float(sys.argv[3]), probe_bytes=1 << 20)
+    links = PeerLinks(LinkSettings(sys.argv[1], json.loads(sys.argv[2]), insecure=True,
+                                   peer_timeout_s=float(sys.argv[3]), probe_bytes=1 << 20),
+                      events=Events())
     await links.start()
     print("started", flush=True)
     await asyncio.Event().wait()  # until killed
@@ -469,10 +476,9 @@ def notice_loss(how: signal.Signals) -> None:
     events = Events()
 
     async def main(child: subprocess.Popen[str]) -> None:
-        links = PeerLinks(
-            names[0], names, events=events, insecure=True, kinds=KINDS,
-            peer_timeout_s=peer_timeout_s,
-        )
+        links = PeerLinks(LinkSettings(
+            names[0], names, insecure=True, kinds=KINDS, peer_timeout_s=peer_timeout_s,
+        ), events=events)
         await links.start()
         try:
             try:
@@ -521,8 +527,10 @@ def test_sends_waiting_for_a_lost_peer_fail_instead_of_hanging() -> None:
     names = endpoints(2)
 
     async def main(child: subprocess.Popen[str]) -> None:
-        links = PeerLinks(names[0], names, events=Events(), insecure=True, kinds=KINDS,
-                          peer_timeout_s=peer_timeout_s, probe_bytes=0, probe_rounds=1)
+        links = PeerLinks(LinkSettings(
+            names[0], names, insecure=True, kinds=KINDS, peer_timeout_s=peer_timeout_s,
+            probe_bytes=0, probe_rounds=1,
+        ), events=Events())
         await links.start()
         try:
             await links.wait_up(READY_S)

@@ -27,7 +27,7 @@ from peer_events import Events
 from test_data_streams import KINDS, STREAM, Sink, close_all, start_streaming
 from test_peer_links import FAST, READY_S, keys, poll, run  # noqa: F401 (keys: a fixture)
 
-from gradsync.daemon.peers import CurveConfig, PeerLinks
+from gradsync.daemon.peers import CurveConfig, LinkSettings, PeerLinks
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import parse_tcp_endpoint
 from gradsync.daemon.peers.stream import SEALED_MAGIC, PayloadSink, encode_hello, message_head
@@ -435,8 +435,9 @@ def test_unauthorised_key_gets_no_offer_and_no_stream(
     async def main() -> None:
         configs = keys(names)
         events = Events()
-        a = PeerLinks(names[0], names, configs[0], events=events, kinds=KINDS,
-                      stream_kinds=STREAM, **FAST)
+        a = PeerLinks(LinkSettings(
+            names[0], names, configs[0], kinds=KINDS, stream_kinds=STREAM, **FAST,
+        ), events=events)
         await a.start()
         try:
             port = a.data_port

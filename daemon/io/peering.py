@@ -14,6 +14,7 @@ from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.peers.keys import CurveConfig
+from gradsync.daemon.peers.link_settings import LinkSettings
 from gradsync.daemon.peers.links import PeerLinks
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.protocol.peer import MESSAGES, STREAM_KINDS
@@ -47,11 +48,10 @@ class Peering:
         # The cluster core hears what the links hear (it is their PeerEvents), and
         # sends through them (they are its PeerTransport).
         self.cluster = ClusterJobs(config, service.jobs, service.clock.now, service.stats)
-        self.links = PeerLinks(
+        settings = LinkSettings(
             config.listen,
             list(config.all_peers()),
             curve,
-            events=self.cluster,
             insecure=config.insecure,
             kinds=MESSAGES,
             # A withdraw follows the sender's slices down the same stream: a daemon
@@ -62,6 +62,7 @@ class Peering:
             data_port=config.data_port,
             data_advertise=config.data_advertise,
         )
+        self.links = PeerLinks(settings, events=self.cluster)
         self.cluster.connect(self.links, service.runs)
         runner = CrossDaemonRunner(
             self.cluster, service.loop, service.run_call, service.stats, service.trace,

@@ -43,6 +43,7 @@ from gradsync.daemon.peers.keys import (
     load_secret,
 )
 from gradsync.daemon.peers.link_counters import COUNTERS
+from gradsync.daemon.peers.link_settings import LinkSettings
 from gradsync.daemon.peers.links import PeerLinks
 from gradsync.daemon.peers.probe import LinkStats
 
@@ -51,6 +52,7 @@ __all__ = [
     "Certificate",
     "CurveConfig",
     "KeyFileError",
+    "LinkSettings",
     "LinkStats",
     "PeerEvents",
     "PeerLinks",

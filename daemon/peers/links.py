@@ -40,19 +40,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import zmq
 
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
-from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint
 from gradsync.daemon.peers.events import PeerEvents
 from gradsync.daemon.peers.health import Link, LinkHealth, PeerState
 from gradsync.daemon.peers.incoming import IncomingMessages
-from gradsync.daemon.peers.keys import CurveConfig
 from gradsync.daemon.peers.link_counters import Counter, LinkCounters
+from gradsync.daemon.peers.link_settings import LinkSettings
 from gradsync.daemon.peers.link_sockets import LinkSockets
 from gradsync.daemon.peers.link_table import LinkTable
 from gradsync.daemon.peers.outgoing import MessageFramer, Payload, raise_down, send_frames
@@ -66,7 +65,7 @@ from gradsync.daemon.peers.wire import (
     check_kinds,
     encode_header,
 )
-from gradsync.protocol.codec import MAX_FRAME_BYTES, is_integer
+from gradsync.protocol.codec import MAX_FRAME_BYTES
 from gradsync.protocol.errors import (
     DaemonShuttingDownError,
     InvalidArgumentError,
@@ -89,92 +88,42 @@ class PeerLinks:
     are named by the endpoint strings given in `peers`.
     """
 
-    def __init__(
-        self,
-        listen: str,
-        peers: Sequence[str],
-        curve: CurveConfig | None = None,
-        *,
-        events: PeerEvents,
-        insecure: bool = False,
-        kinds: Collection[str] = (),
-        stream_kinds: Collection[str] = (),
-        peer_timeout_s: float = 10.0,
-        heartbeat_ivl_s: float | None = None,
-        probe_rounds: int = 5,
-        probe_bytes: int = 4 * 1024 * 1024,
-        max_payload_bytes: int = 1 << 31,
-        io_threads: int = 1,
-        place_min_bytes: int = 64 * 1024,
-        data_port: int = 0,
-        data_advertise: str | None = None,
-    ) -> None:
+    def __init__(self, settings: LinkSettings, *, events: PeerEvents) -> None:
         """Check the settings and load the keys; nothing is bound before `start()`.
 
-        `kinds` are the application message kinds accepted from peers; those
-        of `stream_kinds` go over TCP data streams once they are open (see
-        `stream.py`): plaintext on `insecure` links, AEAD-sealed on CURVE ones.
         `events` hears of each accepted message, of links that come up or are
         lost and of broken data streams, and may place a stream message's
-        payloads before they arrive (only messages of at least `place_min_bytes`).
-        The data streams listen on `data_port` of `listen`'s host (0: any free
-        port); peers open them at `data_advertise` (`HOST:PORT`) if given, for
-        a NAT or port forward in between, else at that host and port.
-        Raises `ConfigError` (`KeyFileError` for key files) with a message
-        naming the setting when something cannot work.
+        payloads before they arrive.  Raises `ConfigError` (`KeyFileError` for
+        key files) with a message naming the setting when something cannot work.
         """
-        try:
-            self._listen = parse_tcp_endpoint(listen)
-        except ValueError as exc:
-            raise ConfigError(f"bad value for 'listen': {exc}") from None
-        if not peer_timeout_s > 0:
-            raise ConfigError(f"peer_timeout_s must be positive, got {peer_timeout_s!r}")
-        heartbeat = peer_timeout_s / 4 if heartbeat_ivl_s is None else heartbeat_ivl_s
-        if not 0 < heartbeat < peer_timeout_s:
-            raise ConfigError(
-                f"heartbeat_ivl_s must be positive and below peer_timeout_s "
-                f"({peer_timeout_s}), got {heartbeat_ivl_s!r}"
-            )
-        if max_payload_bytes < 1024 * 1024:
-            raise ConfigError("max_payload_bytes must be at least 1 MiB")
-        if probe_rounds < 1 or probe_bytes < 0 or io_threads < 1:
-            raise ConfigError(
-                "probe_rounds and io_threads must be at least 1, probe_bytes at least 0"
-            )
+        settings.check()
+        self.settings = settings
+        self._listen = settings.listen_endpoint()
         #: Which peer is which; raises ConfigError for bad or doubled `peers`.
-        self._table = LinkTable(listen, self._listen, peers)
+        self._table = LinkTable(settings.listen, self._listen, settings.peers)
         #: This daemon's name among peers, and its routing id on every DEALER.
         self.endpoint: str = self._table.endpoint
         self._links = self._table.links
-        if self._links and curve is None and not insecure:
+        curve = self.curve = settings.curve
+        self.insecure = settings.insecure
+        if self._links and curve is None and not self.insecure:
             raise ConfigError(
                 "peer links need CURVE keys: pass --curve-secret FILE and "
                 "--curve-authorized DIR (create keys with `gradsync keygen`), or pass "
                 "--insecure to run unauthenticated and unencrypted on a trusted network"
             )
-        if curve is not None and insecure:
-            raise ConfigError("pass either CURVE keys or --insecure, not both")
-        self.curve = curve
-        self.insecure = insecure
-        self._kinds = check_kinds(kinds)
-        self._stream_kinds = frozenset(stream_kinds)
+        self._kinds = check_kinds(settings.kinds)
+        self._stream_kinds = frozenset(settings.stream_kinds)
         if not self._stream_kinds <= self._kinds:
             raise InvalidArgumentError("stream_kinds must be among kinds")
         self._data: DataPlane | None = None
-        if not (is_integer(data_port) and 0 <= data_port < 65536):
-            raise ConfigError(f"bad value for 'data_port': {data_port!r} is not a port")
-        self._data_port = data_port
-        self._data_advertise: TcpEndpoint | None = None
-        if data_advertise is not None:
-            try:
-                self._data_advertise = parse_tcp_endpoint("tcp://" + data_advertise)
-            except ValueError as exc:
-                raise ConfigError(f"bad value for 'data_advertise': {exc}") from None
-        self._peer_timeout_s = float(peer_timeout_s)
-        self._heartbeat_ivl_s = float(heartbeat)
-        self._probe_rounds = probe_rounds
-        self._probe_bytes = probe_bytes
-        self._max_payload_bytes = max_payload_bytes
+        self._data_port = settings.data_port
+        self._data_advertise = settings.advertised_data_endpoint()
+        self._peer_timeout_s = float(settings.peer_timeout_s)
+        self._heartbeat_ivl_s = settings.heartbeat_s
+        self._probe_rounds = settings.probe_rounds
+        self._probe_bytes = settings.probe_bytes
+        self._max_payload_bytes = max_payload_bytes = settings.max_payload_bytes
         self._events = events
         keys = self._table.load_keys(curve) if curve is not None and self._links else None
         self._counters = LinkCounters()
@@ -185,12 +134,12 @@ class PeerLinks:
         )
         self._sockets = LinkSockets(
             self._listen, self.endpoint, self._links, keys, self._health, self._counters,
-            max_payload_bytes=max_payload_bytes, io_threads=io_threads,
+            max_payload_bytes=max_payload_bytes, io_threads=settings.io_threads,
         )
         self._framer = MessageFramer(self.endpoint, self._kinds, max_payload_bytes)
         self._incoming = IncomingMessages(
             self._table, self._counters, events, kinds=self._kinds,
-            stream_kinds=self._stream_kinds, place_min_bytes=place_min_bytes,
+            stream_kinds=self._stream_kinds, place_min_bytes=settings.place_min_bytes,
             closed=lambda: self._closed,
         )
         self._changed = asyncio.Event()
