@@ -22,10 +22,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradsync.daemon.algorithms.calibration import CostMeter
-from gradsync.daemon.backends.wire_codec import CODECS
+from gradsync.daemon.backends.wire_codec import CODECS, WireCodec
 from gradsync.daemon.core.auto import epoch_of, epoch_to_offer, wants_auto
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.collectives import MatchedCollective, Views, chooses_algorithm, make_plan
+from gradsync.daemon.core.collectives import (
+    MatchedCollective,
+    Plan,
+    Views,
+    chooses_algorithm,
+    make_plan,
+)
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
 from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
@@ -82,48 +88,77 @@ class CrossDaemonRunner:
         ins: Views,
         outs: Views,
     ) -> None:
-        """Any collective across daemons; raises the error the clients should get.
+        """Any collective across daemons, phase by phase: wait for the job to form,
+        agree link costs and choose the algorithm, plan, run the local phase, drive
+        the schedule, write back.  Raises the error the clients should get.
 
         An allreduce's plan runs the algorithm asked for or `auto`'s pick,
         which sees the link costs the members agreed for this key's epoch.
         """
-        op = collective.op or ReduceOp.SUM
-        chosen = chooses_algorithm(collective.kind)
-        auto = chosen and wants_auto(collective.algorithm, self.config.algorithm)
-        fingerprint = ready.submissions[min(ready.submissions)].fingerprint
         deadline = ready.first_seen + ready.deadline_s
-        formation = job.across.formation
-        if formation is None:
-            try:
-                formation = await settled(job.across.formed, deadline - time.monotonic())
-            except TimeoutError:
-                missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job.members,
-                                              job.world_size)
-                raise CollectiveTimeoutError(
-                    f"key {ready.key!r} of {job.describe()} timed out after "
-                    f"{ready.deadline_s:g}s: the job never formed; ranks {missing} did not "
-                    "join on any peer daemon",
-                    {"job": job.name, "key": ready.key, "missing": missing},
-                ) from None
+        formation = await self._formation(job, ready, deadline)
         me = formation.index_of(self.transport.endpoint)
-        self._offer_costs(job, formation, epoch_to_offer(ready.key))
-        if auto:
-            formation = await self._with_agreed_costs(job, formation, ready, deadline)
-        algorithm = None
-        if chosen:
-            algorithm = job.across.auto.choose(
-                collective.algorithm, self.config.algorithm, formation,
-                collective.chunk * collective.dtype.itemsize, ready.key, self.stats,
-                job.name).algorithm
+        formation, algorithm = await self._algorithm(job, ready, collective, formation, deadline)
         plan = make_plan(collective, formation, me, ins, outs, job.world_size, algorithm)
-        algorithm = plan.algorithm
-        fp = dataclasses.replace(fingerprint, algorithm=algorithm)
+        codec, residual = self._codec(job, ready, collective, plan)
+        await self._local_phase(job, ready, plan, residual)
+        run = self._schedule_run(job, ready, collective, formation, me, plan, codec, residual)
+        await self._drive_run(job, ready, collective, formation, me, plan, run, deadline)
+        phase_start = time.monotonic()
+        if plan.after is not None:
+            await self.run_call(plan.after, plan.work.nbytes)
+        self._trace(job, "write-back", phase_start, ready.key)
+
+    async def _formation(self, job: Job, ready: PendingCollective, deadline: float) -> Formation:
+        """The job's formation across daemons, once every rank has joined somewhere."""
+        formation = job.across.formation
+        if formation is not None:
+            return formation
+        try:
+            return await settled(job.across.formed, deadline - time.monotonic())
+        except TimeoutError:
+            missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job.members,
+                                          job.world_size)
+            raise CollectiveTimeoutError(
+                f"key {ready.key!r} of {job.describe()} timed out after "
+                f"{ready.deadline_s:g}s: the job never formed; ranks {missing} did not "
+                "join on any peer daemon",
+                {"job": job.name, "key": ready.key, "missing": missing},
+            ) from None
+
+    async def _algorithm(
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        formation: Formation, deadline: float,
+    ) -> tuple[Formation, str | None]:
+        """Offer this daemon's link costs; for a kind whose algorithm is chosen per call,
+        the one asked for or `auto`'s pick (on the costs the members agreed)."""
+        self._offer_costs(job, formation, epoch_to_offer(ready.key))
+        if not chooses_algorithm(collective.kind):
+            return formation, None
+        if wants_auto(collective.algorithm, self.config.algorithm):
+            formation = await self._with_agreed_costs(job, formation, ready, deadline)
+        choice = job.across.auto.choose(
+            collective.algorithm, self.config.algorithm, formation,
+            collective.chunk * collective.dtype.itemsize, ready.key, self.stats, job.name)
+        return formation, choice.algorithm
+
+    def _codec(
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective, plan: Plan
+    ) -> tuple[WireCodec | None, np.ndarray | None]:
+        """The wire codec of a compressed collective and its error-feedback residual."""
         codec = CODECS[collective.compression] if collective.compression else None
-        if codec is not None and not isinstance(plan.work, np.ndarray):
+        if codec is None:
+            return None, None
+        if not isinstance(plan.work, np.ndarray):
             raise InvalidArgumentError(
                 f"key {ready.key!r} of {job.describe()}: compression={codec.name!r} is for "
                 "host buffers; device buffers are reduced exactly")
-        residual = self._residual(job, ready, collective) if codec is not None else None
+        return codec, self._residual(job, ready, collective)
+
+    async def _local_phase(
+        self, job: Job, ready: PendingCollective, plan: Plan, residual: np.ndarray | None
+    ) -> None:
+        """Fill the work buffer from the local ranks (and fold the residual in)."""
         phase_start = time.monotonic()
         if plan.before is not None:
             await self.run_call(plan.before, plan.work.nbytes)
@@ -131,6 +166,15 @@ class CrossDaemonRunner:
             work = plan.work
             await self.run_call(lambda: fold_in(work, residual), work.nbytes)
         self._trace(job, "local phase", phase_start, ready.key)
+
+    def _schedule_run(
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        formation: Formation, me: int, plan: Plan, codec: WireCodec | None,
+        residual: np.ndarray | None,
+    ) -> ScheduleRun:
+        """The executor of `plan`'s schedule, sending through the peer links."""
+        fingerprint = ready.submissions[min(ready.submissions)].fingerprint
+        fp = dataclasses.replace(fingerprint, algorithm=plan.algorithm)
         # Each slice's header: this, with the executor's step, transfer and offset.
         base = Slice(job.name, formation.generation, ready.key, fp, 0, 0, 0).to_wire()
 
@@ -147,9 +191,10 @@ class CrossDaemonRunner:
                 formation.daemons[peer], {**base, **header}, (payload,), zero_copy
             )
 
-        run = ScheduleRun(
-            plan.schedule, plan.work, op, send, self.config.pipeline_slice_bytes, self.loop,
-            fingerprint=fp, algorithm=algorithm,
+        return ScheduleRun(
+            plan.schedule, plan.work, collective.op or ReduceOp.SUM, send,
+            self.config.pipeline_slice_bytes, self.loop,
+            fingerprint=fp, algorithm=plan.algorithm,
             agree_with=[
                 index for index in range(len(formation.daemons)) if index != me
             ] if plan.agree_first else [],
@@ -157,11 +202,17 @@ class CrossDaemonRunner:
             codec=codec, residual=residual,
             codec_pool=self._codec_thread() if codec is not None else None,
         )
+
+    async def _drive_run(
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        formation: Formation, me: int, plan: Plan, run: ScheduleRun, deadline: float,
+    ) -> None:
+        """Drive the schedule to its end, then meter and trace it."""
         self.cluster.run_started(job, ready.key, run)
         data_phase = time.monotonic()
         try:
             await self._with_job_context(job, ready.key, run, self._drive(
-                job, ready, run, formation, algorithm, deadline))
+                job, ready, run, formation, plan.algorithm, deadline))
         finally:
             self.cluster.run_ended(job, ready.key)
             await run.settle()  # no encode or decode touches the buffer past here
@@ -170,21 +221,25 @@ class CrossDaemonRunner:
             self.meter.record(len(formation.daemons), plan.timed,
                               time.monotonic() - data_phase, plan.modelled)
         if self.trace is not None and self.trace.active:
-            for number, (started, ended, sources) in enumerate(run.step_times):
-                for source in sources or [me]:
-                    self.trace.add(f"link {formation.daemons[source]}",
-                                   f"{algorithm} step {number + 1}/{run.steps}", started, ended,
-                                   job=job.name, key=repr(ready.key))
-            ended = run.step_times[-1][1] if run.step_times else data_phase
-            for peer, (wire, raw) in sorted(run.sent_to.items()):
-                self.trace.add(f"link {formation.daemons[peer]}", f"{algorithm} sent", data_phase,
-                               ended, job=job.name, key=repr(ready.key), bytes_sent=wire,
-                               bytes_before_compression=raw,
-                               compression=collective.compression or "none")
-        phase_start = time.monotonic()
-        if plan.after is not None:
-            await self.run_call(plan.after, plan.work.nbytes)
-        self._trace(job, "write-back", phase_start, ready.key)
+            self._trace_run(job, ready, collective, formation, me, run, data_phase)
+
+    def _trace_run(
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        formation: Formation, me: int, run: ScheduleRun, data_phase: float,
+    ) -> None:
+        assert self.trace is not None
+        algorithm = run.algorithm
+        for number, (started, ended, sources) in enumerate(run.step_times):
+            for source in sources or [me]:
+                self.trace.add(f"link {formation.daemons[source]}",
+                               f"{algorithm} step {number + 1}/{run.steps}", started, ended,
+                               job=job.name, key=repr(ready.key))
+        ended = run.step_times[-1][1] if run.step_times else data_phase
+        for peer, (wire, raw) in sorted(run.sent_to.items()):
+            self.trace.add(f"link {formation.daemons[peer]}", f"{algorithm} sent", data_phase,
+                           ended, job=job.name, key=repr(ready.key), bytes_sent=wire,
+                           bytes_before_compression=raw,
+                           compression=collective.compression or "none")
 
     def _codec_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._codec_pool is None:
