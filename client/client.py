@@ -392,8 +392,9 @@ class Client:
         fast = self._fast  # async_op too with _fast_wait_s (the torch backend's): None if done
         if (fast is not None and (not async_op or _fast_wait_s is not None)
                 and device is None and array.nbytes <= fast.limit
-                # Compression is between daemons: only an explicit ask can refuse.
-                and compression is None and not error_feedback):
+                # Compression is between daemons: only an explicit ask for a format can
+                # refuse (the socket path's choose() says why), so "none" stays here.
+                and compression in (None, "none", "") and not error_feedback):
             wait_s = min(timeout_s or self._daemon_timeout_s, _fast_wait_s or math.inf)
             try:
                 tried = self._on_page(fast, array, fingerprint(wire_dtype, count, reduce_op,

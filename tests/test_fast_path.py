@@ -21,7 +21,12 @@ import numpy as np
 import pytest
 
 from conftest import FAST_PATH_SETTINGS, DaemonProcess, poll_until, run_ranks
-from gradsync.client import Client, DaemonShuttingDownError, DaemonUnavailableError
+from gradsync.client import (
+    Client,
+    DaemonShuttingDownError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+)
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
 from gradsync.protocol.fast_path import PUBLISHED
@@ -210,6 +215,31 @@ def test_an_overflowing_fast_sum_is_inf_without_a_warning_under_the_callers_rais
         for array in arrays:
             assert np.isposinf(array).all(), array
         assert counters(daemon)["fast_path_collectives"] == 1
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_explicit_no_compression_still_ends_on_the_page(daemon: DaemonProcess) -> None:
+    """compression="none" asks for nothing between daemons: a small synchronous
+    allreduce of a one-node job stays on the fast page; an explicit format for an
+    integer buffer is still refused, by the socket path's check."""
+    clients = [Client(daemon.endpoint, job="plain", rank=r, world_size=2) for r in range(2)]
+    arrays = [np.full(64, r + 1.0, np.float32) for r in range(2)]
+    try:
+        before = counters(daemon)["fast_path_collectives"]
+        threads = [threading.Thread(target=c.all_reduce, args=(a,),
+                                    kwargs={"compression": "none"})
+                   for c, a in zip(clients, arrays, strict=True)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert all((array == 3.0).all() for array in arrays)
+        assert counters(daemon)["fast_path_collectives"] == before + 1
+        with pytest.raises(InvalidArgumentError, match="compression"):
+            clients[0].all_reduce(np.ones(4, np.int32), compression="bf16")
     finally:
         for client in clients:
             client.close()
