@@ -16,9 +16,9 @@ the first tree.
     python -m benchmarks.latency_ab --bisect 82060e4..HEAD         # where it got slower
 
 `--against C` compares the working tree with commit C and exits 1 when the working
-tree is slower at some size beyond `--tolerance` and beyond the run's spread (its
-slowest-but-one... see `slower()`), so a change that costs small-collective time
-shows before it lands.  `--bisect A..B` walks B's first-parent history from A:
+tree is slower at some size beyond `--tolerance` and beyond the run's spread (even
+its fastest round above the reference's median: `slower()`), so a change that costs
+small-collective time shows before it lands.  `--bisect A..B` walks B's first-parent history from A:
 it measures the ends and the middle of an interval in one run and goes on into
 every half whose ends differ beyond the tolerance and the spread, so several
 commits that each cost a little are all found; it prints every commit measured and
@@ -37,21 +37,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.ab_allreduce import parse_size
+
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / "benchmarks" / "out" / "trees"
 RANK_PROGRAM = Path(__file__).resolve().parent / "latency_rank.py"
 WORKTREE = "WORKTREE"
-UNITS = {"K": 1 << 10, "M": 1 << 20}
-
-
-def parse_size(text: str) -> int:
-    """'4K' -> 4096; a plain number is bytes."""
-    text = text.strip().upper()
-    if text and text[-1] in UNITS:
-        return int(text[:-1]) * UNITS[text[-1]]
-    return int(text)
-
-
 def size_name(nbytes: int) -> str:
     for suffix, unit in (("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= unit and nbytes % unit == 0:
