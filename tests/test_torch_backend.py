@@ -204,5 +204,8 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(
         assert outcome["error"] == "DistBackendError", outcome
         assert outcome["step"] == 3 and outcome["seconds"] < 40, outcome
         assert "rank 2" in outcome["message"], outcome
+        # gloo's phrase too, which torch's and torchft's tools look for.
+        assert "Connection closed by peer" in outcome["message"], outcome
+        assert "aborted" in outcome["message"], outcome
     for daemon in daemons:
         daemon.assert_alive()

@@ -33,7 +33,7 @@ from gradsync.client.torch.at_exit import leave_at_exit
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.fast_path import FastPathAllreduce
-from gradsync.client.torch.point_to_point import PairJobs
+from gradsync.client.torch.point_to_point import PairJobs, SendNotes
 from gradsync.client.torch.private_daemon import choose_daemon
 from gradsync.client.torch.rendezvous import fresh_round, node_identities
 from gradsync.client.torch.storage_sharing import SHARER, registry_for
@@ -49,7 +49,7 @@ from gradsync.client.torch.tensors import (
     unpack,
     wire_op,
 )
-from gradsync.client.torch.work import Operation, TorchWork, torch_error
+from gradsync.client.torch.work import Operation, Pending, TorchWork, torch_error
 from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
@@ -97,6 +97,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         local = [r for r in range(size) if nodes[r] == nodes[rank]]
         self._client = self._connect(self._job, rank, size, local.index(rank), len(local))
         self._pairs = PairJobs(self._job, rank, size, nodes, self._connect)
+        self._notes = SendNotes(store, rank, self._timeout_s)
         self._issuing = threading.local()
         name = group_id or "default"
         self._completer = FutureCompleter(f"gradsync-futures-{name}", f"gradsync-callbacks-{name}")
@@ -173,6 +174,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
+        self._notes.close()
         self._pairs.close()
         self._fast_path.forget()
         self._client.close()
@@ -191,7 +193,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def _work(
         self,
         what: str,
-        issue: Callable[[], Sequence[GradsyncWork | None]],
+        issue: Callable[[], Sequence[Pending | None]],
         outputs: list[torch.Tensor],
         finish: Callable[[], None] | None = None,
     ) -> TorchWork:
@@ -230,7 +232,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = reduce_op_of(opts)
         if not self._closed:  # small: done before this returns, if the peers are there
             done = self._fast_path(tensors, op)
             if done is not None:
@@ -262,7 +264,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         root = opts.rootRank if opts is not None else 0
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = reduce_op_of(opts)
         staged = [self._stage(t) for t in tensors]
         ops = [wire_op(t, op) for t in tensors]
 
@@ -310,32 +312,48 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
         opts: Any = None,
     ) -> TorchWork:
-        works = []
-        for outputs, input in zip(output_lists, inputs, strict=True):
+        for outputs in output_lists:
             if len(outputs) != self.size():
                 raise InvalidArgumentError(
                     f"all_gather: the output list has {len(outputs)} tensors for a group "
                     f"of {self.size()}"
                 )
-            check_same("all_gather", outputs, input)
-            gathered = torch.empty(self.size() * input.numel(), dtype=input.dtype,
-                                   device=input.device)
-            works.append(self._all_gather_flat(
-                gathered, input, functools.partial(unpack, gathered, outputs)
-            ))
+        works = [self._gather_into(outputs, input, "all_gather")
+                 for outputs, input in zip(output_lists, inputs, strict=True)]
         return self._coalesced(works, [t for outputs in output_lists for t in outputs])
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
         opts: Any = None,
     ) -> TorchWork:
-        return self.allgather(output_lists, inputs, opts)
+        """Rank r's `inputs[j]` lands in `output_lists[r][j]` on every rank: one
+        list per rank, each shaped like `inputs` (torch's all_gather_coalesced)."""
+        size = self.size()
+        if len(output_lists) != size or any(len(o) != len(inputs) for o in output_lists):
+            raise InvalidArgumentError(
+                f"all_gather_coalesced: need {size} output lists (one per rank) of "
+                f"{len(inputs)} tensors each (shaped like the inputs), got lists of "
+                f"{[len(o) for o in output_lists]}"
+            )
+        works = [self._gather_into([output_lists[r][j] for r in range(size)], input,
+                                   "all_gather_coalesced")
+                 for j, input in enumerate(inputs)]
+        return self._coalesced(works, [t for outputs in output_lists for t in outputs])
+
+    def _gather_into(
+        self, outputs: list[torch.Tensor], input: torch.Tensor, what: str
+    ) -> TorchWork:
+        """Every rank's `input` into `outputs` (one tensor per rank, any shapes)."""
+        check_same(what, outputs, input)
+        gathered = torch.empty(self.size() * input.numel(), dtype=input.dtype,
+                               device=input.device)
+        return self._all_gather_flat(gathered, input, functools.partial(unpack, gathered, outputs))
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> TorchWork:
         """Rank r's `output` gets chunk r of `input` reduced over ranks (reduce_scatter_tensor)."""
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = reduce_op_of(opts)
         if input.numel() != output.numel() * self.size() or output.dtype != input.dtype:
             raise InvalidArgumentError(
                 f"reduce_scatter_tensor: input must be {output.dtype} with "
@@ -520,27 +538,56 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     # -- point to point --------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
-        """To group rank `dst`: sends and receives between two ranks match in order, per tag."""
+        """To group rank `dst`: sends and receives between two ranks match in order, per tag.
+
+        Each send also leaves a note for a receive from any source (`SendNotes`).
+        """
         staged = [self._stage(t) for t in tensors]
         pair = self._pairs.get(self.rank(), dst, tag)
-        return self._work(
-            f"send to rank {dst} (tag {tag})",
-            lambda: [pair.broadcast(s.array, src=0, async_op=True) for s in staged], tensors,
-        )
+
+        def issue() -> list[GradsyncWork | None]:
+            works: list[GradsyncWork | None] = [pair.broadcast(s.array, src=0, async_op=True)
+                                                for s in staged]
+            self._notes.sent(dst, tag)
+            return works
+
+        return self._work(f"send to rank {dst} (tag {tag})", issue, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
         staged = [self._stage(t, copy_in=False) for t in tensors]
         pair = self._pairs.get(src, self.rank(), tag)
-        return self._work(
-            f"recv from rank {src} (tag {tag})",
-            lambda: [pair.broadcast(s.array, src=0, async_op=True) for s in staged], tensors,
-            copy_back_all(staged),
-        )
+
+        def issue() -> list[GradsyncWork | None]:
+            works: list[GradsyncWork | None] = [pair.broadcast(s.array, src=0, async_op=True)
+                                                for s in staged]
+            self._notes.took(src, tag)
+            return works
+
+        work = self._work(f"recv from rank {src} (tag {tag})", issue, tensors,
+                          copy_back_all(staged))
+        work.source = lambda: src
+        return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
-        raise InvalidArgumentError(
-            "gradsync cannot receive from any source: pass src= to recv/irecv"
-        )
+        """From whichever rank sent to this one first (per tag, as gloo matches):
+        the Work's `_source_rank()` names it once the receive is over."""
+        if len(tensors) != 1:
+            raise InvalidArgumentError(
+                f"recv from any source takes one tensor, got {len(tensors)}"
+            )
+        staged = self._stage(tensors[0], copy_in=False)
+
+        def post(src: int) -> GradsyncWork:
+            work = self._pairs.get(src, self.rank(), tag).broadcast(staged.array, src=0,
+                                                                    async_op=True)
+            assert work is not None  # async_op=True always gives one
+            return work
+
+        receive = self._notes.receive(tag, post)
+        work = self._work(f"recv from any rank (tag {tag})", lambda: [receive], tensors,
+                          copy_back_all([staged]))
+        work.source = lambda: receive.source
+        return work
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -558,6 +605,14 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
 
 # -- torch entry points --------------------------------------------------------------
+
+
+def reduce_op_of(opts: Any) -> Any:
+    """The reduce op of torch's options object, or the bare `ReduceOp` torch's and
+    torchft's allreduce also accept; SUM when none is given."""
+    if opts is None:
+        return dist.ReduceOp.SUM
+    return getattr(opts, "reduceOp", opts)
 
 
 def _create(backend_opts: Any, backend_options: Any = None) -> ProcessGroupGradsync:

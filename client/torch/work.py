@@ -14,21 +14,47 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gradsync.client.torch.completer import FutureCompleter
-from gradsync.client.work import Work as GradsyncWork
-from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError, InvalidArgumentError
+from gradsync.protocol.errors import (
+    CollectiveTimeoutError,
+    DaemonLostError,
+    GradsyncError,
+    InvalidArgumentError,
+    PeerLostError,
+    RankLostError,
+)
+
+#: Failures where the other end went away: torch's and torchft's tools look for
+#: gloo's phrase, and for "aborted" in what a failed group reports afterwards.
+GONE = (RankLostError, PeerLostError, DaemonLostError)
+
+
+class Pending(Protocol):
+    """What an Operation waits on: a gradsync Work, or a receive still finding its sender."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def exception(self) -> GradsyncError | None: ...
 
 
 def torch_error(exc: GradsyncError, group: str) -> Exception:
-    """What torch users catch: argument errors stay ValueErrors, the rest DistBackendError."""
+    """What torch users catch: argument errors stay ValueErrors, the rest DistBackendError.
+
+    gradsync's message stays whole; a lost rank, peer or daemon also says it the
+    way gloo does ("Connection closed by peer"), and that the collective was aborted.
+    """
     if isinstance(exc, InvalidArgumentError):
         return exc
-    error = dist.DistBackendError(f"gradsync (process group {group!r}): {exc}")
+    text = f"{exc} (Connection closed by peer; collective aborted)" if isinstance(exc, GONE) \
+        else str(exc)
+    error = dist.DistBackendError(f"gradsync (process group {group!r}): {text}")
     error.__cause__ = exc
     return error
 
@@ -44,7 +70,7 @@ class Operation:
         self,
         group_name: Callable[[], str],
         what: str,
-        works: Sequence[GradsyncWork | None],
+        works: Sequence[Pending | None],
         outputs: list[torch.Tensor],
         finish: Callable[[], None] | None = None,
         done: Callable[[], None] | None = None,
@@ -180,6 +206,15 @@ class TorchWork(dist.Work):
         self._operation = operation
         self._completer = completer
         self._future: torch.futures.Future[Any] | None = None
+        #: The sending rank of a receive (known once a receive from any source is over).
+        self.source: Callable[[], int] | None = None
+
+    def _source_rank(self) -> int:
+        """The group rank a receive took its message from (torch's `recv(src=None)`)."""
+        if self.source is None:
+            raise ValueError(f"gradsync: {self._operation.what} is not a receive")
+        self.wait()
+        return self.source()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = None if timeout is None else timeout.total_seconds()

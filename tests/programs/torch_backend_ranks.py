@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import os
 import sys
 import threading
@@ -157,6 +158,22 @@ def primitives(group: Any = None, ranks: list[int] | None = None) -> int:
     gathered = [torch.empty(n, dtype=torch.float16) for _ in range(size)]
     dist.all_gather(gathered, value(me, n, torch.float16), group=group)
     check.equal("all_gather list", torch.stack(gathered), everyone)
+    # all_gather_coalesced: one output list per rank, each shaped like the inputs.
+    shapes = [(2, 3), (0,), (5,)]
+    lists = [[torch.full(shape, -1.0) for shape in shapes] for _ in range(size)]
+    dist.all_gather_coalesced(lists, [value(me, math.prod(shape), torch.float32, salt=j)
+                                      .view(shape) for j, shape in enumerate(shapes)],
+                              group=group)
+    for r in range(size):
+        for j, shape in enumerate(shapes):
+            check.equal(f"all_gather_coalesced rank {r} tensor {j}", lists[r][j],
+                        value(r, math.prod(shape), torch.float32, salt=j).view(shape))
+    # A bare ReduceOp where torch's options object usually goes (torchft passes one).
+    t = value(me, n, torch.float32)
+    work = pg.allreduce([t], dist.ReduceOp.MAX)
+    work.wait()
+    check.equal("allreduce with a bare ReduceOp", t,
+                reduce_ref("max", torch.float32, n, list(range(size))))
     flat = torch.empty(size * n, dtype=torch.float16)
     dist.all_gather_into_tensor(flat, value(me, n, torch.float16), group=group)
     check.equal("all_gather_into_tensor", flat, everyone.reshape(-1))
@@ -256,6 +273,43 @@ def p2p(check: Checker, group: Any, ranks: list[int]) -> None:
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     check.equal("batch_isend_irecv", got, value((me - 1) % size, 4, torch.bfloat16))
+    any_source(check, group, ranks)
+
+
+def any_source(check: Checker, group: Any, ranks: list[int]) -> None:
+    """recv without src: each message is taken once, from whoever sent it, and a
+    receive naming its sender and one from any source share the order per sender."""
+    me, size = ranks.index(RANK), len(ranks)
+    if me == 1:  # the first by its sender's name, the second from any source
+        for salt in (5, 6):
+            dist.send(value(me, 6, torch.float32, salt=salt), dst=ranks[0], group=group, tag=4)
+    if me != 0:
+        dist.send(value(me, 6, torch.float32, salt=1), dst=ranks[0], group=group, tag=3)
+        dist.send(value(me, 6, torch.float32, salt=2), dst=ranks[0], group=group, tag=3)
+        return
+    got = torch.empty(6, dtype=torch.float32)
+    dist.recv(got, src=ranks[1], group=group, tag=4)
+    check.equal("recv naming its sender", got, value(1, 6, torch.float32, salt=5))
+    sender = dist.recv(got, group=group, tag=4)
+    check.equal(f"then recv from any source (rank {sender})", got,
+                value(1, 6, torch.float32, salt=6))
+    senders = []
+    for k in range(2 * (size - 1)):
+        got = torch.empty(6, dtype=torch.float32)
+        if k % 2:
+            work = dist.irecv(got, group=group, tag=3)
+            assert work is not None
+            work.wait()
+            sender = ranks[work._source_rank()]
+        else:
+            sender = dist.recv(got, group=group, tag=3)
+        nth = senders.count(sender) + 1
+        senders.append(sender)
+        check.equal(f"recv from any source, message {nth} of rank {sender}", got,
+                    value(ranks.index(sender), 6, torch.float32, salt=nth))
+    if sorted(senders) != sorted(ranks[1:] * 2):
+        raise AssertionError(f"recv from any source: senders {senders}, want each of "
+                             f"{ranks[1:]} twice")
 
 
 def groups() -> int:
