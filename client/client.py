@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, overload
@@ -106,9 +107,12 @@ class Client:
         self.compression: Compression = from_environment()
         self._segments = _segments or SegmentRegistry()
         #: A registry shared with other clients of this process (a sub-group's, or the
-        #: torch backend's) outlives this client: close() forgets only its own segments.
-        self._shares_segments = _segments is not None
-        self._mapped: set[int] = set()
+        #: torch backend's) outlives this client: its segments leave it when this
+        #: client's session ends, on close() or when it is collected unclosed (a torchft
+        #: replica's group dropped without shutdown); the finalizer holds no client.
+        self._segment_key = self._segments.new_client()
+        self._retire_segments = weakref.finalize(self, self._segments.retire,
+                                                 self._segment_key)
         self._scratch = ScratchPool(self._segments)
         self._submit_lock = threading.Lock()
         #: This session's collective keys, 0, 1, 2, ... (next() is atomic).
@@ -164,7 +168,6 @@ class Client:
         self._scratch.clear()
         self._segments.clear()
         self._segments.collected.clear()
-        self._mapped.clear()
         with self._submit_lock:
             self._keys, self._connection = itertools.count(), Connection(self.daemon)
         self._open_session()
@@ -199,11 +202,7 @@ class Client:
             self._connection.send("bye", expect_reply=False)
         self._connection.close()
         self._scratch.clear()
-        if self._shares_segments:
-            for segment_id in self._mapped:  # the daemon frees them with this session
-                self._segments.drop(segment_id)
-        else:
-            self._segments.clear()
+        self._retire_segments()  # the daemon frees them with this session
 
     def __enter__(self) -> Client:
         return self
@@ -297,8 +296,8 @@ class Client:
             return np.empty(dims, dtype=np_dtype)
         reply = self._connection.call("alloc", timeout_s=_HELLO_TIMEOUT_S,
                                       nbytes=count * np_dtype.itemsize)
-        mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], True)
-        self._mapped.add(reply["segment"])
+        mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], True,
+                                     self._segment_key)
         return np.frombuffer(mapping, dtype=np_dtype, count=count).reshape(dims)
 
     def attach(self, fd: int, nbytes: int, address: int, owner: object) -> None:
@@ -313,8 +312,7 @@ class Client:
         self._check_open()
         reply = self._connection.call("attach", timeout_s=_HELLO_TIMEOUT_S, fd=fd,
                                       nbytes=nbytes)
-        self._segments.adopt(reply["segment"], address, nbytes, owner)
-        self._mapped.add(reply["segment"])
+        self._segments.adopt(reply["segment"], address, nbytes, owner, self._segment_key)
 
     def _device_buffers(self) -> DeviceBuffers:
         if self._device is None:
@@ -348,8 +346,8 @@ class Client:
             return slot
         capacity = ScratchPool.capacity_for(nbytes)
         reply = self._connection.call("alloc", timeout_s=_HELLO_TIMEOUT_S, nbytes=capacity)
-        mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], False)
-        self._mapped.add(reply["segment"])
+        mapping = self._segments.map(reply["segment"], reply["name"], reply["nbytes"], False,
+                                     self._segment_key)
         return ScratchSlot(reply["segment"], reply["nbytes"], mapping)
 
     # -- collectives --------------------------------------------------------
