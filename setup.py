@@ -22,7 +22,9 @@ setup(
         Extension(
             "gradsync.daemon.backends._wirecodec",
             sources=["daemon/backends/_wirecodec.c"],
-            extra_compile_args=["-O3"],
+            # no fused multiply-adds: every variant (avx512, avx2, baseline) and
+            # numpy round each product and sum on its own, so all agree bit for bit
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
     ]

@@ -4,7 +4,8 @@
 
 1. The wire codecs on one core (daemon/backends/wire_codec.py): GB/s of
    float32 input encoded (rounding in place included) and decoded-and-added,
-   C module and numpy, 4 MiB slices.
+   C module (each variant of its kernels this CPU runs: avx512, avx2, baseline)
+   and numpy, 4 MiB slices, with the CPU's model name.
 2. Two daemons, one rank each, 64 MiB float32 sum allreduce (ring, the
    default daemon settings), uncompressed, bf16 and fp8: on 127.0.0.1 (what
    compression costs in CPU where the link is fast) and in two network
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from benchmarks import topology
+from benchmarks import machine, topology
 from benchmarks.private_daemon import daemon_cluster
 from benchmarks.processes import clean_env
 
@@ -40,16 +41,20 @@ MODES = ("none", "bf16", "fp8")
 
 
 def codec_rows() -> list[str]:
-    """Markdown rows: format, implementation, encode and decode+add GB/s."""
+    """Markdown rows: format, implementation (each variant of the C module's kernels this
+    CPU runs, the one chosen at run time marked, then numpy), encode and decode+add GB/s."""
     from gradsync.daemon.backends import wire_codec
 
     count = MIB  # 4 MiB of float32
     values = np.random.default_rng(0).standard_normal(count).astype(np.float32)
-    compiled = wire_codec._wirecodec
+    compiled, chosen = wire_codec._wirecodec, wire_codec.variant()
     rows = []
     for name, codec in wire_codec.CODECS.items():
-        for label, module in (("C", compiled), ("numpy", None)):
-            wire_codec._wirecodec = module
+        for variant in (*wire_codec.variants(), None):
+            if variant is None:
+                wire_codec._wirecodec = None
+            else:
+                wire_codec.set_variant(variant)
             try:
                 work = values.copy()
                 encode = _best(lambda: codec.encode(work))  # noqa: B023
@@ -58,6 +63,10 @@ def codec_rows() -> list[str]:
                 decode = _best(lambda: codec.decode_into(payload, target, True))  # noqa: B023
             finally:
                 wire_codec._wirecodec = compiled
+                if chosen is not None:
+                    wire_codec.set_variant(chosen)
+            label = ("numpy" if variant is None else
+                     f"C {variant}{' (run-time choice)' if variant == chosen else ''}")
             ratio = codec.nbytes(count) / (4 * count)
             rows.append(f"| {name} | {label} | {4 * count / encode / 1e9:.2f} | "
                         f"{4 * count / decode / 1e9:.2f} | {ratio:.3f} |")
@@ -174,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         result = allreduce_rank(int(count)) if kind == "allreduce" else ddp_rank(int(count))
         print(json.dumps(result), flush=True)
         return 0
+    print(f"Wire codecs on one core of {machine.cpu_model()}:\n")
     print("| format | codec | encode GB/s | decode+add GB/s | wire bytes per byte |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(codec_rows()))

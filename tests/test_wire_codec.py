@@ -1,16 +1,20 @@
 """The wire codecs (daemon/backends/wire_codec.py) and compressed schedules, in-process.
 
 The compiled codec must equal the numpy one bit for bit (both may meet in one
-job); each rounding must stay within the bound the module states; rounding
-twice must change nothing; and every daemon of a compressed run, with the
-executor fed in any order, must end bit-identical, for every algorithm and
-1 to 9 daemons.
+job), in every variant of its kernels this CPU runs (avx512, avx2, baseline);
+each rounding must stay within the bound the module states; rounding twice must
+change nothing; and every daemon of a compressed run, with the executor fed in
+any order, must end bit-identical, for every algorithm and 1 to 9 daemons.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import platform
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import ml_dtypes
@@ -180,3 +184,207 @@ def test_every_daemon_ends_bit_identical(implementation: str, name: str, algorit
                 finite = buffers[0][np.isfinite(buffers[0])]
                 np.testing.assert_array_equal(
                     finite.astype(ml_dtypes.bfloat16).astype(np.float32), finite)
+
+
+VARIANTS = ("avx512", "avx2", "baseline")
+#: Lengths that end the vector loops of every width (4, 8, 16 lanes) and fp8 blocks
+#: at every kind of tail.
+LENGTHS = (1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 65, 255, 256, 257, 511, 1023, 4099)
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with each variant of the C module's kernels this CPU runs."""
+    if wire_codec._wirecodec is None:
+        pytest.fail("daemon/backends/_wirecodec.c was not built (CI has a C compiler)")
+    if request.param not in wire_codec.variants():
+        pytest.skip(f"this CPU does not run {request.param}")
+    before = wire_codec.variant()
+    assert before is not None
+    wire_codec.set_variant(request.param)
+    try:
+        yield request.param
+    finally:
+        wire_codec.set_variant(before)
+
+
+def blocks_of(kind: str, count: int, seed: int) -> np.ndarray:
+    """float32 values of one kind: random, subnormal, huge, nonfinite, zeros, equal, ties,
+    scales (block maxima at and beside each boundary 448 * 2^k of the fp8 scale)."""
+    rng = np.random.default_rng(seed)
+    sign = rng.choice([-1.0, 1.0], count)
+    if kind == "random":
+        values = rng.standard_normal(count) * np.exp2(rng.integers(-20, 20, count))
+    elif kind == "subnormal":  # float32 subnormals, the smallest normals, and 2^-149
+        values = sign * rng.uniform(0, 2.0**-125, count)
+        values[rng.integers(0, count, max(1, count // 10))] = 2.0**-149
+    elif kind == "huge":  # bf16 rounds the largest to infinity
+        values = sign * rng.uniform(0.5, 1.0, count) * float(np.finfo(np.float32).max)
+        values[rng.integers(0, count, max(1, count // 10))] = float(np.finfo(np.float32).max)
+    elif kind == "nonfinite":  # whole blocks of them too: amax 0
+        values = rng.standard_normal(count)
+        values[rng.random(count) < 0.3] = np.nan
+        values[rng.random(count) < 0.2] = np.inf
+        values[rng.random(count) < 0.2] = -np.inf
+        values[256:512] = np.nan
+    elif kind == "zeros":
+        values = sign * 0.0
+    elif kind == "equal":
+        values = np.full(count, rng.standard_normal() * 2.0 ** rng.integers(-60, 60))
+    elif kind == "ties":  # 448 makes the fp8 scale 1: halfway between e4m3 codes, and bf16
+        steps = np.concatenate([(np.arange(8) + 0.5) * 2.0**-9,
+                                (1 + (2 * np.arange(8) + 1) / 16) * np.exp2(np.arange(-6, 2))])
+        values = sign * np.resize(np.concatenate([[448.0], steps, 1 + 2.0**-8 + steps]), count)
+        values[::256] = 448.0
+    else:
+        assert kind == "scales"
+        boundary = np.ldexp(np.float32(448), np.arange(-155, 120)).astype(np.float32)
+        maxima = np.concatenate([boundary, np.nextafter(boundary, np.float32(0)),
+                                 np.nextafter(boundary, np.float32(np.inf))])
+        values = np.resize(maxima.repeat(256) * rng.uniform(0, 1, 256 * maxima.size), count)
+        values[: 256 * (count // 256) : 256] = maxima[: count // 256]
+        values = sign * values
+    return values.astype(np.float32)
+
+
+KINDS = ("random", "subnormal", "huge", "nonfinite", "zeros", "equal", "ties", "scales")
+
+
+def _bits_equal(ours: np.ndarray, theirs: np.ndarray) -> None:
+    """The same float32 bits, but for NaN, which need only be NaN in both."""
+    nan = np.isnan(theirs)
+    np.testing.assert_array_equal(np.isnan(ours), nan)
+    np.testing.assert_array_equal(ours.view(np.uint32)[~nan], theirs.view(np.uint32)[~nan])
+
+
+def _by_numpy(codec: wire_codec.WireCodec, values: np.ndarray, payload: bytes | None,
+              target: np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray]:
+    """numpy's encoding of `values` (or `payload` as given), the values it rounds to,
+    and its decodings of it into copies of `target`, overwriting and adding."""
+    compiled = wire_codec._wirecodec
+    try:
+        wire_codec._wirecodec = None
+        rounded = values.copy()
+        encoded = bytes(codec.encode(rounded)) if payload is None else payload
+        decoded, added = target.copy(), target.copy()
+        codec.decode_into(encoded, decoded, add=False)
+        codec.decode_into(encoded, added, add=True)
+    finally:
+        wire_codec._wirecodec = compiled
+    return encoded, rounded, decoded, added
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_variant_encodes_and_decodes_as_numpy_does(variant: str, name: str,
+                                                         kind: str) -> None:
+    codec = CODECS[name]
+    for count in (*LENGTHS, 3 * 275 * 256 if kind == "scales" else 20_000):
+        original = blocks_of(kind, count, seed=count)
+        target = blocks_of("nonfinite" if count % 2 else "random", count, seed=count + 1)
+        encoded, rounded, decoded, added = _by_numpy(codec, original, None, target)
+        for offset in (0, 1):  # and from an address no vector is aligned to
+            values = np.empty(count + offset, np.float32)[offset:]
+            values[:] = original
+            assert bytes(codec.encode(values)) == encoded, (count, offset)
+            _bits_equal(values, rounded)
+            ours = np.empty(count + offset, np.float32)[offset:]
+            for add, expected in ((False, decoded), (True, added)):
+                ours[:] = target
+                codec.decode_into(encoded, ours, add=add)
+                _bits_equal(ours, expected)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_every_variant_decodes_any_payload_as_numpy_does(variant: str, name: str) -> None:
+    """Every code, and fp8 scales no encoder writes (not powers of two, subnormal,
+    huge, infinite, NaN): a multiply and an add each round once, in every variant."""
+    codec = CODECS[name]
+    rng = np.random.default_rng(5)
+    for count in (*LENGTHS, 65_536):
+        if name == "bf16":
+            payload = rng.integers(0, 1 << 16, count, dtype=np.uint16).tobytes()
+        else:
+            blocks = -(-count // 256)
+            scales = rng.integers(0, 1 << 32, blocks, dtype=np.uint32).view(np.float32)
+            scales[::3] = rng.standard_normal(scales[::3].size) * 2.0 ** rng.integers(
+                -140, 127, scales[::3].size)
+            codes = np.resize(np.arange(256, dtype=np.uint8), count)
+            payload = scales.astype("<f4").tobytes() + rng.permutation(codes).tobytes()
+        target = blocks_of("random" if count % 2 else "huge", count, seed=count)
+        target[::7] = np.inf
+        _, _, decoded, added = _by_numpy(codec, target, payload, target)
+        for add, expected in ((False, decoded), (True, added)):
+            ours = target.copy()
+            codec.decode_into(payload, ours, add=add)
+            _bits_equal(ours, expected)
+
+
+def test_the_variants_give_the_same_bits_even_for_nan() -> None:
+    """What numpy's NaN may differ in (sign, payload), the variants agree on too."""
+    if len(wire_codec.variants()) < 2:
+        pytest.skip("this CPU runs one variant")
+    before = wire_codec.variant()
+    assert before is not None
+    values = np.concatenate([blocks_of(kind, 4099, seed=9) for kind in KINDS])
+    target = blocks_of("nonfinite", values.size, seed=10)
+    results: dict[str, list[bytes]] = {}
+    try:
+        for name in wire_codec.variants():
+            wire_codec.set_variant(name)
+            outputs = []
+            for codec in CODECS.values():
+                rounded = values.copy()
+                encoded = bytes(codec.encode(rounded))
+                outputs += [encoded, rounded.tobytes()]
+                for add in (False, True):
+                    decoded = target.copy()
+                    codec.decode_into(encoded, decoded, add=add)
+                    outputs.append(decoded.tobytes())
+            results[name] = outputs
+    finally:
+        wire_codec.set_variant(before)
+    baseline = results.pop("baseline")
+    for name, outputs in results.items():
+        assert outputs == baseline, name
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_the_module_runs_the_best_variant_the_cpu_offers() -> None:
+    assert wire_codec._wirecodec is not None, "daemon/backends/_wirecodec.c was not built"
+    offered = wire_codec.variants()
+    assert offered[-1] == "baseline" and set(offered) <= set(VARIANTS)
+    flags = _cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and flags:
+        avx2 = {"avx2", "fma", "f16c"} <= flags
+        avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
+        assert offered == tuple(name for name, runs in
+                                (("avx512", avx512), ("avx2", avx2), ("baseline", True))
+                                if runs)
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        assert offered == ("baseline",)
+    if not os.environ.get("GRADSYNC_CODEC_VARIANT"):
+        assert wire_codec.variant() == offered[0]
+    with pytest.raises(ValueError, match="this CPU runs"):
+        wire_codec.set_variant("sse9")
+
+
+@pytest.mark.parametrize("asked", ["baseline", "auto", "sse9"])
+def test_gradsync_codec_variant_chooses_at_import(asked: str) -> None:
+    """GRADSYNC_CODEC_VARIANT: a variant this CPU runs; auto: the best; else a warning."""
+    script = ("import warnings; warnings.simplefilter('always'); "
+              "from gradsync.daemon.backends import wire_codec; "
+              "print(wire_codec.variant(), *wire_codec.variants())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "GRADSYNC_CODEC_VARIANT": asked}, check=True)
+    chosen, best, *_ = done.stdout.split()
+    assert chosen == (best if asked != "baseline" else "baseline")
+    assert ("RuntimeWarning: GRADSYNC_CODEC_VARIANT=sse9" in done.stderr) == (asked == "sse9")

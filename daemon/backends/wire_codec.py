@@ -29,7 +29,10 @@ The scales lead the payload (all of them, then all codes): one vectorised pass
 each.  `_wirecodec` (the optional C module, daemon/backends/_wirecodec.c)
 does float32 buffers in one pass per direction with the same results bit for
 bit (tests/test_wire_codec.py compares them); numpy does the rest, and all of
-it where the module was not built.
+it where the module was not built.  The module holds its kernels compiled for
+several instruction sets ("avx512", "avx2", "baseline") and uses the best the
+CPU runs, or the one GRADSYNC_CODEC_VARIANT names at import: `variant`,
+`variants` and `set_variant` show and change it (the same tests run each one).
 """
 
 from __future__ import annotations
@@ -72,6 +75,26 @@ class WireCodec(Protocol):
     def decode_into(self, payload: Any, target: np.ndarray, add: bool) -> None:
         """Decode `payload` (exactly `target.size` elements) into `target`,
         adding to it with `add`, else overwriting it."""
+
+
+def variant() -> str | None:
+    """The compiled kernels in use ("avx512", "avx2", "baseline"); None without the module."""
+    return None if _wirecodec is None else str(_wirecodec.variant())
+
+
+def variants() -> tuple[str, ...]:
+    """The compiled kernels this CPU runs, best first; () without the module."""
+    return () if _wirecodec is None else tuple(_wirecodec.variants())
+
+
+def set_variant(name: str) -> None:
+    """Use the compiled kernels `name` (one of `variants()`) from the next call on.
+
+    ValueError for kernels this CPU does not run, or where the module was not built.
+    """
+    if _wirecodec is None:
+        raise ValueError(f"codec variant {name!r}: the C module was not built")
+    _wirecodec.set_variant(name)
 
 
 def _bfloat16() -> np.dtype:
