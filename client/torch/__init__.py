@@ -21,7 +21,8 @@ else in gradsync does.  Its modules, one job each:
 - `completer.py`: `FutureCompleter`, which completes every torch future here
   (the process group's and `comm_hook`'s);
 - `private_daemon.py`: the job's own daemons, started when none runs;
-- `monitored_barrier.py`: a barrier whose error names the ranks missing;
+- `monitored_barrier.py`: a barrier whose error names the ranks missing (torch's
+  `dist.monitored_barrier` reaches it for gradsync groups);
 - `fsdp.py` (imported on its own): FSDP2 buffers in daemon memory.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 from gradsync.client.torch.backend import ProcessGroupGradsync, empty, register
 from gradsync.client.torch.ddp import BucketTiming, DistributedDataParallel, StepRecord
 from gradsync.client.torch.ddp_comm_hook import comm_hook
+from gradsync.client.torch.monitored_barrier import install as _install_monitored_barrier
 from gradsync.client.torch.monitored_barrier import monitored_barrier
 
 __all__ = [
@@ -38,3 +40,4 @@ __all__ = [
 ]
 
 register()  # the torch.distributed backend "gradsync"
+_install_monitored_barrier()  # torch's dist.monitored_barrier serves gradsync groups too

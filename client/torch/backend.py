@@ -49,7 +49,13 @@ from gradsync.client.torch.tensors import (
     unpack,
     wire_op,
 )
-from gradsync.client.torch.work import Operation, Pending, TorchWork, torch_error
+from gradsync.client.torch.work import (
+    CompletedWork,
+    Operation,
+    Pending,
+    TorchWork,
+    torch_error,
+)
 from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
@@ -233,6 +239,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         op = reduce_op_of(opts)
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         if not self._closed:  # small: done before this returns, if the peers are there
             done = self._fast_path(tensors, op)
             if done is not None:
@@ -245,6 +253,42 @@ class ProcessGroupGradsync(dist.ProcessGroup):
                     for s, o in zip(staged, ops, strict=True)]
 
         return self._work("allreduce", issue, tensors, copy_back_all(staged))
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any) -> dist.Work:
+        """SUM of sparse COO tensors, as gloo does it: every rank's indices and values
+        gathered (padded to the largest count), added up, coalesced into each tensor.
+
+        Done before this returns (three all_gathers); the Work is complete."""
+        if getattr(op, "op", op) != dist.ReduceOp.SUM:
+            raise InvalidArgumentError(f"a sparse allreduce supports SUM only, not {op}")
+        for tensor in tensors:
+            if tensor.layout != torch.sparse_coo:
+                raise InvalidArgumentError("allreduce: sparse and dense tensors in one call")
+            tensor.copy_(self._sparse_sum(tensor.coalesce()))
+        return CompletedWork(tensors)
+
+    def _sparse_sum(self, mine: torch.Tensor) -> torch.Tensor:
+        size = self.size()
+        indices, values = mine.indices(), mine.values()
+        counts = torch.empty(size, dtype=torch.int64)
+        self._all_gather_flat(counts, torch.tensor([indices.shape[1]])).wait()
+        most = int(counts.max())
+        padded_indices = torch.zeros(indices.shape[0], most, dtype=torch.int64)
+        padded_indices[:, : indices.shape[1]] = indices
+        padded_values = torch.zeros(most, *values.shape[1:], dtype=values.dtype)
+        padded_values[: values.shape[0]] = values
+        all_indices = torch.empty(size * padded_indices.numel(), dtype=torch.int64)
+        all_values = torch.empty(size * padded_values.numel(), dtype=values.dtype)
+        self._all_gather_flat(all_indices, padded_indices.reshape(-1)).wait()
+        self._all_gather_flat(all_values, padded_values.reshape(-1)).wait()
+        per_rank_indices = all_indices.view(size, indices.shape[0], most)
+        per_rank_values = all_values.view(size, most, *values.shape[1:])
+        summed = torch.sparse_coo_tensor(
+            torch.cat([per_rank_indices[r, :, : int(counts[r])] for r in range(size)], 1),
+            torch.cat([per_rank_values[r, : int(counts[r])] for r in range(size)]),
+            mine.shape,
+        )
+        return summed.coalesce()
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -534,6 +578,15 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> TorchWork:
         return self._work("barrier", lambda: [self._client.barrier(async_op=True)], [])
+
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """`gradsync.client.torch.monitored_barrier` on this group (torch's
+        `ProcessGroup.monitored_barrier` would look for a per-device backend)."""
+        from gradsync.client.torch.monitored_barrier import monitored_barrier
+
+        monitored_barrier(self, timeout, wait_all_ranks)
 
     # -- point to point --------------------------------------------------------------
 

@@ -48,12 +48,17 @@ def torch_error(exc: GradsyncError, group: str) -> Exception:
     """What torch users catch: argument errors stay ValueErrors, the rest DistBackendError.
 
     gradsync's message stays whole; a lost rank, peer or daemon also says it the
-    way gloo does ("Connection closed by peer"), and that the collective was aborted.
+    way gloo does ("Connection closed by peer"), and that the collective was
+    aborted; a deadline starts with gloo's "Timed out waiting".
     """
     if isinstance(exc, InvalidArgumentError):
         return exc
-    text = f"{exc} (Connection closed by peer; collective aborted)" if isinstance(exc, GONE) \
-        else str(exc)
+    if isinstance(exc, GONE):
+        text = f"{exc} (Connection closed by peer; collective aborted)"
+    elif isinstance(exc, CollectiveTimeoutError):
+        text = f"Timed out waiting: {exc}"
+    else:
+        text = str(exc)
     error = dist.DistBackendError(f"gradsync (process group {group!r}): {text}")
     error.__cause__ = exc
     return error

@@ -168,6 +168,14 @@ def primitives(group: Any = None, ranks: list[int] | None = None) -> int:
         for j, shape in enumerate(shapes):
             check.equal(f"all_gather_coalesced rank {r} tensor {j}", lists[r][j],
                         value(r, math.prod(shape), torch.float32, salt=j).view(shape))
+    # Sparse COO: summed as gloo sums them (indices and values gathered, coalesced).
+    rows = torch.tensor([[me % 3, (me + 1) % 5, 4]])
+    sparse = torch.sparse_coo_tensor(rows, value(me, 6, torch.float32).view(3, 2), (5, 2))
+    dense_sum = sum(torch.sparse_coo_tensor(torch.tensor([[r % 3, (r + 1) % 5, 4]]),
+                                            value(r, 6, torch.float32).view(3, 2),
+                                            (5, 2)).to_dense() for r in range(size))
+    dist.all_reduce(sparse, group=group)
+    check.equal("all_reduce sparse", sparse.to_dense(), dense_sum)
     # A bare ReduceOp where torch's options object usually goes (torchft passes one).
     t = value(me, n, torch.float32)
     work = pg.allreduce([t], dist.ReduceOp.MAX)
@@ -519,6 +527,9 @@ def errors() -> int:
         started = time.monotonic()
         check.raises("timeout", dist.DistBackendError,
                      lambda: dist.all_reduce(torch.ones(3), group=quick), "timed out after 3s")
+        # gloo's words too, which torch's own tests look for.
+        check.raises("timeout in gloo's words", dist.DistBackendError,
+                     lambda: dist.barrier(group=quick), " Timed out waiting: ")
         assert time.monotonic() - started < 30, time.monotonic() - started
     t = torch.ones(4)
     dist.all_reduce(t)  # the default group works on after both
