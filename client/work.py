@@ -73,7 +73,7 @@ class Work:
             if reply is None:
                 if user_deadline is not None and user_deadline <= self._guard_deadline:
                     raise CollectiveTimeoutError(
-                        f"{self._describe()} not complete after {timeout}s; still in flight"
+                        f"{self._describe()} timed out after {timeout}s here (still in flight)"
                     )
                 error = CollectiveTimeoutError(
                     f"{self._describe()}: the daemon at {self._connection.endpoint} "

@@ -33,9 +33,9 @@ from gradsync.client.torch.at_exit import leave_at_exit
 from gradsync.client.torch.buckets import as_tensor
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.fast_path import FastPathAllreduce
-from gradsync.client.torch.point_to_point import PairJobs, SendNotes
+from gradsync.client.torch.point_to_point import EagerSends, PairJobs, SendNotes
 from gradsync.client.torch.private_daemon import choose_daemon
-from gradsync.client.torch.rendezvous import fresh_round, node_identities
+from gradsync.client.torch.rendezvous import all_joined, fresh_round, node_identities
 from gradsync.client.torch.storage_sharing import SHARER, registry_for
 from gradsync.client.torch.tensors import (
     NUMPY_DTYPES,
@@ -102,8 +102,10 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         nodes = node_identities(store, rank, size, self._daemon)
         local = [r for r in range(size) if nodes[r] == nodes[rank]]
         self._client = self._connect(self._job, rank, size, local.index(rank), len(local))
+        all_joined(store, size)
         self._pairs = PairJobs(self._job, rank, size, nodes, self._connect)
         self._notes = SendNotes(store, rank, self._timeout_s)
+        self._eager = EagerSends(f"gradsync-sends-{group_id or 'default'}")
         self._issuing = threading.local()
         name = group_id or "default"
         self._completer = FutureCompleter(f"gradsync-futures-{name}", f"gradsync-callbacks-{name}")
@@ -182,6 +184,7 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self._closed = True
         self._notes.close()
         self._pairs.close()
+        self._eager.close()
         self._fast_path.forget()
         self._client.close()
         self._completer.close()
@@ -590,13 +593,18 @@ class ProcessGroupGradsync(dist.ProcessGroup):
 
     # -- point to point --------------------------------------------------------------
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         """To group rank `dst`: sends and receives between two ranks match in order, per tag.
 
-        Each send also leaves a note for a receive from any source (`SendNotes`).
+        A small send is over for the caller at once (`_eager_send`); a larger one
+        when the receiver has it.  Each send also leaves a note for a receive
+        from any source (`SendNotes`).
         """
-        staged = [self._stage(t) for t in tensors]
         pair = self._pairs.get(self.rank(), dst, tag)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if not self._closed and self._eager.admit(nbytes):
+            return self._eager_send(pair, tensors, dst, tag, nbytes)
+        staged = [self._stage(t) for t in tensors]
 
         def issue() -> list[GradsyncWork | None]:
             works: list[GradsyncWork | None] = [pair.broadcast(s.array, src=0, async_op=True)
@@ -605,6 +613,23 @@ class ProcessGroupGradsync(dist.ProcessGroup):
             return works
 
         return self._work(f"send to rank {dst} (tag {tag})", issue, tensors)
+
+    def _eager_send(
+        self, pair: Client, tensors: list[torch.Tensor], dst: int, tag: int, nbytes: int
+    ) -> dist.Work:
+        """A small send, over for the caller once a private copy of it is in daemon
+        scratch (the tensors may change at once); `EagerSends` finishes it."""
+        what = f"send to rank {dst} (tag {tag})"
+        copies = [Staged(t.detach().clone(memory_format=torch.contiguous_format))
+                  for t in tensors]
+        try:
+            works = [pair.broadcast(c.array, src=0, async_op=True) for c in copies]
+        except GradsyncError as exc:
+            self._eager.release(nbytes)
+            raise torch_error(exc, self._group_name) from exc
+        self._notes.sent(dst, tag)
+        self._eager.finish([w for w in works if w is not None], nbytes, what)
+        return CompletedWork(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
         staged = [self._stage(t, copy_in=False) for t in tensors]

@@ -8,6 +8,7 @@ made on first use: a send and a receive match as a broadcast, in order, per tag.
 from __future__ import annotations
 
 import datetime
+import logging
 import queue
 import threading
 import time
@@ -25,7 +26,16 @@ from gradsync.protocol.errors import (
     InvalidArgumentError,
 )
 
-__all__ = ["AnySourceWork", "Connect", "PairJobs", "SendNotes"]
+__all__ = ["AnySourceWork", "Connect", "EagerSends", "PairJobs", "SendNotes"]
+
+log = logging.getLogger("gradsync.torch")
+
+#: A send of at most this many bytes is over for its caller once its data is in a
+#: daemon scratch buffer, as gloo's and MPI's small sends are, not once the
+#: receiver has it ...
+EAGER_SEND_BYTES = 1 << 20
+#: ... while the group's sends over that way hold at most this much in all.
+EAGER_OUTSTANDING_BYTES = 64 << 20
 
 #: Connect to the daemon as (job, rank, world size, local rank, local world size).
 Connect = Callable[[str, int, int, int, int], Client]
@@ -75,6 +85,9 @@ class PairJobs:
 #: How long one wait on the store lasts before the receiver looks whether its
 #: group closed meanwhile (the whole wait still ends at the group's deadline).
 NOTE_WAIT_SLICE_S = 1.0
+#: How long closing waits for a lane's thread (a receive looking for its sender
+#: ends within a wait slice; sends fail at once, their connections closed).
+LANE_JOIN_S = 2 * NOTE_WAIT_SLICE_S + 1.0
 
 
 class SendNotes:
@@ -159,7 +172,7 @@ class SendNotes:
             self._closed = True
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
-            lane.stop()
+            lane.stop(LANE_JOIN_S)
 
 
 class _Lane:
@@ -167,13 +180,17 @@ class _Lane:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
+        """End the thread after the jobs queued; wait up to `join_s` for it."""
         self._jobs.put(None)
+        if join_s and self._thread is not threading.current_thread():
+            self._thread.join(join_s)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -215,10 +232,56 @@ class AnySourceWork:
         start = time.monotonic()
         if not self._posted.wait(timeout):
             raise CollectiveTimeoutError(
-                f"{self._what} not complete after {timeout}s; still in flight"
+                f"{self._what} timed out after {timeout}s here (still in flight)"
             )
         if self._error is not None:
             raise self._error
         assert self._work is not None
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
         return self._work.wait(left)
+
+
+class EagerSends:
+    """Small sends handed back to their caller already, finished here in the background.
+
+    Their gradsync Works are waited for in order on a thread of the group's, so
+    each gives its scratch back once the receiver took it; one that fails is
+    logged (its pair job is then broken, so the next send or receive on that
+    pair raises the error).  `admit` bounds the bytes held so.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._lock = threading.Lock()
+        self._held = 0
+        self._lane = _Lane(name)
+
+    def admit(self, nbytes: int) -> bool:
+        """Whether a send of `nbytes` may go eagerly now (it then counts as held)."""
+        if nbytes > EAGER_SEND_BYTES:
+            return False
+        with self._lock:
+            if self._held + nbytes > EAGER_OUTSTANDING_BYTES:
+                return False
+            self._held += nbytes
+            return True
+
+    def finish(self, works: list[GradsyncWork], nbytes: int, what: str) -> None:
+        """Wait for `works` in the background; `nbytes` are held until they end."""
+        self._lane.submit(lambda: self._wait(works, nbytes, what))
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+    def _wait(self, works: list[GradsyncWork], nbytes: int, what: str) -> None:
+        try:
+            for work in works:
+                work.wait()  # its collective deadline bounds it
+        except GradsyncError as exc:
+            log.warning("gradsync: %s failed after it was handed back: %s", what, exc)
+        finally:
+            self.release(nbytes)
+
+    def close(self) -> None:
+        """End the thread once what is queued is over (the group's close fails it)."""
+        self._lane.stop(LANE_JOIN_S)

@@ -7,7 +7,10 @@ store can outlive the processes that wrote to it: torchrun's restarts
 dead attempt's keys, so a key read without a fresh round could be a dead
 rank's (gloo then dials a dead address and times out).  Then every rank
 writes which daemon it talks to; from that each rank knows the job and its
-local rank within the group.
+local rank within the group.  Last, `all_joined` holds every rank until all
+have joined the job, as gloo's constructor returns only once all are
+connected: a rank that shuts its group down at once cannot close the job to
+a rank that has not joined yet.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.distributed as dist
 from gradsync.client.ping import query
 from gradsync.protocol.errors import GradsyncError
 
-__all__ = ["fresh_round", "node_identities", "values"]
+__all__ = ["all_joined", "fresh_round", "node_identities", "values"]
 
 _POLL_S = (0.002, 0.05)
 
@@ -100,3 +103,23 @@ def node_identities(store: Any, rank: int, size: int, daemon: str) -> list[str]:
     mine = f"{socket.gethostname()}|{daemon}|{welcome.get('pid')}"
     store.set(f"gradsync/node/{rank}", mine)
     return values(store, [f"gradsync/node/{r}" for r in range(size)])
+
+
+def all_joined(store: Any, size: int) -> None:
+    """Return once every rank of the group has called this (after joining its job).
+
+    One counter and one key, so O(size) store traffic in all; waits up to the
+    store's timeout (the process group's).
+    """
+    if size == 1:
+        return
+    if store.add("gradsync/joined", 1) == size:
+        store.set("gradsync/all-joined", "1")
+    try:
+        values(store, ["gradsync/all-joined"])
+    except dist.DistStoreError as exc:
+        joined = store.add("gradsync/joined", 0)
+        raise dist.DistBackendError(
+            f"gradsync: only {joined} of the group's {size} ranks joined its job within the "
+            f"store's timeout: some rank never finished init_process_group/new_group"
+        ) from exc

@@ -111,7 +111,7 @@ class Operation:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise dist.DistBackendError(
-                f"gradsync: {self.what} not complete after {timeout_s}s; still in flight"
+                f"gradsync: {self.what} timed out after {timeout_s}s here (still in flight)"
             )
         try:
             if not self.done:

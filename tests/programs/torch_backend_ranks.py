@@ -281,6 +281,15 @@ def p2p(check: Checker, group: Any, ranks: list[int]) -> None:
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     check.equal("batch_isend_irecv", got, value((me - 1) % size, 4, torch.bfloat16))
+    # A small send is over before its receive is posted (as gloo's): every rank sends
+    # first (a ring of blocking sends would wait for ever), and may change its
+    # tensor at once; the receiver gets what was sent.
+    mine = value(me, 7, torch.float32, salt=9)
+    dist.send(mine, dst=right, group=group, tag=9)
+    mine.fill_(-1.0)
+    got = torch.empty(7, dtype=torch.float32)
+    dist.recv(got, src=left, group=group, tag=9)
+    check.equal("eager send", got, value((me - 1) % size, 7, torch.float32, salt=9))
     any_source(check, group, ranks)
 
 
