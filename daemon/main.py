@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where peers open data streams to this daemon, when a NAT or "
                        "port forward sits between (default: --listen's host, --data-port)")
     peers.add_argument("--peer-timeout-s", metavar="S",
-                       help="a silent peer is declared lost after this long (default 30)")
+                       help="upper bound: a peer silent this long is lost whatever the "
+                       "failure detector says (default 10; it declares a vanished peer "
+                       "in about 2 s)")
     peers.add_argument("--pipeline-slice-bytes", metavar="SIZE",
                        help="inter-daemon transfers are cut into slices this big (4MiB)")
     peers.add_argument("--algorithm", metavar="NAME",

@@ -262,6 +262,7 @@ def _peers(links: Any, jobs: dict[str, JobStats]) -> dict[str, Any]:
             "rtt_s": stats.rtt_s if stats else None,
             "bandwidth_Bps": stats.bytes_per_s if stats else None,
             "heartbeat_age_s": links.heard_age_s(peer),
+            **links.detector_facts(peer),
             "data_stream": links.stream_state(peer),
             **links.link_facts(peer),
             **{f"bytes_{way}{suffix}": sum(j.peer_bytes.get(peer, {}).get(way + key, 0)

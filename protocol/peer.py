@@ -41,10 +41,21 @@ PONG = "link.pong"
 #: A daemon leaving on purpose (SIGTERM) says so to each peer, which answers with
 #: a PONG and from then on takes the link's end as a goodbye, not a failure.
 BYE = "link.bye"
-LINK_KINDS = frozenset({PING, BULK, PONG, BYE})
+#: A failure detector's question about a peer it suspects (`about`), answered by
+#: a PONG that says how long ago the asked daemon last heard it (`heard_s`).
+ASK = "link.ask"
+#: A daemon that declared the receiver lost or unreachable says so, and why
+#: (`why`), where its messages still get through (a one-way cut): the receiver
+#: drops the link too, with the sender's words.
+CUT = "link.cut"
+LINK_KINDS = frozenset({PING, BULK, PONG, BYE, ASK, CUT})
+#: The longest `why` a CUT carries (characters).
+MAX_WHY = 1024
 
 #: Timings a `Costs` message may carry.
 MAX_TIMES = 64
+#: Codec rates an `Announce` may carry.
+MAX_CODEC_RATES = 8
 #: An upper bound for any duration on the wire (seconds).
 MAX_SECONDS = 1e3
 
@@ -365,6 +376,11 @@ def from_wire(fields: Mapping[str, Any]) -> Message:
 class Probe:
     """A link probe (PING, or BULK with payload frames) or its answer (PONG).
 
+    An ASK names a peer (`about`); its PONG carries `about` back and, when the
+    answering daemon's link to that peer is up, `heard_s`: how long ago it
+    last heard it (daemon/core/failure_detector.py).  A CUT says why (`why`)
+    the sender declared the receiver lost or unreachable.
+
     A PONG also tells where the answering daemon's data streams listen
     (`data_port`, `data_token`, and `data_host` where the daemon advertises a
     host other than its link's: a NAT or port forward), when it has them, and
@@ -381,9 +397,18 @@ class Probe:
     data_key: bytes | None = None
     data_cipher: str | None = None
     data_host: str | None = None
+    about: str | None = None
+    heard_s: float | None = None
+    why: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"kind": self.kind, "seq": self.seq}
+        if self.why is not None:
+            fields["why"] = self.why
+        if self.about is not None:
+            fields["about"] = self.about
+            if self.heard_s is not None:
+                fields["heard_s"] = self.heard_s
         if self.data_port is not None:
             fields.update(data_port=self.data_port, data_token=self.data_token)
             if self.data_host is not None:
@@ -397,9 +422,19 @@ class Probe:
         kind = fields.get("kind")
         _need(kind in LINK_KINDS, "probe", "unknown link kind", kind)
         seq = _int(fields, "seq", str(kind))
+        about, heard = fields.get("about"), fields.get("heard_s")
+        _need(about is None or (isinstance(about, str) and 0 < len(about.encode()) <= 255),
+              str(kind), "'about' must be a peer endpoint of 1 to 255 bytes")
+        _need(kind != ASK or about is not None, str(kind), "an ask needs 'about'")
+        _need(heard is None or (about is not None and is_seconds(heard)), str(kind),
+              "'heard_s' must be seconds, with 'about'", heard)
+        why = fields.get("why")
+        _need((why is None and kind != CUT) or (isinstance(why, str) and len(why) <= MAX_WHY),
+              str(kind), "a cut needs 'why', a text of at most 1024 characters")
         port, token = fields.get("data_port"), fields.get("data_token")
         if port is None and token is None:
-            return cls(str(kind), seq)
+            return cls(str(kind), seq, about=about,
+                       heard_s=None if heard is None else float(heard), why=why)
         _need(is_integer(port) and 0 < port < 65536 and isinstance(token, bytes)
               and 0 < len(token) < 256, str(kind),
               "'data_port' must be a port and 'data_token' 1 to 255 bytes")

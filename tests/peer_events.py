@@ -26,6 +26,8 @@ class Events:
         self.up: list[str] = []
         #: (peer, `time.monotonic()` when its loss was reported)
         self.lost: list[tuple[str, float]] = []
+        #: Why each loss, as reported.
+        self.why: list[str] = []
         self.broken: list[tuple[str, str]] = []
         self._place = place
 
@@ -44,8 +46,9 @@ class Events:
     def peer_up(self, peer: str) -> None:
         self.up.append(peer)
 
-    def peer_lost(self, peer: str) -> None:
+    def peer_lost(self, peer: str, why: str = "") -> None:
         self.lost.append((peer, time.monotonic()))
+        self.why.append(why)
 
     def stream_broken(self, peer: str, why: str) -> None:
         self.broken.append((peer, why))

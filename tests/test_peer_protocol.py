@@ -125,6 +125,26 @@ def test_unknown_kinds_and_link_probes() -> None:
             peer.Probe.from_wire(bad)
 
 
+
+def test_the_failure_detectors_questions_answers_and_notices() -> None:
+    """ASK names a suspect; its PONG says when the answering daemon last heard it
+    (or, without `heard_s`, that its link to it is not up); CUT says why."""
+    ask = peer.Probe(peer.ASK, 4, about="tcp://10.0.0.2:29400")
+    told = peer.Probe(peer.PONG, 4, about="tcp://10.0.0.2:29400", heard_s=0.25)
+    unknown = peer.Probe(peer.PONG, 4, about="tcp://10.0.0.2:29400")
+    cut = peer.Probe(peer.CUT, 5, why="unreachable from tcp://10.0.0.1:29400 for 4.0s")
+    for probe in (ask, told, unknown, cut):
+        assert peer.Probe.from_wire(probe.to_wire()) == probe
+    for bad in ({"kind": peer.ASK, "seq": 1}, {"kind": peer.ASK, "seq": 1, "about": ""},
+                {"kind": peer.ASK, "seq": 1, "about": "h" * 256},
+                {**told.to_wire(), "heard_s": -1.0}, {**told.to_wire(), "heard_s": "0"},
+                {"kind": peer.PONG, "seq": 1, "heard_s": 0.5},
+                {"kind": peer.CUT, "seq": 1}, {"kind": peer.CUT, "seq": 1, "why": "w" * 1025},
+                {"kind": peer.PING, "seq": 1, "why": 7}):
+        with pytest.raises(ProtocolError):
+            peer.Probe.from_wire(bad)
+
+
 def test_the_algorithms_are_named_once() -> None:
     from gradsync.client.client import ALGORITHMS as CLIENT_CHOICES
     from gradsync.daemon.algorithms import ALGORITHMS

@@ -1,13 +1,16 @@
 """torchft on gradsync when a node vanishes: no socket closes, and the survivors
-still go on after the daemons' peer timeout, not torchft's collective timeout.
+go on within 3 s with the daemons' default settings, not after torchft's
+collective timeout.
 
 Two "hosts" (network namespaces joined by a veth pair): replicas 0 and 1 with
 their daemon and the Lighthouse on the first, replica 2 with its daemon on the
 second.  Mid-step, with the survivors waiting in its allreduces, the second
 host's link goes down (`ip link set ... down`: a cut cable, a dead switch port).
-The collective timeout is torchft's default, 60 s; the daemons' peer timeout is
-2 s.  The survivors' step fails with the lost peer named, is discarded, and they
-commit the next ones as two.  benchmarks/torchft_lost_node.py measures the same
+The collective timeout is torchft's default, 60 s; the daemons run with their
+defaults (their failure detector declares a silent peer after about 2 s: see
+daemon/core/failure_detector.py).  The survivors' step fails with the lost
+peer named, is discarded, and they commit the next ones as two, the first
+within 3 s of the cut.  benchmarks/torchft_lost_node.py measures the same
 against torchft's ProcessGroupGloo.
 """
 
@@ -37,7 +40,11 @@ STEPS = 12
 CUT_AT = 4
 #: torchft's default collective timeout: what gloo would wait.
 TORCHFT_TIMEOUT_S = 60
-PEER_TIMEOUT_S = 2
+#: What the defaults promise: the cut to the survivors' next committed step.
+PROMISED_S = 3.0
+#: Added for this test's machine: 2 cores shared by 2 daemons, 3 replicas, the
+#: Lighthouse and whatever else runs, so the processes may wait for a core.
+LOAD_MARGIN_S = 1.0
 
 
 def survivors_wait_for(daemon: DaemonProcess, peer: str) -> bool:
@@ -64,8 +71,7 @@ def test_a_vanished_node_costs_the_survivors_one_step_not_the_timeout(
     with namespaces(2) as topo:
         ports = free_ports(3)
         endpoints = [f"tcp://{topo.hosts[i]}:{ports[i]}" for i in range(2)]
-        daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--peer-timeout-s",
-                                           str(PEER_TIMEOUT_S)), prefix=topo.prefix(i))
+        daemons = [start_daemon(*peer_args(i, endpoints, "--insecure"), prefix=topo.prefix(i))
                    for i in range(2)]
         lighthouse = subprocess.Popen(
             [*topo.prefix(0), sys.executable, str(PROGRAMS / "lighthouse.py"), str(ports[2]),
@@ -115,18 +121,21 @@ def test_a_vanished_node_costs_the_survivors_one_step_not_the_timeout(
             lighthouse.wait(30)
         for daemon in daemons:  # before their namespaces go
             assert daemon.stop(30) == 0, daemon.log_tail()
+        logs = "\n".join(daemon.log()[-4000:] for daemon in daemons)
     for survivor in outputs:
         steps = [r for r in survivor if "step" in r]
         after = [r for r in steps if r["t"] > cut]
         # The step in flight at the cut failed on the lost peer, not on the timeout ...
         failed = after[0]
-        assert not failed["committed"] and failed["step"] == CUT_AT, failed
+        assert not failed["committed"] and failed["step"] == CUT_AT, (failed, logs)
         assert endpoints[1] in failed["error"] and "lost" in failed["error"], failed["error"]
         # ... and the survivors went on as two, to the end.
         first = next(r for r in after if r["committed"])
         assert first["participants"] == 2, after
-        print(f"cut to the next committed step: {first['t'] - cut:.1f} s "
-              f"(collective timeout {TORCHFT_TIMEOUT_S} s, peer timeout {PEER_TIMEOUT_S} s)")
+        took_s = first["t"] - cut
+        print(f"cut to the next committed step: {took_s:.2f} s (collective timeout "
+              f"{TORCHFT_TIMEOUT_S} s, daemons' default settings)")
+        assert took_s < PROMISED_S + LOAD_MARGIN_S, (took_s, logs)
     finals = [next(r for r in survivor if "final_step" in r) for survivor in outputs]
     assert all(f["final_step"] == STEPS for f in finals), finals
     assert finals[0]["params"] == finals[1]["params"]

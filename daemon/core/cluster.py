@@ -503,9 +503,11 @@ class ClusterJobs:
             if peer != self.transport.endpoint:
                 self.transport.post(peer, abort)
 
-    def peer_lost(self, peer: str) -> None:
+    def peer_lost(self, peer: str, why: str = "") -> None:
         """Fail every collective of every job that spans the lost peer, and of every
-        job still forming that counted on it for missing ranks."""
+        job still forming that counted on it for missing ranks; `why` (the links'
+        words: its connection closed, or the failure detector's verdict) goes into
+        the errors."""
         self.lost.add(peer)
         held_ranks = set()
         for name, table in list(self.remote.items()):
@@ -513,8 +515,7 @@ class ClusterJobs:
                 held_ranks.add(name)
             if not table:
                 del self.remote[name]
-        why = (f"its connection closed or it was silent for "
-               f"{self.config.peer_timeout_s:g}s")
+        why = why or "its connection closed"
         self._break_jobs_with(peer, f"was lost ({why})")
         for job in list(self.jobs.values()):
             self._fail_if_unformable(job, peer if job.name in held_ranks else None, why)

@@ -55,8 +55,9 @@ class PeerEvents(Protocol):
     def peer_up(self, peer: str) -> None:
         """The link to `peer` came up (its handshake succeeded, and a ping came back)."""
 
-    def peer_lost(self, peer: str) -> None:
-        """The link to `peer` was lost: its connection closed, or it fell silent."""
+    def peer_lost(self, peer: str, why: str = "") -> None:
+        """The link to `peer` was lost: its connection closed, or the failure
+        detector declared it (`why` says which, and on whose word)."""
 
     def stream_broken(self, peer: str, why: str) -> None:
         """A data stream to or from `peer` broke while it may have lost a message

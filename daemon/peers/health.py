@@ -1,20 +1,26 @@
-"""Link health: noticing that a peer came up, died or stopped answering.
+"""Link health: noticing that a peer came up, died, stopped answering or is cut off.
 
-ZMTP heartbeats run on every connection: a DEALER pings every
-`heartbeat_ivl_s` and drops the connection when nothing came back for
-`peer_timeout_s - heartbeat_ivl_s` after a ping, so a peer killed, stopped or
-cut off is noticed within `peer_timeout_s` (a killed one at once: its kernel
-closes the TCP connection).  A monitor on each DEALER turns handshake success
-into state `up` and disconnection into `lost`.  The heartbeats are answered
-by the peer's ZeroMQ I/O thread, so they prove that the peer's process and
-network are alive, not that its event loop is: per-step deadlines of the
-collectives cover a peer that is alive but stuck.
+A monitor on each DEALER turns handshake success into state `up` (once a
+ping has come back: `confirm`) and disconnection into `lost`; a peer killed
+is noticed at once (its kernel closes the TCP connection).  A peer that goes
+silent (power off, a cut link, a frozen host) is the failure detector's to
+judge (daemon/core/failure_detector.py): its decisions are made there, from
+what this module tells it, and carried out here (`liveness`).
 
-Besides ZeroMQ's heartbeats (invisible to us), each DEALER sends a small PING
-every `liveness_ivl_s` (at most one second) while its link is up, answered by
-the peer's router: `heard_age_s` is the time since anything last came from
-the peer, so it also shows a peer whose event loop has stopped; a peer silent
-for longer than `peer_timeout_s` is dropped and connected afresh.
+Heartbeats have their own path.  Besides its DEALER (control messages, link
+probes and, while no data stream is open, slices), every link has a second
+DEALER, `live`, that carries only heartbeat pings (every `ping_ivl_s`, 0.1 s)
+and the detector's questions about suspects (ASK), so they never wait behind
+data in a queue of ours or ZeroMQ's, or in the peer's TCP stream; its packets
+ask for low delay (IP TOS).  The peer's ROUTER answers on the same
+connection.  Anything from the peer counts as heard: its answers on either
+DEALER, anything on our ROUTER (its own heartbeats included), data stream
+messages.  The DEALER still pings once a second (its answers carry the
+peer's data stream offers).
+
+ZeroMQ's own heartbeats (ZMTP) and TCP keepalive and `TCP_USER_TIMEOUT` run
+on every connection with the upper bound, `peer_timeout_s`: the kernel and
+libzmq end a connection silent that long in any case.
 
 `LinkHealth` owns these state changes of each `Link`; what a change means
 beyond the link's state (probes, waiting sends, the daemon's events) is the
@@ -29,19 +35,28 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from gradsync.daemon.core.failure_detector import (
+    Action,
+    Ask,
+    DetectorTimings,
+    FailureDetector,
+    Refuted,
+    Stalled,
+    Verdict,
+)
 from gradsync.daemon.peers.endpoints import TcpEndpoint
 from gradsync.daemon.peers.link_counters import LinkCounters
 from gradsync.daemon.peers.probe import LinkStats
 from gradsync.daemon.peers.socket_io import LoopSocket
-from gradsync.daemon.peers.wire import PING, encode_header
-from gradsync.protocol.peer import Probe
+from gradsync.daemon.peers.wire import ASK, CUT, PING, encode_header
+from gradsync.protocol.peer import MAX_WHY, Probe
 
 log = logging.getLogger("gradsync.daemon.peers")
 
@@ -50,7 +65,19 @@ PeerState = Literal["connecting", "up", "lost"]
 _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
 _MAX_TTL_MS = 6_553_500  # the ZMTP PING carries the TTL in deciseconds, 16 bits
-_MAX_LIVENESS_IVL_S = 1.0
+#: The DEALER (not `live`) pings this often: its answers carry data stream offers.
+_DEALER_PING_IVL_S = 1.0
+#: Heartbeats waiting in ZeroMQ's queue of the `live` DEALER, at most (a stale one
+#: is worth nothing: drop, don't queue).
+_LIVE_QUEUE = 16
+#: IP TOS "low delay" on heartbeat packets (pfifo_fast and the like send them first).
+_IPTOS_LOWDELAY = 0x10
+#: The routing id of a link's `live` DEALER: this daemon's endpoint and this.
+LIVE_ID_SUFFIX = b"#live"
+#: A peer declared unreachable (alive, behind a cut) is told why this long before
+#: its link is dropped here (and its data streams closed): where our messages still
+#: reach it, it should read our words before it sees its streams end.
+_CUT_NOTICE_S = 0.1
 #: A new connection's confirming ping goes again after this long unanswered (doubling).
 _CONFIRM_FIRST_S = 0.02
 _CONFIRM_MAX_S = 0.5
@@ -77,6 +104,8 @@ class Link:
     endpoint: TcpEndpoint
     server_key: bytes | None
     dealer: LoopSocket | None = None
+    #: The heartbeat path: pings and questions about suspects only.
+    live: LoopSocket | None = None
     monitor: zmq.asyncio.Socket | None = None
     state: PeerState = "connecting"
     stats: LinkStats | None = None
@@ -90,8 +119,14 @@ class Link:
     confirming: asyncio.Task[None] | None = None
     #: `time.monotonic()` when anything last arrived from the peer (message or pong).
     last_heard: float | None = None
+    #: ... and when an answer last came back on `live` (while it does not, as when
+    #: the peer's ROUTER still holds a connection of ours from before a cut, the
+    #: heartbeats take the DEALER too).
+    live_heard: float = 0.0
     #: The peer said goodbye (it is shutting down): its link ending is no failure.
     leaving: bool = False
+    #: Why the link is being declared lost (the detector's verdict), while it is.
+    lost_why: str | None = None
     #: What `gradsync doctor` reads (`facts`): why the last handshake failed (a
     #: monitor event's name, None once one succeeds), the last message refused for
     #: its protocol version, why our last data stream to the peer failed, and where
@@ -110,7 +145,8 @@ class Link:
 
 
 class LinkHealth:
-    """Watches the links of one daemon: monitor events, liveness pings, up and lost."""
+    """Watches the links of one daemon: monitor events, heartbeats, the failure
+    detector's verdicts, up and lost."""
 
     def __init__(
         self,
@@ -124,14 +160,16 @@ class LinkHealth:
         on_lost: Callable[[Link], None],
         closed: Callable[[], bool],
     ) -> None:
-        """`endpoint`: this daemon's name on the pings; `counters`: the links'
-        (`handshake_failed` and `peer_lost` are counted here); `on_up(link)` and
-        `on_lost(link)` follow each change of state; `closed()` says whether the
-        links are closing (no reconnecting then)."""
+        """`endpoint`: this daemon's name on the pings; `peer_timeout_s`: the upper
+        bound; `heartbeat_ivl_s`: ZeroMQ's own heartbeats; `counters`: the links'
+        (`handshake_failed`, `peer_lost`, `peer_suspected` and `peer_unreachable`
+        are counted here); `on_up(link)` and `on_lost(link)` follow each change of
+        state; `closed()` says whether the links are closing (no reconnecting then)."""
         self._endpoint = endpoint
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_ivl_s = heartbeat_ivl_s
-        self._liveness_ivl_s = min(heartbeat_ivl_s, _MAX_LIVENESS_IVL_S)
+        self.detector = FailureDetector(DetectorTimings.for_timeout(peer_timeout_s),
+                                        time.monotonic)
         self._counters = counters
         self._warn_once = warn_once
         self._on_up = on_up
@@ -157,10 +195,29 @@ class LinkHealth:
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         sock.setsockopt(zmq.TCP_MAXRT, max(1, round(self._peer_timeout_s * 1000)))
 
+    @staticmethod
+    def configure_live(sock: zmq.Socket[Any]) -> None:
+        """What a `live` DEALER has besides `configure`: a short queue, low delay."""
+        sock.setsockopt(zmq.SNDHWM, _LIVE_QUEUE)
+        sock.setsockopt(zmq.TOS, _IPTOS_LOWDELAY)
+
+    def heard(self, link: Link) -> None:
+        """Something came from the link's peer."""
+        link.last_heard = time.monotonic()
+        self.detector.heard(link.name)
+
     def heard_age_s(self, link: Link) -> float | None:
         """Seconds since anything last came from the link's peer (None: nothing yet)."""
         last = link.last_heard
         return None if last is None else time.monotonic() - last
+
+    def witness_age_s(self, peer: str) -> float | None:
+        """For a peer's question: seconds since `peer` was last heard, if its link is up."""
+        return self.detector.heard_age(peer)
+
+    def witness_said(self, witness: Link, about: str, heard_s: float | None) -> None:
+        """A peer's answer to our question about the suspect `about`."""
+        self.detector.witness_said(about, witness.name, heard_s)
 
     async def watch(self, link: Link) -> None:
         """Follow the DEALER's monitor events: handshake → confirm → up, disconnect → lost."""
@@ -224,53 +281,95 @@ class LinkHealth:
             link.confirming.cancel()
             link.confirming = None
 
-    async def keep_alive(self, link: Link) -> None:
-        """Ping the peer every `liveness_ivl_s` while the link is up.
-
-        Sent without blocking (a ping that does not fit in the queue is skipped)
-        and answered by the peer's router; the answer only refreshes
-        `last_heard`, so no waiter is kept.
-        """
-        assert link.dealer is not None
-        # A peer's heartbeats drop us after this much silence following one of their
-        # pings (and fail the collectives we share); never below two of our ticks.
-        given_up_s = max(self._peer_timeout_s - self._heartbeat_ivl_s, 2 * self._liveness_ivl_s)
-        last_tick = time.monotonic()
-        while True:
-            await asyncio.sleep(self._liveness_ivl_s)
+    async def liveness(self, links: Mapping[str, Link]) -> None:
+        """Every `ping_ivl_s`: carry out what the detector decided, then send the
+        heartbeats (and, once a second, a ping on each DEALER)."""
+        ping_ivl_s = self.detector.timings.ping_ivl_s
+        dealer_every = max(1, round(_DEALER_PING_IVL_S / ping_ivl_s))
+        for tick in itertools.count(1):
+            await asyncio.sleep(ping_ivl_s)
+            for action in self.detector.tick():
+                self._act(links, action)
             now = time.monotonic()
-            # The longest this daemon may not have run (SIGSTOP, a frozen VM): since the
-            # last tick, not beyond the sleep, which would miss up to one sleep of it.
+            for link in links.values():
+                if link.state != "up":
+                    continue
+                ping = [encode_header(self._endpoint, Probe(PING, next(link.seq)).to_wire())]
+                # Sent without blocking: a ping that does not fit in the queue is skipped.
+                if link.live is not None:
+                    link.live.try_send(ping)
+                live_quiet = now - link.live_heard > 5 * ping_ivl_s
+                if (tick % dealer_every == 0 or live_quiet) and link.dealer is not None:
+                    link.dealer.try_send(ping)
+
+    def _act(self, links: Mapping[str, Link], action: Action) -> None:
+        """Carry out one decision of the failure detector."""
+        if isinstance(action, Ask):
+            if action.first:
+                self._counters.add("peer_suspected")
+                log.info("peer %s silent for %.1fs: suspected%s", action.peer,
+                            action.silent_s, f"; asking {', '.join(action.witnesses)}"
+                            if action.witnesses else " (no other peer to ask)")
+            for name in action.witnesses:
+                witness = links[name]
+                ask = [encode_header(self._endpoint,
+                                     Probe(ASK, next(witness.seq), about=action.peer).to_wire())]
+                sock = witness.live if witness.live is not None else witness.dealer
+                if sock is not None:
+                    sock.try_send(ask)
+        elif isinstance(action, Refuted):
+            log.info("peer %s spoke again after %.1fs of silence: no longer suspected",
+                     action.peer, action.silent_s)
+        elif isinstance(action, Stalled):
             # Longer than a peer waits, and the peer may have given up on us, with the
-            # connection we made to it still standing (its own heartbeats' phase) and its
-            # messages queued here saying all is well: nothing else would tell us.
-            stalled_s = now - last_tick
-            last_tick = now
+            # connection we made to it still standing and its messages queued here
+            # saying all is well: nothing else would tell us.
+            for link in links.values():
+                if link.state == "up":
+                    log.warning("this daemon did not run for %.1fs (stopped?): peer %s "
+                                "may have given up on it", action.stalled_s, link.name)
+                    self.drop_link(link)
+        elif isinstance(action, Verdict):
+            link = links[action.peer]
             if link.state != "up":
-                continue
-            if stalled_s > given_up_s:
-                log.warning("this daemon did not run for up to %.1fs (stopped?): peer %s "
-                            "may have given up on it", stalled_s, link.name)
+                return
+            link.lost_why = action.describe(self._endpoint)
+            if action.kind == "unreachable":
+                self._counters.add("peer_unreachable")
+            # Where our messages still reach it (a one-way cut), the peer hears why,
+            # and ends the link on its side with our words.
+            cut = [encode_header(self._endpoint, Probe(
+                CUT, next(link.seq), why=link.lost_why[:MAX_WHY]).to_wire())]
+            for sock in (link.live, link.dealer):
+                if sock is not None:
+                    sock.try_send(cut)
+            if action.kind == "lost":
                 self.drop_link(link)
-                continue
-            # ZeroMQ's own heartbeats cannot get out behind a full send queue on a cut
-            # link: our pings' answers (and anything else the peer sends) are the test.
-            heard_s = now - link.last_heard if link.last_heard is not None else 0.0
-            if heard_s > self._peer_timeout_s:
-                log.warning("peer %s silent for %.1fs (peer timeout %gs)", link.name,
-                            heard_s, self._peer_timeout_s)
-                self.drop_link(link)
-                continue
-            header = encode_header(self._endpoint, Probe(PING, next(link.seq)).to_wire())
-            link.dealer.try_send([header])
+            else:
+                asyncio.get_running_loop().call_later(_CUT_NOTICE_S, self._drop_if_up, link)
+
+    def _drop_if_up(self, link: Link) -> None:
+        if link.state == "up" and not self._closed():
+            self.drop_link(link)
+
+    def declared_by(self, link: Link, why: str) -> None:
+        """The link's peer declared this daemon lost or unreachable (a CUT), while we
+        still hear it: the network between us is cut one way.  End the link too."""
+        if link.state != "up":
+            return
+        link.lost_why = f"it no longer hears {self._endpoint}: {why}"
+        self._counters.add("peer_unreachable")
+        self.drop_link(link)
 
     def drop_link(self, link: Link) -> None:
         """Declare a link lost ourselves, and connect afresh (it comes up again, and
         its jobs can re-form, once the peer answers a new handshake)."""
         self.mark_lost(link)
         if link.dealer is not None and not self._closed():
-            with contextlib.suppress(zmq.ZMQError):
-                link.dealer.sock.disconnect(link.name)
+            for sock in (link.dealer, link.live):
+                if sock is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.sock.disconnect(link.name)
             # Not at once: the peer's router must be rid of our old connection first.
             # Without ROUTER_HANDOVER it refuses a newcomer under a routing id still in
             # use, and keeps it, heartbeats and all: up for us, deaf to what we send.
@@ -279,7 +378,9 @@ class LinkHealth:
 
     def _connect_again(self, link: Link) -> None:
         if link.dealer is not None and not self._closed():
-            link.dealer.sock.connect(link.name)
+            for sock in (link.dealer, link.live):
+                if sock is not None:
+                    sock.sock.connect(link.name)
 
     def mark_up(self, link: Link) -> None:
         if link.state == "up":
@@ -288,17 +389,19 @@ class LinkHealth:
         link.leaving = False
         link.last_heard = time.monotonic()  # its answer to `confirm` just came
         link.down = asyncio.get_running_loop().create_future()
+        self.detector.watch(link.name)
         log.info("peer %s is up", link.name)
         self._on_up(link)
 
     def mark_lost(self, link: Link) -> None:
+        """The link is lost: `link.lost_why` says why if the detector decided."""
         link.state = "lost"
+        self.detector.forget(link.name)
         self._counters.add("peer_lost")
         if link.leaving:
             log.info("peer %s left: it shut down", link.name)
         else:
-            log.warning(
-                "peer %s lost: connection closed or silent for %gs", link.name,
-                self._peer_timeout_s,
-            )
+            link.lost_why = link.lost_why or "its connection closed"
+            log.warning("peer %s lost: %s", link.name, link.lost_why)
         self._on_lost(link)
+        link.lost_why = None

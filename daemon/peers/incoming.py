@@ -1,9 +1,11 @@
 """Receiving on the peer links: check each message, answer probes, hand the rest on.
 
-Messages arrive three ways: on the ROUTER, from a peer's DEALER (who sent
+Messages arrive four ways: on the ROUTER, from a peer's DEALER (who sent
 it is checked by routing id and, under CURVE, by key: `link_table.py`); on a
 DEALER, the answers to our own probes (which carry a peer's offer of a data
-stream); and over the data streams (`data_plane.py`).  Anything malformed or
+stream); on its `live` DEALER, the answers to our heartbeats and questions
+(`health.py`); and over the data streams (`data_plane.py`).  The link health
+hears of each message, whatever it is.  Anything malformed or
 from a stranger is counted and dropped here, never raised; the link probes
 are answered at once, and the accepted application messages go to the
 events' `message`, in order per peer.
@@ -12,21 +14,22 @@ events' `message`, in order per peer.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import zmq
 
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.events import PeerEvents, PeerMessage
-from gradsync.daemon.peers.health import Link
+from gradsync.daemon.peers.health import LIVE_ID_SUFFIX, Link, LinkHealth
 from gradsync.daemon.peers.link_counters import LinkCounters
 from gradsync.daemon.peers.link_table import LinkTable
 from gradsync.daemon.peers.socket_io import LoopSocket
 from gradsync.daemon.peers.stream import PayloadSink
 from gradsync.daemon.peers.wire import (
+    ASK,
     BULK,
     BYE,
+    CUT,
     MAX_PAYLOAD_FRAMES,
     PING,
     PONG,
@@ -48,6 +51,7 @@ class IncomingMessages:
         table: LinkTable,
         counters: LinkCounters,
         events: PeerEvents,
+        health: LinkHealth,
         *,
         kinds: frozenset[str],
         stream_kinds: frozenset[str],
@@ -57,13 +61,15 @@ class IncomingMessages:
         """`kinds` are the application kinds accepted, `stream_kinds` those
         accepted over a data stream; only stream messages of at least
         `place_min_bytes` are offered to the events' `place`; `closed()` says
-        whether the links are closing (no data stream offers taken then)."""
+        whether the links are closing (no data stream offers taken then);
+        `health` hears of every message, and answers questions about peers."""
         self._table = table
         self._links = table.links
         self._counters = counters
         self._events = events
+        self._health = health
         self._endpoint = table.endpoint
-        self._accepted = kinds | {PING, BULK, BYE}
+        self._accepted = kinds | {PING, BULK, BYE, ASK, CUT}
         self._stream_kinds = stream_kinds
         self._place_min_bytes = place_min_bytes
         self._closed = closed
@@ -82,12 +88,33 @@ class IncomingMessages:
         message = self._accept(frames)
         if message is None:
             return
-        self._links[message.peer].last_heard = time.monotonic()
+        self._health.heard(self._links[message.peer])
         kind = message.header["kind"]
         if kind == BYE:
             # Its links and streams are about to close: that is a goodbye, not a loss.
             self._links[message.peer].leaving = True
             log.info("peer %s is shutting down", message.peer)
+        if kind == CUT:
+            try:
+                why = Probe.from_wire(message.header).why
+            except ProtocolError as exc:
+                self._refused(self._links[message.peer], exc)
+                return
+            assert why is not None
+            self._health.declared_by(self._links[message.peer], why)
+            return
+        if kind == ASK or (kind == PING and frames[0].bytes.endswith(LIVE_ID_SUFFIX)):
+            # A heartbeat, or a question about a peer: answered on its own path, at
+            # once, and small (no data stream offer).
+            assert self._router is not None
+            about = message.header.get("about") if kind == ASK else None
+            heard_s = None
+            if isinstance(about, str):
+                heard_s = self._health.witness_age_s(about)
+            answer = Probe(PONG, message.header["seq"], about=about,
+                           heard_s=None if heard_s is None else min(heard_s, 999.0))
+            self._router.try_send([frames[0], encode_header(self._endpoint, answer.to_wire())])
+            return
         if kind in (PING, BULK, BYE):
             assert self._router is not None
             answer = Probe(PONG, message.header["seq"])
@@ -118,7 +145,8 @@ class IncomingMessages:
             return None
         try:
             header = decode_header(frames[1].bytes, self._accepted)
-            if header["src"].encode() != frames[0].bytes:
+            if header["src"].encode() not in (frames[0].bytes,
+                                               frames[0].bytes.removesuffix(LIVE_ID_SUFFIX)):
                 raise ProtocolError(f"'src' {header['src'][:80]!r} is not the sender's id")
         except (ProtocolError, ValueError, TypeError) as exc:
             self._refused(self._links[peer], exc)
@@ -165,7 +193,7 @@ class IncomingMessages:
         except (ProtocolError, ValueError, TypeError) as exc:
             self._counters.drop("malformed", peer, str(exc))
             return
-        self._links[peer].last_heard = time.monotonic()
+        self._health.heard(self._links[peer])
         self._counters.add("stream_received")
         if self._data is not None and self._data.sealed:
             self._counters.add("stream_encrypted_received")
@@ -181,7 +209,7 @@ class IncomingMessages:
         except ProtocolError as exc:
             self._refused(link, exc)
             return
-        link.last_heard = time.monotonic()
+        self._health.heard(link)
         link.version_error = None
         if pong.data_port is not None:
             link.data_address = f"{pong.data_host or link.endpoint.host}:{pong.data_port}"
@@ -190,3 +218,19 @@ class IncomingMessages:
         waiter = link.pongs.pop(pong.seq, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def on_live_frames(self, link: Link, frames: list[zmq.Frame]) -> None:
+        """An answer on the link's `live` DEALER: to a heartbeat, or to a question
+        about a suspect (`about`, `heard_s`)."""
+        try:
+            header = decode_header(frames[0].bytes, frozenset({PONG}))
+            if len(frames) != 1:
+                raise ProtocolError("a pong carries no payload")
+            pong = Probe.from_wire(header)
+        except ProtocolError as exc:
+            self._refused(link, exc)
+            return
+        self._health.heard(link)
+        link.live_heard = link.last_heard or 0.0
+        if pong.about is not None:
+            self._health.witness_said(link, pong.about, pong.heard_s)

@@ -31,6 +31,8 @@ class LinkCounts:
     rejected_keys: int = 0  # CURVE handshakes refused by the ZAP handler
     handshake_failed: int = 0  # our DEALER's handshake with a peer failed
     peer_lost: int = 0  # up → lost transitions
+    peer_suspected: int = 0  # peers the failure detector began to suspect (silent)
+    peer_unreachable: int = 0  # of the lost, those declared cut off from us alone
     stream_sent: int = 0  # application messages sent over a data stream
     stream_received: int = 0  # ... and accepted from one
     stream_encrypted_sent: int = 0  # of those, sent over a sealed (AEAD) stream (CURVE links)
@@ -43,7 +45,8 @@ class LinkCounts:
 #: A counter's name: a field of `LinkCounts`.
 Counter = Literal[
     "sent", "received", "malformed", "unknown_peer", "rejected_keys", "handshake_failed",
-    "peer_lost", "stream_sent", "stream_received", "stream_encrypted_sent",
+    "peer_lost", "peer_suspected", "peer_unreachable", "stream_sent", "stream_received",
+    "stream_encrypted_sent",
     "stream_encrypted_received", "stream_refused", "stream_failed", "stream_auth_failed",
 ]
 #: Every counter, in the record's order.

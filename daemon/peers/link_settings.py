@@ -37,8 +37,10 @@ class LinkSettings:
     insecure: bool = False
     kinds: Collection[str] = ()
     stream_kinds: Collection[str] = ()
+    #: The failure detector's upper bound: a peer silent this long is lost whatever
+    #: else (it declares a vanished peer sooner: daemon/core/failure_detector.py).
     peer_timeout_s: float = 10.0
-    #: None: a quarter of `peer_timeout_s`.
+    #: ZeroMQ's own heartbeats (ZMTP); None: a quarter of `peer_timeout_s`.
     heartbeat_ivl_s: float | None = None
     probe_rounds: int = 5
     probe_bytes: int = 4 * 1024 * 1024

@@ -1,4 +1,5 @@
-"""The ZeroMQ sockets of the peer links: one ROUTER in, one DEALER per peer out.
+"""The ZeroMQ sockets of the peer links: one ROUTER in, two DEALERs per peer out
+(messages, and heartbeats alone: `health.py`).
 
 What every peer socket shares (heartbeats, limits, queue bounds, no linger),
 CURVE on both ends with the ZAP handler that admits the authorised keys
@@ -21,7 +22,7 @@ import zmq.asyncio
 
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.endpoints import TcpEndpoint
-from gradsync.daemon.peers.health import DEALER_EVENTS, Link, LinkHealth
+from gradsync.daemon.peers.health import DEALER_EVENTS, LIVE_ID_SUFFIX, Link, LinkHealth
 from gradsync.daemon.peers.keys import PeerKeys
 from gradsync.daemon.peers.link_counters import LinkCounters
 from gradsync.daemon.peers.socket_io import LoopSocket
@@ -121,16 +122,17 @@ class LinkSockets:
         loop: asyncio.AbstractEventLoop,
         link: Link,
         on_frames: Callable[[Link, list[zmq.Frame]], None],
+        on_live_frames: Callable[[Link, list[zmq.Frame]], None],
     ) -> None:
-        """Connect the link's DEALER, read by `on_frames`, with a monitor on it."""
+        """Connect the link's DEALER, read by `on_frames`, with a monitor on it, and
+        its heartbeat DEALER (`live`, read by `on_live_frames`: `health.py`)."""
         assert self._context is not None and self._sockets is not None
-        dealer = self._sockets.socket(zmq.DEALER)
-        self._configure(dealer)
-        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: no stale sends
-        dealer.setsockopt(zmq.ROUTING_ID, self._endpoint.encode())
-        if self._keys is not None:
-            dealer.curve_publickey, dealer.curve_secretkey = self._keys.secret
-            dealer.curve_serverkey = link.server_key
+        dealer = self._dealer(link, self._endpoint.encode())
+        live = self._dealer(link, self._endpoint.encode() + LIVE_ID_SUFFIX)
+        self._health.configure_live(live)
+        live.connect(link.name)
+        link.live = LoopSocket(live, loop, lambda frames: on_live_frames(link, frames),
+                               f"the heartbeat link to {link.name}")
         monitor_address = f"inproc://gradsync-monitor-{id(link):x}"
         dealer.monitor(monitor_address, DEALER_EVENTS)
         link.monitor = self._context.socket(zmq.PAIR)
@@ -139,6 +141,18 @@ class LinkSockets:
         link.dealer = LoopSocket(
             dealer, loop, lambda frames: on_frames(link, frames), f"the link to {link.name}"
         )
+
+    def _dealer(self, link: Link, routing_id: bytes) -> zmq.Socket[Any]:
+        """A DEALER to the link's peer, not yet connected."""
+        assert self._sockets is not None
+        dealer: zmq.Socket[Any] = self._sockets.socket(zmq.DEALER)
+        self._configure(dealer)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: no stale sends
+        dealer.setsockopt(zmq.ROUTING_ID, routing_id)
+        if self._keys is not None:
+            dealer.curve_publickey, dealer.curve_secretkey = self._keys.secret
+            dealer.curve_serverkey = link.server_key
+        return dealer
 
     async def close(self) -> None:
         """Stop the ZAP handler, close every socket (linger 0) and the context."""
@@ -150,6 +164,8 @@ class LinkSockets:
                 with contextlib.suppress(zmq.ZMQError):
                     link.dealer.sock.disable_monitor()
                 link.dealer.close(closed)
+            if link.live is not None:
+                link.live.close(closed)
             if link.monitor is not None:
                 link.monitor.close(linger=0)
         if self._router is not None:

@@ -18,7 +18,7 @@ import zmq
 
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint, same_endpoint
-from gradsync.daemon.peers.health import Link
+from gradsync.daemon.peers.health import LIVE_ID_SUFFIX, Link
 from gradsync.daemon.peers.keys import CurveConfig, PeerKeys, load_peer_keys
 from gradsync.protocol.errors import InvalidArgumentError
 
@@ -66,8 +66,9 @@ class LinkTable:
             )
         #: This daemon's name among peers, and its routing id on every DEALER.
         self.endpoint: str = me or listen_text
-        if len(self.endpoint.encode()) > 255:
-            raise ConfigError(f"endpoint {self.endpoint!r} is longer than 255 bytes")
+        if len(self.endpoint.encode()) > 255 - len(LIVE_ID_SUFFIX):
+            raise ConfigError(f"endpoint {self.endpoint!r} is longer than "
+                              f"{255 - len(LIVE_ID_SUFFIX)} bytes")
         #: The other peers by name, in the order given.
         self.links = {name: Link(name, endpoint, None) for name, endpoint in others}
         self._by_routing_id: dict[bytes, str | None] = {
@@ -98,11 +99,12 @@ class LinkTable:
     def sender(self, frames: list[zmq.Frame]) -> str | None:
         """Which peer sent a message on the ROUTER, or None for a stranger.
 
-        By routing id (the sender's endpoint); under CURVE the key the ZAP
-        handler accepted must also be the one recorded for that endpoint, so an
-        authorised daemon cannot speak in the name of another.
+        By routing id (the sender's endpoint, with LIVE_ID_SUFFIX on its
+        heartbeat path); under CURVE the key the ZAP handler accepted must also
+        be the one recorded for that endpoint, so an authorised daemon cannot
+        speak in the name of another.
         """
-        peer = self.peer_named(frames[0].bytes)
+        peer = self.peer_named(frames[0].bytes.removesuffix(LIVE_ID_SUFFIX))
         if self._keyed and peer is not None:
             try:
                 user_id = str(frames[1].get("User-Id")).encode()

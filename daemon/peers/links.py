@@ -19,9 +19,10 @@ Here each node only ever holds its own secret, a node is removed by deleting
 its public key, and a received message counts as from peer P only if the key
 the ZAP handler accepted (libzmq's User-Id) is the one recorded for P.
 
-Health.  ZMTP heartbeats, a monitor on each DEALER (handshake → `up`,
-disconnection → `lost`) and our own liveness pings notice a peer that dies or
-stops answering within `peer_timeout_s`: see `health.py`.  When a link comes
+Health.  A monitor on each DEALER (handshake → `up`, disconnection → `lost`),
+heartbeats on a path of their own and a failure detector (suspicion, questions
+to other peers, local health; at most `peer_timeout_s`) notice a peer that
+dies, stops answering or is cut off: see `health.py`.  When a link comes
 up, its latency and bandwidth are measured (`link_stats`).
 
 `PeerLinks` checks the settings, starts and stops the rest, and is what the
@@ -138,11 +139,12 @@ class PeerLinks:
         )
         self._framer = MessageFramer(self.endpoint, self._kinds, max_payload_bytes)
         self._incoming = IncomingMessages(
-            self._table, self._counters, events, kinds=self._kinds,
+            self._table, self._counters, events, self._health, kinds=self._kinds,
             stream_kinds=self._stream_kinds, place_min_bytes=settings.place_min_bytes,
             closed=lambda: self._closed,
         )
         self._changed = asyncio.Event()
+        self._liveness: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
 
@@ -171,16 +173,20 @@ class PeerLinks:
             self._start_data_plane(loop)
         self._incoming.attach(router, self._data)
         for link in self._links.values():
-            self._sockets.connect(loop, link, self._incoming.on_dealer_frames)
+            self._sockets.connect(loop, link, self._incoming.on_dealer_frames,
+                                  self._incoming.on_live_frames)
             link.tasks = [
                 loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"),
-                loop.create_task(self._health.keep_alive(link),
-                                 name=f"peer-liveness {link.name}"),
             ]
+        self._liveness = loop.create_task(self._health.liveness(self._links),
+                                          name="peer-liveness")
+        timings = self._health.detector.timings
         log.info(
-            "peer links of %s: %d peers, %s, peer timeout %gs (heartbeat every %gs)",
-            self.endpoint, len(self._links), "insecure" if self.insecure else "CURVE",
-            self._peer_timeout_s, self._heartbeat_ivl_s,
+            "peer links of %s: %d peers, %s; a silent peer is suspected after %gs or "
+            "more, declared %gs later at the earliest, after %gs at most (heartbeats "
+            "every %gs)", self.endpoint, len(self._links),
+            "insecure" if self.insecure else "CURVE", timings.suspect_s, timings.confirm_s,
+            self._peer_timeout_s, timings.ping_ivl_s,
         )
 
     def _start_data_plane(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -292,6 +298,13 @@ class PeerLinks:
     def link_facts(self, peer: str) -> dict[str, str | None]:
         """The link's last handshake, version and data stream troubles (`Link.facts`)."""
         return self._table.get(peer).facts(self.stream_open(peer))
+
+    def detector_facts(self, peer: str) -> dict[str, float | bool | None]:
+        """What the failure detector thinks of `peer` now: suspected, and the
+        silence after which it would be (None: the link is not up)."""
+        detector = self._health.detector
+        return {"suspected": detector.suspected(peer),
+                "suspect_after_s": detector.suspect_after_s(peer)}
 
     def heard_age_s(self, peer: str) -> float | None:
         """Seconds since anything last came from `peer` (None: nothing yet).
@@ -405,7 +418,7 @@ class PeerLinks:
             return
         await self._say_goodbye()
         self._closed = True
-        tasks: list[asyncio.Task[None]] = []
+        tasks: list[asyncio.Task[None]] = [] if self._liveness is None else [self._liveness]
         for link in self._links.values():
             tasks += link.tasks
             tasks += [task for task in (link.probe, link.confirming) if task is not None]
@@ -462,6 +475,11 @@ class PeerLinks:
     def _stream_broken(self, peer: str, why: str) -> None:
         """A data stream broke and may have lost a message (`data_plane.py`): tell the daemon."""
         if not self._closed:
+            # Streams break at the peer's end too when it declared us (a cut it sees
+            # first): what our own detector suspects says whom the cut is between.
+            suspicion = self._health.detector.suspicion(peer)
+            if suspicion is not None:
+                why = f"{why}; it is suspected here: {suspicion.describe(self.endpoint)}"
             self._call(self._events.stream_broken, peer, why)
 
     def _link_up(self, link: Link) -> None:
@@ -481,7 +499,7 @@ class PeerLinks:
             link.probe.cancel()
             link.probe = None
         self._notify()
-        self._call(self._events.peer_lost, link.name)
+        self._call(self._events.peer_lost, link.name, link.lost_why or "")
 
     def _end_up_period(self, link: Link, exc: Exception) -> None:
         """Wake whatever waits on the link: pending sends and probe answers."""

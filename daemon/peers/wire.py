@@ -22,8 +22,10 @@ import msgpack
 from gradsync.protocol.codec import MAX_FRAME_BYTES, Message, decode_body, is_integer
 from gradsync.protocol.errors import InvalidArgumentError, ProtocolError
 from gradsync.protocol.peer import (
+    ASK,
     BULK,
     BYE,
+    CUT,
     LINK_KINDS,
     PEER_PROTOCOL_VERSION,
     PING,
@@ -31,8 +33,8 @@ from gradsync.protocol.peer import (
     check_peer_version,
 )
 
-__all__ = ["BULK", "BYE", "LINK_KINDS", "PING", "PONG", "check_kinds", "decode_header",
-           "encode_header"]
+__all__ = ["ASK", "BULK", "BYE", "CUT", "LINK_KINDS", "PING", "PONG", "check_kinds",
+           "decode_header", "encode_header"]
 
 LINK_PREFIX = "link."
 

@@ -1,0 +1,237 @@
+"""No false positives from the failure detector, with the daemons' default settings.
+
+Each test runs real daemons in network namespaces (benchmarks/topology.py:
+addresses 10.213.50.x assigned inside namespaces made here and deleted after),
+one rank per daemon, back-to-back allreduces checked element by element for
+about a minute, while one node is made slow in one way:
+
+- a CPU hog: node 1's daemon and rank pinned to one core with four busy
+  processes, so they get a fraction of it;
+- pauses: node 1's daemon SIGSTOPped for 1 s every 20 s;
+- a saturated link: two nodes whose links are shaped to 200 Mbit/s (tbf, a
+  shallow queue) and filled by 64 MiB allreduces.
+
+None may cost a peer its link (`links_peer_lost`, read from every daemon's
+statistics) or a rank a collective.  And the other side: a network cut
+between two nodes of three, each still reached by the third, ends the job on
+every node with an error that names the two, as a cut and not a dead node.
+A vanished node, declared with the same defaults: tests/test_torchft_lost_node.py;
+the decisions themselves: tests/test_core_failure_detector.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from cluster import peer_args, spawn_spread
+
+from benchmarks.topology import Topology, namespaces, namespaces_unavailable
+from conftest import DaemonProcess, collect, poll_until
+from gradsync.client.ping import query
+
+pytestmark = pytest.mark.fault
+
+StartDaemon = Callable[..., DaemonProcess]
+#: How long the ranks all-reduce under each disturbance.
+SOAK_S = 55.0
+HOGS = 4
+#: The core the slow node's processes share with the hogs.
+HOG_CORE = "1"
+
+
+@contextlib.contextmanager
+def hogs(count: int, core: str) -> Iterator[None]:
+    """`count` busy processes pinned to `core`."""
+    busy = [subprocess.Popen(["taskset", "-c", core, sys.executable, "-c", "while True: pass"])
+            for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+def soak(
+    start_daemon: StartDaemon, topo: Topology, short_tmp: str, count: int,
+    disturb: Callable[[list[DaemonProcess], Callable[[], bool]], None],
+    slow_prefix: list[str] | None = None, pin_rank: str | None = None,
+) -> list[DaemonProcess]:
+    """Ranks all-reduce `count` floats for SOAK_S on one daemon per node while
+    `disturb(daemons, running)` does its worst; asserts that nothing failed and
+    no daemon lost a peer.  Node 1's daemon runs under `slow_prefix` and its rank
+    on core `pin_rank`, if given."""
+    endpoints = topo.endpoints()[0]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure"),
+                            prefix=[*topo.prefix(i), *((slow_prefix or []) if i == 1 else [])])
+               for i in range(topo.size)]
+    markers = Path(short_tmp) / "markers"
+    markers.mkdir()
+    ranks = spawn_spread(daemons, (1,) * topo.size, "multinode_soak.py",
+                         [str(count), str(SOAK_S), str(markers)], job="soak")
+    if pin_rank is not None:
+        os.sched_setaffinity(ranks[1].pid, {int(pin_rank)})
+    try:
+        poll_until(lambda: len(list(markers.iterdir())) == topo.size, 60,
+                   "every rank's first allreduce")
+        disturb(daemons, lambda: any(rank.poll() is None for rank in ranks))
+        results = collect(ranks, timeout_s=SOAK_S + 60)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    logs = "\n".join(f"--- {d.endpoint}:\n{d.log()[-3000:]}" for d in daemons)
+    counters = [query(daemon.endpoint, 10.0)["counters"] for daemon in daemons]
+    for result in results:
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        print(f"rank: {summary}")
+        assert summary["error"] is None and summary["wrong"] == 0, (summary, logs)
+        assert summary["rounds"] > 1, summary
+    for daemon, seen in zip(daemons, counters, strict=True):
+        print(f"{daemon.endpoint}: peer_lost {seen['links_peer_lost']}, suspected "
+              f"{seen['links_peer_suspected']}, failed {seen['failed']}")
+        assert seen["links_peer_lost"] == 0 and seen["failed"] == 0, (seen, logs)
+    return daemons
+
+
+def stop_daemons(daemons: list[DaemonProcess]) -> None:
+    """Before their namespaces go."""
+    for daemon in daemons:
+        assert daemon.stop(30) == 0, daemon.log_tail()
+
+
+def skip_without_namespaces(shaped: bool = False) -> None:
+    reason = namespaces_unavailable(shaped)
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_starved_of_cpu_is_not_declared_lost(
+    start_daemon: StartDaemon, short_tmp: str,
+) -> None:
+    skip_without_namespaces()
+    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs taskset and two cores")
+    with namespaces(3) as topo, hogs(HOGS, HOG_CORE):
+        daemons = soak(start_daemon, topo, short_tmp, 4 * 1024 * 1024,
+                       lambda daemons, running: None,
+                       slow_prefix=["taskset", "-c", HOG_CORE], pin_rank=HOG_CORE)
+        stop_daemons(daemons)
+
+
+@pytest.mark.timeout(240)
+def test_a_daemon_paused_for_a_second_every_twenty_is_not_declared_lost(
+    start_daemon: StartDaemon, short_tmp: str,
+) -> None:
+    skip_without_namespaces()
+
+    def pause(daemons: list[DaemonProcess], running: Callable[[], bool]) -> None:
+        victim = daemons[1].process
+        next_stop = time.monotonic() + 5
+        pauses = 0
+        while running():
+            if time.monotonic() >= next_stop:
+                victim.send_signal(signal.SIGSTOP)
+                try:
+                    time.sleep(1.0)  # the pause itself
+                finally:
+                    victim.send_signal(signal.SIGCONT)
+                pauses += 1
+                next_stop += 20
+            time.sleep(0.05)
+        assert pauses >= 2, pauses
+
+    with namespaces(3) as topo:
+        daemons = soak(start_daemon, topo, short_tmp, 4 * 1024 * 1024, pause)
+        stop_daemons(daemons)
+
+
+@pytest.mark.timeout(240)
+def test_a_saturated_shaped_link_does_not_cost_a_peer(
+    start_daemon: StartDaemon, short_tmp: str,
+) -> None:
+    skip_without_namespaces(shaped=True)
+    with namespaces(2, rate="200mbit") as topo:
+        daemons = soak(start_daemon, topo, short_tmp, 16 * 1024 * 1024,
+                       lambda daemons, running: None)
+        stop_daemons(daemons)
+
+
+def drop_between(topo: Topology, node: int, other: int) -> None:
+    """Node `node` sends nothing more to node `other`: its neighbour entry for
+    `other` now names a hardware address no one has, so the frames go nowhere
+    and no error comes back (as behind a switch port that stopped forwarding)."""
+    namespace, interface = topo.namespaces[node], topo.interfaces[node]
+    assert namespace is not None
+    subprocess.run(["ip", "-n", namespace, "neigh", "replace", topo.hosts[other], "lladdr",
+                    "02:00:5e:00:53:01", "nud", "permanent", "dev", interface],
+                   check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("way", ["both", "one-way"])
+def test_a_cut_between_two_nodes_fails_the_job_everywhere_naming_the_pair(
+    start_daemon: StartDaemon, short_tmp: str, way: str,
+) -> None:
+    """Nodes A and B stop reaching each other (or A stops reaching B) while C
+    reaches both: whoever no longer hears the other hears from C that it is
+    alive, and declares it unreachable (not lost); in a one-way cut, A, which
+    still hears B, ends the link on B's word.  Every rank, C's too, fails with
+    an error naming A and B."""
+    skip_without_namespaces()
+    with namespaces(3) as topo:
+        endpoints = topo.endpoints()[0]
+        daemons = [start_daemon(*peer_args(i, endpoints, "--insecure"), prefix=topo.prefix(i))
+                   for i in range(3)]
+        markers = Path(short_tmp) / "markers"
+        markers.mkdir()
+        ranks = spawn_spread(daemons, (1, 1, 1), "multinode_soak.py",
+                             [str(256 * 1024), "120", str(markers)], job="cut")
+        try:
+            poll_until(lambda: len(list(markers.iterdir())) == 3, 60,
+                       "every rank's first allreduce")
+            drop_between(topo, 0, 1)
+            if way == "both":
+                drop_between(topo, 1, 0)
+            cut = time.monotonic()
+            results = collect(ranks, timeout_s=60)
+            took_s = time.monotonic() - cut
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+
+        def unreachable() -> list[int]:
+            return [query(d.endpoint, 10.0)["counters"]["links_peer_unreachable"]
+                    for d in daemons]
+
+        # A and B each end the link (the one that still hears the other on its word,
+        # in a one-way cut), not necessarily before the job's end reached their ranks.
+        with contextlib.suppress(AssertionError):
+            poll_until(lambda: unreachable() == [1, 1, 0], 15, "A and B to end their link")
+        logs = "\n".join(f"--- {d.endpoint}:\n{d.log()[-3000:]}" for d in daemons)
+        counters = [query(daemon.endpoint, 10.0)["counters"] for daemon in daemons]
+        stop_daemons(daemons)
+    print(f"cut to every rank's error: {took_s:.1f} s")
+    for result in results:
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        print(f"rank: {summary}")
+        assert summary["error"] == "PeerLostError", (summary, logs)
+        message = summary["message"]
+        assert endpoints[0] in message and endpoints[1] in message, (message, logs)
+        assert "unreachable" in message and "is cut, not the node" in message, message
+    assert [c["links_peer_unreachable"] for c in counters] == [1, 1, 0], (counters, logs)
+    assert counters[2]["links_peer_lost"] == 0, (counters, logs)
