@@ -37,7 +37,7 @@ from benchmarks.private_daemon import daemon_cluster
 from benchmarks.processes import clean_env
 
 MIB = 1 << 20
-MODES = ("none", "bf16", "fp8")
+MODES = ("none", "bf16", "fp8", "auto")
 
 
 def codec_rows() -> list[str]:

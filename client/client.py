@@ -373,10 +373,12 @@ class Client:
         `algorithm` (ring, tree, rhd, star or auto) overrides the daemons'
         choice between nodes; it defaults to `GRADSYNC_ALGO`, else the daemon's.
         `timeout_s`: this collective's deadline (default: the client's).
-        `compression` ("bf16", "fp8" or "none") sets the wire format between
-        daemons of a float32/float64 sum or avg (default: `GRADSYNC_COMPRESSION`
-        where it applies); `error_feedback` adds each daemon's rounding residual
-        of this buffer to its next call (docs/compression.md).
+        `compression` ("bf16", "fp8" or "none"; "auto", "auto:bf16", "auto:fp8":
+        the daemons compress where the link is slower than their codec) sets the
+        wire format between daemons of a float32/float64 sum or avg (default:
+        `GRADSYNC_COMPRESSION` where it applies); `error_feedback` adds each
+        daemon's rounding residual of this buffer to its next call
+        (docs/compression.md).
         """
         self._check_open(probe=False)  # the fast page needs no daemon: probed below
         timeout_s = timeout_s or self.timeout_s

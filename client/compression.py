@@ -4,7 +4,9 @@ A format named in the call is checked strictly (an int buffer or a `max`
 asked to compress is an `InvalidArgumentError`); the job-wide default,
 `GRADSYNC_COMPRESSION`, applies only where it can (float32/float64 sum or avg
 allreduce and reduce-scatter) and leaves the rest exact, so a job that sets
-it keeps its integer allreduces and barriers working.
+it keeps its integer allreduces and barriers working.  `auto` (`auto:bf16`,
+`auto:fp8`: only that format) lets the daemons compress where it pays
+(docs/compression.md); it is checked and applied like a format.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from gradsync.protocol.compression import (
     COMPRESSIBLE_KINDS,
     COMPRESSIBLE_OPS,
     check_compressible,
+    is_auto,
     parse_compression,
 )
 from gradsync.protocol.errors import InvalidArgumentError
@@ -39,7 +42,7 @@ class Compression:
         chosen = parse_compression(compression)
         if error_feedback and chosen is None:
             raise InvalidArgumentError(
-                "error_feedback=True needs a compression (bf16 or fp8)")
+                "error_feedback=True needs a compression (bf16, fp8 or auto)")
         return cls(chosen, bool(error_feedback))
 
 
@@ -58,10 +61,13 @@ def choose(
     op: str | None, on_device: bool = False,
 ) -> Compression:
     """The choice for one collective: `asked` strictly, else `default` where it
-    applies.  Device buffers stay exact (the codecs are the host's)."""
+    applies.  Device buffers stay exact (the codecs are the host's): asked for
+    `auto` there, they simply run uncompressed."""
     if asked is not None or error_feedback:
         chosen = Compression.parse(asked, error_feedback)
         check_compressible(chosen.format, kind, dtype, op, chosen.error_feedback)
+        if on_device and is_auto(chosen.format):
+            return Compression()
         if chosen.format is not None and on_device:
             raise InvalidArgumentError(
                 f"{kind}: compression={asked!r} is for host buffers; device buffers are "

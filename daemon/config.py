@@ -28,6 +28,21 @@ _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
+#: Default codec lanes: the cores this daemon may run on, up to this many.
+CODEC_LANES_DEFAULT_MAX = 4
+#: ... and the most a setting may ask for.
+CODEC_LANES_MAX = 64
+
+
+def default_codec_lanes() -> int:
+    """Threads that code compressed slices: the cores the daemon may use (its CPU
+    affinity), at most CODEC_LANES_DEFAULT_MAX."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(CODEC_LANES_DEFAULT_MAX, cores))
+
 
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
@@ -85,6 +100,9 @@ class DaemonConfig:
     #: `auto` times every algorithm its model prices within this factor of the
     #: best before it settles by timings (1: the model alone decides).
     auto_explore_factor: float = 1.5
+    #: Threads that encode and decode compressed slices (docs/compression.md);
+    #: results are the same bits whatever the number.
+    codec_lanes: int = dataclasses.field(default_factory=default_codec_lanes)
 
     def all_peers(self) -> tuple[str, ...]:
         """`peers` plus the endpoints listed in `peers_file`, in order, without repeats."""
@@ -263,6 +281,13 @@ def _factor(value: Any) -> float:
     return number
 
 
+def _codec_lanes(value: Any) -> int:
+    number = _positive_int(value)
+    if number > CODEC_LANES_MAX:
+        raise ValueError(f"at most {CODEC_LANES_MAX}, got {number}")
+    return number
+
+
 def _algorithm(value: Any) -> str:
     name = str(value).lower()
     if name not in ALGORITHM_CHOICES:
@@ -297,6 +322,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "pipeline_slice_bytes": _positive_size,
     "algorithm": _algorithm,
     "auto_explore_factor": _factor,
+    "codec_lanes": _codec_lanes,
 }
 
 #: Short aliases read from the environment besides GRADSYNC_<KEY>.

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto times each algorithm its model prices within F times its "
                             "best, then runs the fastest measured (default 1.5; 1: the model "
                             "alone decides)")
+    peers.add_argument("--codec-lanes", metavar="N",
+                       help="threads that encode and decode compressed slices (default: "
+                            "the cores this daemon may use, at most 4)")
     return parser
 
 

@@ -20,6 +20,7 @@ from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 FAST_PATH_KEY = "allreduce/fast"
 
 if TYPE_CHECKING:
+    from gradsync.daemon.core.compression_policy import CompressionChoice
     from gradsync.daemon.io.service import GradsyncService
 
 #: Size classes (upper bounds, bytes) for latency and bandwidth figures.
@@ -64,6 +65,17 @@ class AutoPicks:
 
 
 @dataclasses.dataclass
+class CompressionPicks:
+    """What `auto` compression chose for one name asked (`auto`, `auto:fp8`, ...)."""
+
+    #: format ("none" for none) -> how often
+    picks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    #: the latest choice and its basis
+    last: CompressionChoice | None = None
+    epoch: int = 0
+
+
+@dataclasses.dataclass
 class JobStats:
     done: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     #: Collectives that began on the job's fast page and ended over the socket.
@@ -79,6 +91,8 @@ class JobStats:
     #: The link costs (alpha s, beta s/byte) the job's latest generation formed
     #: with: what `auto` prices its first epoch with.
     formed_costs: tuple[float, float] | None = None
+    #: What `auto` compression chose, by the name asked.
+    compression: dict[str, CompressionPicks] = dataclasses.field(default_factory=dict)
 
 
 class StatsRecorder:
@@ -88,6 +102,8 @@ class StatsRecorder:
         self.started = time.monotonic()
         self.jobs: dict[str, JobStats] = collections.defaultdict(JobStats)
         self.errors: collections.Counter[str] = collections.Counter()
+        #: The codec as `auto` compression sees it, once measured (run/codec_rates.py).
+        self.codec: dict[str, Any] | None = None
 
     def collective_done(
         self, job: str, kind: str, algorithm: str | None, nbytes: int, ranks: int,
@@ -117,6 +133,19 @@ class StatsRecorder:
         entry.last, entry.last_basis = algorithm, basis
         entry.alpha_s, entry.beta_s_per_byte = costs
         entry.epoch = epoch
+
+    def compression_chosen(
+        self, job: str, asked: str, choice: CompressionChoice, epoch: int
+    ) -> None:
+        """`auto` compression (`asked`) chose `choice` for a collective of `job`."""
+        entry = self.jobs[job].compression.setdefault(asked, CompressionPicks())
+        entry.picks[choice.format or "none"] += 1
+        entry.last, entry.epoch = choice, epoch
+
+    def codec_measured(self, lanes: int, rates: dict[str, float], loopback: bool) -> None:
+        """This daemon's codec rates with its `lanes`, and whether its peers are all
+        on this host: what it announces with its jobs."""
+        self.codec = {"lanes": lanes, "rates_Bps": dict(rates), "peers_on_this_host": loopback}
 
     def job_formed(self, job: str, alpha_s: float, beta_s_per_byte: float) -> None:
         """A multi-node job formed; `auto`'s first figures are these."""
@@ -163,7 +192,9 @@ class StatsRecorder:
                 "collective_timeout_s": config.collective_timeout_s,
                 "max_shm_bytes": config.max_shm_bytes, "listen": config.listen,
                 "peers": list(config.all_peers()), "algorithm": config.algorithm,
+                "codec_lanes": config.codec_lanes,
             },
+            "codec": self.codec,
             "shm": {"in_use": service.buffers.in_use, "attached": service.buffers.attached,
                     "segments": len(service.buffers),
                     "limit": config.max_shm_bytes},
@@ -204,6 +235,9 @@ class StatsRecorder:
                               "epoch": auto.epoch}
                 for nbytes, auto in stats.auto.items()
             }
+        if stats.compression:
+            entry["compression_auto"] = {
+                asked: _compression_entry(picks) for asked, picks in stats.compression.items()}
         if job is not None:
             formation = job.across.formation
             entry.update({
@@ -233,6 +267,15 @@ class StatsRecorder:
                 ],
             })
         return entry
+
+
+def _compression_entry(entry: CompressionPicks) -> dict[str, Any]:
+    """One `auto` compression name's choices and the basis of the latest."""
+    last = entry.last
+    assert last is not None
+    return {"picks": dict(entry.picks), "last": last.format or "none", "reason": last.reason,
+            "link_Bps": last.link_Bps, "codec_Bps": dict(last.codec_Bps),
+            "speedups": dict(last.speedups), "epoch": entry.epoch}
 
 
 def _percentiles(window: collections.deque[tuple[float, int, float]]) -> dict[str, float]:

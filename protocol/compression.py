@@ -7,7 +7,11 @@ elements, about 1.02 bytes an element).  Each hop decodes to the buffer's own
 dtype and adds there; the intra-node phase stays exact.  The codecs are the
 daemon's (daemon/backends/wire_codec.py); what both the client and the daemon
 must agree on is here: the names, and which collectives, dtypes and ops they
-apply to.  No numpy on import (the CLI reaches this through requests.py).
+apply to.  `auto` (or `auto:bf16`, `auto:fp8`, naming the one format allowed)
+leaves the format to the daemons, which compress only where the link is slower
+than their codec (daemon/core/compression_policy.py); what travels between
+daemons is always the format they chose.  No numpy on import (the CLI reaches
+this through requests.py).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from typing import Any
 
 from gradsync.protocol.errors import InvalidArgumentError
 
-#: The formats a client may ask for ("none" and None: uncompressed).
+#: The wire formats ("none" and None: uncompressed).
 COMPRESSIONS: tuple[str, ...] = ("bf16", "fp8")
+#: The daemons choose: any format (`auto`), or one named format or none.
+AUTO = "auto"
+AUTO_CHOICES: tuple[str, ...] = (AUTO, *(f"{AUTO}:{name}" for name in COMPRESSIONS))
 #: Elements per fp8 block, each with its own float32 scale (see wire_codec.py).
 FP8_BLOCK = 256
 #: Collectives whose inter-daemon phase can be compressed.
@@ -28,15 +35,27 @@ COMPRESSIBLE_OPS = frozenset({"sum", "avg"})
 
 
 def parse_compression(name: Any) -> str | None:
-    """The format `name` asks for (None for none), or `InvalidArgumentError`."""
+    """The format `name` asks for (None for none; an `AUTO_CHOICES` name as it is),
+    or `InvalidArgumentError`."""
     if name is None or name == "none" or name == "":
         return None
-    if isinstance(name, str) and name in COMPRESSIONS:
+    if isinstance(name, str) and (name in COMPRESSIONS or name in AUTO_CHOICES):
         return name
     shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:79] + "…"
     raise InvalidArgumentError(
-        f"unknown compression {shown}; expected one of {', '.join(COMPRESSIONS)} or none"
+        f"unknown compression {shown}; expected one of "
+        f"{', '.join((*COMPRESSIONS, *AUTO_CHOICES))} or none"
     )
+
+
+def is_auto(name: str | None) -> bool:
+    """Whether `name` (a parsed compression) leaves the format to the daemons."""
+    return name is not None and name in AUTO_CHOICES
+
+
+def allowed_formats(name: str) -> tuple[str, ...]:
+    """The formats an `AUTO_CHOICES` name lets the daemons pick from."""
+    return COMPRESSIONS if name == AUTO else (name.partition(":")[2],)
 
 
 def check_compressible(
@@ -49,7 +68,7 @@ def check_compressible(
         if error_feedback:
             raise InvalidArgumentError(
                 f"{kind}: error_feedback=True needs a compression (one of "
-                f"{', '.join(COMPRESSIONS)})")
+                f"{', '.join((*COMPRESSIONS, *AUTO_CHOICES))})")
         return
     if kind not in COMPRESSIBLE_KINDS:
         raise InvalidArgumentError(

@@ -174,9 +174,23 @@ class Announce(WireMessage):
     ranks: tuple[int, ...]
     alpha_s: float
     beta_s_per_byte: float
+    #: What `auto` compression weighs (daemon/core/compression_policy.py): the
+    #: sender's codec rates (buffer bytes/s, by rate name), whether all its peers
+    #: are on its own host, and whether its link figures are defaults (its links
+    #: were not yet measured).  Sent only when set: older peers read it as before.
+    codec_Bps: tuple[tuple[str, float], ...] = ()
+    loopback: bool = False
+    unmeasured: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {**super().to_wire(), "ranks": list(self.ranks)}
+        fields = {**super().to_wire(), "ranks": list(self.ranks)}
+        del fields["codec_Bps"], fields["loopback"], fields["unmeasured"]
+        if self.codec_Bps:
+            fields["codec_Bps"] = dict(self.codec_Bps)
+        for flag in ("loopback", "unmeasured"):
+            if getattr(self, flag):
+                fields[flag] = True
+        return fields
 
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Announce:
@@ -191,9 +205,19 @@ class Announce(WireMessage):
         alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
         _need(is_number(alpha) and is_number(beta), kind,
               "link costs must be numbers")
+        rates = fields.get("codec_Bps", {})
+        _need(isinstance(rates, dict) and len(rates) <= MAX_CODEC_RATES
+              and all(isinstance(name, str) and len(name) <= 32 and is_number(rate)
+                      and 0 < rate < float("inf") for name, rate in rates.items()), kind,
+              "'codec_Bps' must map at most 8 rate names to positive numbers")
+        loopback, unmeasured = fields.get("loopback", False), fields.get("unmeasured", False)
+        _need(isinstance(loopback, bool) and isinstance(unmeasured, bool), kind,
+              "'loopback' and 'unmeasured' must be booleans")
         return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
                    _int(fields, "boot", kind), world, tuple(sorted(ranks)),
-                   float(alpha), float(beta))  # type: ignore[arg-type]
+                   float(alpha), float(beta),  # type: ignore[arg-type]
+                   tuple(sorted((name, float(rate)) for name, rate in rates.items())),
+                   loopback, unmeasured)
 
 
 @dataclasses.dataclass(frozen=True)

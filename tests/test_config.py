@@ -148,6 +148,17 @@ def test_data_stream_settings_need_peer_links() -> None:
             wants_peers(load_config(flags=flags, environ={}))
 
 
+def test_codec_lanes_default_to_the_cores_the_daemon_may_use_at_most_4() -> None:
+    """os.sched_getaffinity, not the machine's count: a daemon pinned to two cores
+    codes on two threads; any count from 1 to 64 may be set."""
+    cores = len(os.sched_getaffinity(0))
+    assert load_config(flags={}, environ={}).codec_lanes == min(4, cores)
+    assert load_config(flags={"codec_lanes": "3"}, environ={}).codec_lanes == 3
+    assert load_config(flags={}, environ={"GRADSYNC_CODEC_LANES": "64"}).codec_lanes == 64
+    with pytest.raises(ConfigError, match=r"'codec_lanes'.*at most 64"):
+        load_config(flags={"codec_lanes": "100"}, environ={})
+
+
 def test_config_is_frozen() -> None:
     config = load_config(flags={}, environ={})
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -187,6 +198,9 @@ BAD_TOML = [
     ('data_advertise = "0.0.0.0:29501"', "data_advertise"),
     ('data_advertise = "::1:29501"', "data_advertise"),
     ('auto_explore_factor = "wide"', "auto_explore_factor"),
+    ("codec_lanes = 0", "codec_lanes"),
+    ("codec_lanes = 65", "codec_lanes"),
+    ("codec_lanes = 1.5", "codec_lanes"),
     ("colective_timeout_s = 5", "colective_timeout_s"),
     ("[daemon]\nthreads = 2", "daemon"),
 ]

@@ -195,7 +195,18 @@ def render_table(snapshot: dict[str, Any]) -> str:
                 f"priced with alpha {auto['alpha_s'] * 1e6:.0f} µs, {rate:.2f} GB/s, "
                 f"epoch {auto['epoch']}"
             )
+        for asked, chosen in sorted(job.get("compression_auto", {}).items()):
+            picks = ", ".join(f"{name} x{count}" for name, count in
+                              sorted(chosen["picks"].items()))
+            lines.append(f"    compression {asked}: now {chosen['last']} ({chosen['reason']}); "
+                         f"picked {picks}, epoch {chosen['epoch']}")
         lines += [f"    in flight: {_in_flight(flight)}" for flight in job.get("in_flight", [])]
+    codec = snapshot.get("codec")
+    if codec:
+        rates = ", ".join(f"{name} {rate / 1e9:.2f} GB/s"
+                          for name, rate in sorted(codec["rates_Bps"].items()))
+        lines.append(f"codec: {codec['lanes']} lane(s), {rates or 'no rates'}"
+                     f"{'; peers on this host' if codec.get('peers_on_this_host') else ''}")
     for peer, link in snapshot.get("peers", {}).items():
         rtt = f"{link['rtt_s'] * 1e6:.0f} µs" if link.get("rtt_s") else "-"
         age = link.get("heartbeat_age_s")

@@ -105,6 +105,11 @@ class ClusterJobs:
         self.lost: set[str] = set()
         self.transport: PeerTransport = NOT_CONNECTED
         self.failures: FailedCollectives | None = None
+        #: What this daemon announces for `auto` compression: its codec rates (by
+        #: rate name) and whether all its peers are on this host (run/codec_rates.py
+        #: measures them on first use; none until the runner is wired in).
+        self.codec_facts: Callable[[], tuple[tuple[tuple[str, float], ...], bool]] = (
+            lambda: ((), False))
 
     def connect(self, transport: PeerTransport, failures: FailedCollectives) -> None:
         """Send through `transport` (the peer links, which report to this object:
@@ -123,11 +128,13 @@ class ClusterJobs:
 
     def local_complete(self, job: Job) -> None:
         """All local ranks joined: announce this daemon's share to every peer."""
-        costs = self.transport.link_costs() or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
+        measured = self.transport.link_costs()
+        costs = measured or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
+        codec_Bps, loopback = self.codec_facts()
         job.across.incarnation = new_incarnation()
         job.across.announcement = Announcement(self.transport.endpoint, Announce(
             job.name, job.across.incarnation, BOOT, job.world_size, tuple(sorted(job.members)),
-            costs[0], costs[1],
+            costs[0], costs[1], codec_Bps, loopback, measured is None,
         ))
         announce = job.across.announcement.share.to_wire()
         for peer in self.transport.peers:

@@ -57,6 +57,12 @@ class Formation:
     generation: int
     alpha_s: float
     beta_s_per_byte: float
+    #: For `auto` compression (core/compression_policy.py): each codec rate every
+    #: member announced, at the slowest member's; whether every member's peers
+    #: are all on its own host; whether every member had measured its links.
+    codec_Bps: tuple[tuple[str, float], ...] = ()
+    loopback: bool = False
+    links_measured: bool = True
 
     def index_of(self, daemon: str) -> int:
         return self.daemons.index(daemon)
@@ -86,7 +92,21 @@ def form(announcements: dict[str, Announcement], world_size: int) -> Formation |
         # median, so one daemon's probe taken under start-up load does not decide.
         alpha_s=statistics.median(a.share.alpha_s for a in ordered),
         beta_s_per_byte=statistics.median(a.share.beta_s_per_byte for a in ordered),
+        codec_Bps=slowest_codecs(a.share for a in ordered),
+        loopback=all(a.share.loopback for a in ordered),
+        links_measured=not any(a.share.unmeasured for a in ordered),
     )
+
+
+def slowest_codecs(shares: Iterable[Announce]) -> tuple[tuple[str, float], ...]:
+    """Each codec rate every share announced, at its lowest: every member codes
+    every hop, so the slowest sets the pace."""
+    rates: dict[str, float] | None = None
+    for share in shares:
+        own = dict(share.codec_Bps)
+        rates = own if rates is None else {
+            name: min(rate, own[name]) for name, rate in rates.items() if name in own}
+    return tuple(sorted((rates or {}).items()))
 
 
 def conflicts(announcements: dict[str, Announcement], world_size: int) -> str | None:

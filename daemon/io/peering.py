@@ -69,6 +69,7 @@ class Peering:
             alive=lambda segment: service.buffers.get(segment) is not None,
         )
         service.join_cluster(self.cluster, runner)
+        self.cluster.codec_facts = runner.codec_facts  # announced for `auto` compression
         service.state.cluster = self.cluster.counters
         service.state.link_counters = lambda: self.links.counters
         service.state.error_feedback = runner.residuals.snapshot

@@ -24,8 +24,12 @@ of every all-gather byte and a trip through memory for every reduced one.
 With a wire codec (compressed collectives, backends/wire_codec.py) every slice
 is encoded as it is sent, which rounds its range in place to what the peer
 decodes, and decoded as it arrives (added, or copied), both on the run's codec
-lane (codec_lane.py: one thread, in this order); such slices are not placed,
-since the bytes on the wire are not the buffer's.
+lane (codec_lane.py: the daemon's codec threads, each job after the earlier
+ones on its range); such slices are not placed, since the bytes on the wire
+are not the buffer's.  Reducing receives of one step that overlap (a star's
+root, a tree node's two children) are decoded in the order the step lists
+them, whatever order their slices arrive in, so every run adds in the same
+order and the result does not depend on timing or on the number of threads.
 """
 
 from __future__ import annotations
@@ -120,9 +124,13 @@ class ScheduleRun:
             self._slice = max(codec.block, self._slice - self._slice % codec.block)
         self.step = -1
         self.done: asyncio.Future[None] = loop.create_future()
-        #: Where the codec runs: `codec_pool`'s one thread, in order (codec_lane.py).
+        #: Where the codec runs: `codec_pool`'s threads (codec_lane.py).
         self._lane = CodecLane(loop, codec_pool, self.done)
         self._expected: dict[tuple[int, int], Expected] = {}
+        #: Compressed runs: per receive of the current step, the reducing receives
+        #: listed before it that overlap it; and slices that wait for those.
+        self._before: dict[tuple[int, int], list[Expected]] = {}
+        self._held: dict[tuple[int, int], list[tuple[Expected, int, int, Any]]] = {}
         self._missing = 0
         self._early: dict[int, list[tuple[int, int, int, Any]]] = {}
         #: The next step's send slices, sorted by `begin`, and their begins.
@@ -261,12 +269,19 @@ class ScheduleRun:
                 f"unexpected slice (transfer {transfer}, offset {offset}, {count} elements) "
                 f"from daemon #{peer} at step {self.step}"
             )
+        if self.codec is not None:
+            key = (peer, transfer)
+            if any(earlier.got < earlier.stop - earlier.start
+                   for earlier in self._before.get(key, ())):
+                self._held.setdefault(key, []).append((expected, offset, count, payload))
+                return
+            self._decode(expected, offset, count, payload)
+            if expected.got == expected.stop - expected.start and self._held:
+                self._release_held()
+            return
         begin = expected.start + offset
         target = self.buffer[begin : begin + count]
-        if self.codec is not None:
-            self._lane.submit(functools.partial(self.codec.decode_into, payload, target,
-                                                add=expected.reduce), _nothing, target.nbytes)
-        elif expected.reduce:
+        if expected.reduce:
             combine_into(target, np.frombuffer(payload, dtype=self.buffer.dtype), self.op)
         else:
             np.copyto(target, np.frombuffer(payload, dtype=self.buffer.dtype))
@@ -274,6 +289,33 @@ class ScheduleRun:
         self._missing -= count
         if self._next:
             self._landed(begin, begin + count)
+
+    def _decode(self, expected: Expected, offset: int, count: int, payload: Any) -> None:
+        """Queue a compressed slice's decode on the lane, and count it as applied."""
+        assert self.codec is not None
+        begin = expected.start + offset
+        target = self.buffer[begin : begin + count]
+        self._lane.submit(functools.partial(self.codec.decode_into, payload, target,
+                                            add=expected.reduce), _nothing, target.nbytes,
+                          (begin, begin + count))
+        expected.got += count
+        self._missing -= count
+        if self._next:
+            self._landed(begin, begin + count)
+
+    def _release_held(self) -> None:
+        """Decode held slices whose earlier overlapping receives are all queued, in
+        the order the step lists their receives (each release may free the next)."""
+        released = True
+        while released:
+            released = False
+            for key in list(self._held):
+                if any(earlier.got < earlier.stop - earlier.start
+                       for earlier in self._before.get(key, ())):
+                    continue
+                for expected, offset, count, payload in self._held.pop(key):
+                    self._decode(expected, offset, count, payload)
+                released = True
 
     def raw_nbytes(self, nbytes: int) -> int:
         """Buffer bytes a payload of `nbytes` carries (0 for one that fits no count)."""
@@ -353,15 +395,23 @@ class ScheduleRun:
                 if piece.waiting == 0:  # final already: needs nothing from this step
                     self._send_slice(self.step + 1, piece)
             self._expected = {}
+            self._before = {}
             self._missing = 0
             received_from: dict[int, int] = {}
+            reducing: list[Expected] = []
             for recv in step.recvs:
                 transfer = received_from.get(recv.peer, 0)
                 received_from[recv.peer] = transfer + 1
-                self._expected[(recv.peer, transfer)] = Expected(
+                expected = self._expected[(recv.peer, transfer)] = Expected(
                     recv.reduce, recv.start, recv.stop
                 )
                 self._missing += recv.stop - recv.start
+                if self.codec is not None and recv.reduce:
+                    earlier = [other for other in reducing
+                               if other.start < recv.stop and recv.start < other.stop]
+                    if earlier:
+                        self._before[(recv.peer, transfer)] = earlier
+                    reducing.append(expected)
             for peer, transfer, offset, payload in self._early.pop(self.step, []):
                 self._apply(peer, transfer, offset, payload)
             if self._missing > 0:
@@ -388,7 +438,8 @@ class ScheduleRun:
             residual = (None if self.residual is None
                         else self.residual[piece.begin : piece.end])
             self._lane.submit(functools.partial(_encode, self.codec, values, residual),
-                              functools.partial(self._post, step, piece), values.nbytes)
+                              functools.partial(self._post, step, piece), values.nbytes,
+                              (piece.begin, piece.end))
             return
         # Bytes, not elements: bfloat16 has no buffer-protocol format of its own.
         self._post(step, piece,

@@ -3,7 +3,8 @@
 The request handlers hand a collective here once all local ranks have
 submitted it.  The runner reduces the local slots into the first one, waits
 until the job is formed across daemons (core/cluster.py), agrees `auto`'s
-link costs for the key's epoch (core/cost_epochs.py), runs the plan's
+link costs for the key's epoch (core/cost_epochs.py), settles `auto`
+compression's format on them (core/compression_policy.py), runs the plan's
 schedule over the peer links (executor.py), then writes the result back to
 every local slot.  Failures go through the core (`ClusterJobs.abort`), which
 tells the other members.
@@ -15,6 +16,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -32,14 +34,17 @@ from gradsync.daemon.core.collectives import (
     chooses_algorithm,
     make_plan,
 )
+from gradsync.daemon.core.compression_policy import choose_format
 from gradsync.daemon.core.interfaces import PeerTransport
 from gradsync.daemon.core.membership import Formation, ranks_not_announced
+from gradsync.daemon.run.codec_rates import measure_codec_rates, peers_on_this_host
 from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
 from gradsync.daemon.run.outcomes import settled
 from gradsync.daemon.run.receives import ChunkPool
 from gradsync.daemon.run.residuals import Residuals, fold_in
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
+from gradsync.protocol.compression import allowed_formats, is_auto
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import CollectiveTimeoutError, InvalidArgumentError, PeerLostError
 from gradsync.protocol.peer import Slice
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
     from gradsync.daemon.core.matching import Job, PendingCollective
 
 log = logging.getLogger("gradsync.daemon.cluster")
+
+#: The most the event loop waits, once, for the codec rates to be measured.
+CODEC_MEASURE_S = 1.0
 
 
 class CrossDaemonRunner:
@@ -76,9 +84,18 @@ class CrossDaemonRunner:
         self.chunks = ChunkPool()
         #: Error feedback's residuals, by buffer; `alive(segment)`: not yet freed.
         self.residuals = Residuals(alive)
-        #: Compressed runs' encodes and decodes, one at a time (run/codec_lane.py);
-        #: started with the first compressed run.
+        #: Compressed runs' encodes and decodes on `codec_lanes` threads
+        #: (run/codec_lane.py); started when first needed.
         self._codec_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._codec_pool_lock = threading.Lock()
+        #: What this daemon announces for `auto` compression (`codec_facts`).
+        self._codec_facts: tuple[tuple[tuple[str, float], ...], bool] | None = None
+        #: Set once, by the measuring thread (`codec_facts`).
+        self._codec_rates: dict[str, float] | None = None
+        self._codec_rates_told = False
+        # Measured now, off the loop, so that the first job's announcement has them.
+        threading.Thread(target=self._measure_codecs, name="gradsync-codec-rates",
+                         daemon=True).start()
 
     async def run_plan(
         self,
@@ -99,6 +116,7 @@ class CrossDaemonRunner:
         formation = await self._formation(job, ready, deadline)
         me = formation.index_of(self.transport.endpoint)
         formation, algorithm = await self._algorithm(job, ready, collective, formation, deadline)
+        collective = self._compression(job, ready, collective, formation)
         plan = make_plan(collective, formation, me, ins, outs, job.world_size, algorithm)
         codec, residual = self._codec(job, ready, collective, plan)
         await self._local_phase(job, ready, plan, residual)
@@ -131,16 +149,65 @@ class CrossDaemonRunner:
         formation: Formation, deadline: float,
     ) -> tuple[Formation, str | None]:
         """Offer this daemon's link costs; for a kind whose algorithm is chosen per call,
-        the one asked for or `auto`'s pick (on the costs the members agreed)."""
+        the one asked for or `auto`'s pick (on the costs the members agreed, which
+        `auto` compression weighs too)."""
         self._offer_costs(job, formation, epoch_to_offer(ready.key))
-        if not chooses_algorithm(collective.kind):
-            return formation, None
-        if wants_auto(collective.algorithm, self.config.algorithm):
+        chooses = chooses_algorithm(collective.kind)
+        if ((chooses and wants_auto(collective.algorithm, self.config.algorithm))
+                or is_auto(collective.compression)):
             formation = await self._with_agreed_costs(job, formation, ready, deadline)
+        if not chooses:
+            return formation, None
         choice = job.across.auto.choose(
             collective.algorithm, self.config.algorithm, formation,
             collective.chunk * collective.dtype.itemsize, ready.key, self.stats, job.name)
         return formation, choice.algorithm
+
+    def _compression(
+        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        formation: Formation,
+    ) -> MatchedCollective:
+        """The collective with `auto` compression settled: the format (or none) every
+        member picks alike from the agreed figures, recorded in the statistics."""
+        asked = collective.compression
+        if asked is None or not is_auto(asked):
+            return collective
+        choice = choose_format(
+            allowed_formats(asked), collective.dtype.name, collective.dtype.itemsize,
+            1.0 / max(formation.beta_s_per_byte, 1e-15), dict(formation.codec_Bps),
+            formation.loopback, formation.links_measured)
+        if self.stats is not None:
+            self.stats.compression_chosen(job.name, asked, choice, epoch_of(ready.key))
+        return dataclasses.replace(collective, compression=choice.format)
+
+    def codec_facts(self) -> tuple[tuple[tuple[str, float], ...], bool]:
+        """This daemon's codec rates with its lanes and whether its peers are all on
+        this host: what it announces with every job.
+
+        The rates are measured once, on a thread of their own started with the
+        runner (the codec lanes busy for some 50 ms, cut short at
+        `CODEC_MEASURE_S`): the event loop never waits for them (a loop that
+        stalls could get this daemon suspected by its peers).  A job announced
+        before they are in gets no rates, so `auto` compresses nothing for it.
+        """
+        if self._codec_facts is None:
+            self._codec_facts = ((), peers_on_this_host(self.transport.peers))
+        if self._codec_rates is not None and not self._codec_rates_told:
+            self._codec_rates_told = True
+            self._codec_facts = (tuple(sorted(self._codec_rates.items())),
+                                 self._codec_facts[1])
+            if self.stats is not None:
+                self.stats.codec_measured(self.config.codec_lanes, self._codec_rates,
+                                          self._codec_facts[1])
+        return self._codec_facts
+
+    def _measure_codecs(self) -> None:
+        try:
+            self._codec_rates = measure_codec_rates(
+                self._codec_thread(), self.config.codec_lanes,
+                self.config.pipeline_slice_bytes, timeout_s=CODEC_MEASURE_S)
+        except RuntimeError as exc:  # the pool shut down: the daemon is stopping
+            log.debug("codec rates not measured: %s", exc)
 
     def _codec(
         self, job: Job, ready: PendingCollective, collective: MatchedCollective, plan: Plan
@@ -174,7 +241,10 @@ class CrossDaemonRunner:
     ) -> ScheduleRun:
         """The executor of `plan`'s schedule, sending through the peer links."""
         fingerprint = ready.submissions[min(ready.submissions)].fingerprint
-        fp = dataclasses.replace(fingerprint, algorithm=plan.algorithm)
+        # What runs: the algorithm, and the format `auto` settled on (a member that
+        # chose otherwise sends slices whose fingerprint does not match: refused).
+        fp = dataclasses.replace(fingerprint, algorithm=plan.algorithm,
+                                 compression=collective.compression)
         # Each slice's header: this, with the executor's step, transfer and offset.
         base = Slice(job.name, formation.generation, ready.key, fp, 0, 0, 0).to_wire()
 
@@ -217,7 +287,8 @@ class CrossDaemonRunner:
             self.cluster.run_ended(job, ready.key)
             await run.settle()  # no encode or decode touches the buffer past here
             run.release()
-        if plan.timed is not None and len(formation.daemons) > 1:
+        # A compressed run's time is not the link's: it would bend `auto`'s figures.
+        if plan.timed is not None and len(formation.daemons) > 1 and run.codec is None:
             self.meter.record(len(formation.daemons), plan.timed,
                               time.monotonic() - data_phase, plan.modelled)
         if self.trace is not None and self.trace.active:
@@ -242,10 +313,11 @@ class CrossDaemonRunner:
                            compression=collective.compression or "none")
 
     def _codec_thread(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._codec_pool is None:
-            self._codec_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="gradsync-codec")
-        return self._codec_pool
+        with self._codec_pool_lock:  # the loop and the measuring thread may both ask
+            if self._codec_pool is None:
+                self._codec_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.config.codec_lanes, thread_name_prefix="gradsync-codec")
+            return self._codec_pool
 
     def _residual(
         self, job: Job, ready: PendingCollective, collective: MatchedCollective
