@@ -314,6 +314,12 @@ class Client:
                                       nbytes=nbytes)
         self._segments.adopt(reply["segment"], address, nbytes, owner, self._segment_key)
 
+    def call(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """One request of a family served outside this class (checkpoints:
+        `gradsync.client.checkpoints`) and its reply; an error reply raises."""
+        self._check_open()
+        return self._connection.call(kind, timeout_s=_HELLO_TIMEOUT_S, **fields)
+
     def _device_buffers(self) -> DeviceBuffers:
         if self._device is None:
             self._device = DeviceBuffers(

@@ -56,6 +56,8 @@ class DaemonConfig:
     #: Synchronous allreduces of single-node jobs up to this size take the shared-
     #: memory fast path (protocol/fast_path.py); 0 turns it off.
     fast_path_bytes: int = 64 * 1024
+    #: Complete checkpoints kept per job in daemon memory (daemon/checkpoints.py).
+    checkpoints_kept: int = 2
     log_level: str = "info"
     #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group
     #: may use it (the systemd unit runs it as user and group gradsync).
@@ -302,6 +304,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_shm_bytes": _positive_size,
     "inline_reduce_bytes": _positive_size,
     "fast_path_bytes": _fast_path_size,
+    "checkpoints_kept": _positive_int,
     "log_level": _log_level,
     "group_access": _boolean,
     "stats": _stats_endpoint,

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of the thread pool (default 4MiB)",
     )
     parser.add_argument(
+        "--checkpoints-kept", metavar="K",
+        help="complete checkpoints kept per job in daemon memory (default 2)",
+    )
+    parser.add_argument(
         "--fast-path-bytes", metavar="SIZE",
         help="synchronous allreduces of single-node jobs up to this size skip the "
         "socket (shared-memory fast path; default 64KiB, 0: off)",

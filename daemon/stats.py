@@ -204,6 +204,7 @@ class StatsRecorder:
             "jobs": {name: self._job(service, name, now) for name in
                      sorted(set(service.jobs) | set(self.jobs))},
             "peers": _peers(links, self.jobs),
+            "checkpoints": service.checkpoints.snapshot(),
         }
 
     def _job(self, service: GradsyncService, name: str, now: float) -> dict[str, Any]:

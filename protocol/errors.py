@@ -78,6 +78,13 @@ class ShmExhaustedError(ResourceError):
     code = "shm_exhausted"
 
 
+class CheckpointError(GradsyncError):
+    """A checkpoint request the daemon refuses: none complete, another job's, a step
+    already committed, a commit whose parts are not all in."""
+
+    code = "checkpoint"
+
+
 class CollectiveError(GradsyncError):
     """A collective operation failed; no buffer holds a partial result."""
 
@@ -121,6 +128,7 @@ _BY_CODE: dict[str, type[GradsyncError]] = {
         JobError,
         ResourceError,
         ShmExhaustedError,
+        CheckpointError,
         CollectiveError,
         MismatchError,
         CollectiveTimeoutError,

@@ -342,11 +342,137 @@ class Collective:
         return {"compression": self.compression, "error_feedback": self.error_feedback}
 
 
-Request = Hello | Ping | Bye | GroupInfo | Alloc | Free | Attach | Collective
+MAX_CHECKPOINT_ITEM_CHARS = 64
+#: A client that only stores rank R's checkpoints of job J joins a job of its own,
+#: `checkpoint:J#R` (world size 1: a rank lost elsewhere never breaks it, and a
+#: replacement rank joins at once); it and the ranks of J itself may use J's
+#: checkpoints, no other job may.
+CHECKPOINT_JOB_PREFIX = "checkpoint:"
+
+
+def checkpoint_session_job(job: str, rank: int) -> str:
+    """The job of a session that stores rank `rank`'s checkpoints of `job`."""
+    return f"{CHECKPOINT_JOB_PREFIX}{job}#{rank}"
+
+
+def parse_checkpoint_session_job(name: str) -> tuple[str, int] | None:
+    """(job, rank) of a `checkpoint_session_job` name, None for any other job."""
+    if not name.startswith(CHECKPOINT_JOB_PREFIX):
+        return None
+    job, _, rank = name.removeprefix(CHECKPOINT_JOB_PREFIX).rpartition("#")
+    return (job, int(rank)) if job and rank.isdigit() else None
+MAX_CHECKPOINT_STEP = (1 << 63) - 1
+
+
+def _checkpoint_job(message: dict[str, Any]) -> str:
+    job = message["job"]
+    if not job or len(job) > MAX_JOB_NAME_CHARS:
+        raise InvalidArgumentError(f"job name must have 1 to {MAX_JOB_NAME_CHARS} characters")
+    return str(job)
+
+
+def _checkpoint_step(step: Any, kind: str) -> int:
+    if not 0 <= step <= MAX_CHECKPOINT_STEP:
+        raise InvalidArgumentError(f"{kind}: step must be in [0, 2**63), got {clip(step)}")
+    return int(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPut:
+    """A daemon-owned segment for one part (`item`) of the caller's rank in checkpoint
+    `step` of `job`: it outlives the client, and counts only once committed."""
+
+    kind: ClassVar[str] = "ckpt_put"
+    SCHEMA: ClassVar[Schema] = {
+        "job": ((str,), True), "step": ((int,), True), "item": ((str,), True),
+        "nbytes": ((int,), True),
+    }
+
+    job: str
+    step: int
+    item: str
+    nbytes: int
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> CheckpointPut:
+        item, nbytes = message["item"], message["nbytes"]
+        if not item or len(item) > MAX_CHECKPOINT_ITEM_CHARS or not item.isprintable():
+            raise InvalidArgumentError(
+                f"ckpt_put: item must be 1 to {MAX_CHECKPOINT_ITEM_CHARS} printable "
+                f"characters, got {clip(item)}")
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"ckpt_put needs a positive size, got {nbytes}")
+        return cls(_checkpoint_job(message), _checkpoint_step(message["step"], cls.kind),
+                   item, nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointCommit:
+    """Mark checkpoint `step` of `job` complete: every part named in `parts`
+    ([rank, item] pairs) must have been put.  Only then can it be opened."""
+
+    kind: ClassVar[str] = "ckpt_commit"
+    SCHEMA: ClassVar[Schema] = {
+        "job": ((str,), True), "step": ((int,), True), "parts": ((list,), True),
+    }
+
+    job: str
+    step: int
+    parts: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> CheckpointCommit:
+        parts = []
+        for part in message["parts"]:
+            if not (isinstance(part, list) and len(part) == 2 and type(part[0]) is int
+                    and part[0] >= 0 and isinstance(part[1], str)):
+                raise InvalidArgumentError(
+                    f"ckpt_commit: each part must be [rank, item], got {clip(part)}")
+            parts.append((part[0], part[1]))
+        if not parts:
+            raise InvalidArgumentError("ckpt_commit needs at least one part")
+        return cls(_checkpoint_job(message), _checkpoint_step(message["step"], cls.kind),
+                   tuple(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointList:
+    """The complete checkpoints of `job` this daemon holds, newest first."""
+
+    kind: ClassVar[str] = "ckpt_list"
+    SCHEMA: ClassVar[Schema] = {"job": ((str,), True)}
+
+    job: str
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> CheckpointList:
+        return cls(_checkpoint_job(message))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOpen:
+    """The segments of complete checkpoint `step` of `job` (None: the newest)."""
+
+    kind: ClassVar[str] = "ckpt_open"
+    SCHEMA: ClassVar[Schema] = {"job": ((str,), True), "step": ((int, _NONE), False)}
+
+    job: str
+    step: int | None = None
+
+    @classmethod
+    def from_wire(cls, message: dict[str, Any]) -> CheckpointOpen:
+        step = message.get("step")
+        return cls(_checkpoint_job(message),
+                   None if step is None else _checkpoint_step(step, cls.kind))
+
+
+Request = (Hello | Ping | Bye | GroupInfo | Alloc | Free | Attach | Collective | CheckpointPut
+           | CheckpointCommit | CheckpointList | CheckpointOpen)
 
 #: Every request kind's class; `allreduce` is a `Collective` too.
 REQUEST_TYPES: dict[str, type[Request]] = {
-    cls.kind: cls for cls in (Hello, Ping, Bye, Alloc, Free, Attach, GroupInfo, Collective)
+    cls.kind: cls for cls in (Hello, Ping, Bye, Alloc, Free, Attach, GroupInfo, Collective,
+                              CheckpointPut, CheckpointCommit, CheckpointList, CheckpointOpen)
 }
 REQUEST_TYPES[ALLREDUCE] = Collective
 

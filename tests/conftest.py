@@ -172,6 +172,8 @@ def daemon(start_daemon: object) -> DaemonProcess:
 #: module, a test that asks for one of FULL_TIER_FIXTURES stays in the full suite.
 FAST_MODULES = (
     "test_calibration.py",
+    "test_checkpoint_metadata.py",
+    "test_checkpoint_store.py",
     "test_codec_lane.py",
     "test_config.py",
     "test_core_*.py",

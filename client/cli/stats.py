@@ -214,6 +214,12 @@ def render_table(snapshot: dict[str, Any]) -> str:
         stream = link.get("data_stream") or "none (ZeroMQ)"
         lines.append(f"peer {peer}: {link['state']}  rtt {rtt}  heard {heard}  "
                      f"data stream {stream}{_wire_bytes(link)}")
+    for job_name, checkpoints in snapshot.get("checkpoints", {}).items():
+        for checkpoint in checkpoints:
+            state = "complete" if checkpoint["complete"] else "being saved"
+            lines.append(f"checkpoint of job {job_name!r} step {checkpoint['step']} ({state}): "
+                         f"{_bytes(checkpoint['bytes'])}, age {checkpoint['age_s']:.1f}s, "
+                         f"ranks {len(checkpoint['ranks'])}")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradsync.daemon.backends import Buffers, Slab
+from gradsync.daemon.checkpoints import CheckpointStore
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
 from gradsync.daemon.core.deadlines import Deadlines
@@ -34,6 +35,7 @@ from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
 from gradsync.protocol.dtypes import DTYPES
 from gradsync.protocol.errors import (
+    CheckpointError,
     DaemonShuttingDownError,
     GradsyncError,
     InvalidArgumentError,
@@ -47,10 +49,15 @@ from gradsync.protocol.requests import (
     ROOTED,
     Alloc,
     Attach,
+    CheckpointCommit,
+    CheckpointList,
+    CheckpointOpen,
+    CheckpointPut,
     Collective,
     Free,
     GroupInfo,
     Hello,
+    parse_checkpoint_session_job,
     parse_request,
 )
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
@@ -77,6 +84,8 @@ class GradsyncService:
             max_workers=config.threads, thread_name_prefix="gradsync-reduce"
         )
         self.jobs = state.jobs
+        #: The jobs' checkpoints: segments owned by the daemon, not by a session.
+        self.checkpoints = CheckpointStore(self.buffers, config.checkpoints_kept)
         self.sessions = state.sessions
         #: Sessions that said hello to a job: the idle exit (`--exit-when-idle-s`)
         #: sees a job that came and went between two of its polls.
@@ -171,6 +180,9 @@ class GradsyncService:
                     self._attach(session, request, request_id)
                 elif isinstance(request, GroupInfo):
                     self._group_info(session, request_id)
+                elif isinstance(request, CheckpointPut | CheckpointCommit | CheckpointList
+                                | CheckpointOpen):
+                    self._checkpoint(session, request, request_id)
         except GradsyncError as exc:
             session.reply_error(request_id, exc)
         except Exception as exc:  # a bug: say so to the client and the log, keep serving
@@ -300,6 +312,40 @@ class GradsyncService:
         self.buffers.release(segment_id)
         session.reply(messages.ok_reply(request_id))
 
+    # -- checkpoints ----------------------------------------------------------
+
+    def _checkpoint(
+        self, session: ClientSession,
+        request: CheckpointPut | CheckpointCommit | CheckpointList | CheckpointOpen,
+        request_id: int,
+    ) -> None:
+        """Checkpoint requests (daemon/checkpoints.py); a job's own ranks alone may
+        use its checkpoints."""
+        rank = _checkpoint_rank(session, request.job)
+        if rank is None:
+            raise CheckpointError(
+                f"rank {session.rank} of job {session.job_name!r} may not use the checkpoints "
+                f"of job {request.job!r}: only that job's ranks may",
+                {"job": request.job, "caller_job": session.job_name})
+        store = self.checkpoints
+        if isinstance(request, CheckpointPut):
+            slab = store.put(request.job, request.step, rank, request.item, request.nbytes)
+            session.reply(messages.ok_reply(request_id, nbytes=slab.nbytes,
+                                            **slab.backend.export(slab)))
+        elif isinstance(request, CheckpointCommit):
+            checkpoint = store.commit(request.job, request.step, request.parts)
+            log.debug("%s complete: %d bytes in %d parts", checkpoint.describe(),
+                     checkpoint.nbytes, len(checkpoint.parts))
+            session.reply(messages.ok_reply(request_id, **store.describe(checkpoint)))
+        elif isinstance(request, CheckpointList):
+            session.reply(messages.ok_reply(request_id, checkpoints=[
+                store.describe(checkpoint) for checkpoint in store.complete(request.job)]))
+        else:
+            checkpoint = store.open(request.job, request.step)
+            parts = [[owner, item, slab.backend.export(slab)["name"], slab.nbytes]
+                     for (owner, item), slab in sorted(checkpoint.parts.items())]
+            session.reply(messages.ok_reply(request_id, step=checkpoint.step, parts=parts))
+
     # -- collectives ----------------------------------------------------------
 
     def _collective(self, session: ClientSession, request: Collective, request_id: int) -> None:
@@ -409,6 +455,7 @@ class GradsyncService:
         self.runs.fail_in_flight(error)
         for session in list(self.sessions.values()):
             session.close()
+        self.checkpoints.release_all()
         self.buffers.release_all()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -421,3 +468,12 @@ class GradsyncService:
         except TimeoutError:
             return False
         return True
+
+
+def _checkpoint_rank(session: ClientSession, job: str) -> int | None:
+    """The rank whose checkpoints of `job` this session stores: its own in job `job`,
+    R in `checkpoint:job#R`; None for a session of any other job."""
+    if session.job_name == job:
+        return session.rank or 0
+    scope = parse_checkpoint_session_job(session.job_name or "")
+    return scope[1] if scope is not None and scope[0] == job else None

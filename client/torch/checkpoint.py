@@ -1,0 +1,277 @@
+"""torch.distributed.checkpoint (DCP) storage in the daemon's memory.
+
+```python
+writer = DaemonStorageWriter(job="my-training")
+dcp.save(state, storage_writer=writer, checkpoint_id=step)   # or dcp.async_save
+dcp.load(state, storage_reader=DaemonStorageReader(job="my-training"))   # the newest
+```
+
+Each rank copies its tensors once into one segment the daemon owns (one
+`ckpt_put` per rank and save), so the checkpoint outlives the trainers.  DCP's
+coordinator commits the step in `finish()`, once every rank's write results
+are in; the reader opens the job's newest committed step, so a save that dies
+midway is never read.  The DCP metadata is our own msgpack record
+(checkpoint_metadata.py), never a pickle.  The storage's session is a
+`Client` of its own (`checkpoint_client`: job `checkpoint:<job>#<rank>`, the
+rank from the default process group), or the `client` given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from gradsync.client.checkpoints import DaemonCheckpoints, OpenedCheckpoint, checkpoint_client
+from gradsync.client.client import Client
+from gradsync.client.torch.checkpoint_metadata import (
+    StoredItem,
+    decode,
+    dtype_name,
+    encode,
+    parse_dtype,
+)
+
+__all__ = ["DaemonStorageReader", "DaemonStorageWriter"]
+
+#: Each rank's items of one save, in one part.
+DATA_ITEM = "data"
+#: The coordinator's part that holds the DCP metadata.
+METADATA_ITEM = "metadata"
+_ALIGN = 64
+#: The metadata part: the record's length, then the record (segments are page-sized).
+_LENGTH = struct.Struct("<Q")
+
+
+def _step(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
+    if checkpoint_id is None:
+        return None
+    text = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
+    if not str(text).isdigit():
+        raise ValueError(f"a daemon checkpoint's checkpoint_id is its step, a non-negative "
+                         f"integer; got {checkpoint_id!r}")
+    return int(text)
+
+
+def _is_step(checkpoint_id: Any) -> bool:
+    try:
+        return _step(checkpoint_id) is not None
+    except (TypeError, ValueError):
+        return False
+
+
+def _connect(job: str | None, client: Client | None) -> DaemonCheckpoints:
+    if client is not None:
+        return DaemonCheckpoints(client, job)
+    if job is None:
+        raise ValueError("name the checkpoints' job (job=...) or pass a gradsync client")
+    if not dist.is_initialized():
+        return DaemonCheckpoints(checkpoint_client(job, 0))
+    from gradsync.client.torch.backend import ProcessGroupGradsync
+
+    group = dist.group.WORLD
+    # A gradsync group's daemon (perhaps one it started for the job), else the environment's.
+    daemon = group.client.daemon if isinstance(group, ProcessGroupGradsync) else None
+    return DaemonCheckpoints(checkpoint_client(job, dist.get_rank(), daemon))
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as a flat uint8 tensor (on its device)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+
+
+class _DaemonStorage:
+    """What the writer and the reader share: the job's checkpoints in the local
+    daemon (connected on first use) and the step (`checkpoint_id`)."""
+
+    def __init__(self, job: str | None, step: int | None, client: Client | None) -> None:
+        self._job, self._client = job, client
+        self._store: DaemonCheckpoints | None = None
+        self.step = step
+
+    @property
+    def store(self) -> DaemonCheckpoints:
+        if self._store is None:
+            self._store = _connect(self._job, self._client)
+        return self._store
+
+    def _take_step(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        step = _step(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+
+class DaemonStorageWriter(_DaemonStorage, StorageWriter):
+    """Saves DCP checkpoints (`checkpoint_id` = step) into daemon memory."""
+
+    def __init__(self, job: str | None = None, step: int | None = None,
+                 client: Client | None = None) -> None:
+        StorageWriter.__init__(self)
+        _DaemonStorage.__init__(self, job, step, client)
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._take_step(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise ValueError("a daemon checkpoint needs its step: dcp.save(..., "
+                             "checkpoint_id=step) or DaemonStorageWriter(step=...)")
+        self.is_coordinator = is_coordinator
+        _ = self.store  # connect now: errors surface before any data moves
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Copy this rank's items into one daemon segment (tensors as their raw bytes)."""
+        store, rank = self.store, self.store.rank
+        assert self.step is not None
+        payloads: list[tuple[Any, torch.Tensor | bytes, int, str | None, tuple[int, ...] | None]]
+        payloads, offset = [], 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                raw: torch.Tensor | bytes = data.getvalue()
+                dtype, shape = None, None
+            else:
+                assert isinstance(data, torch.Tensor)
+                raw, dtype, shape = _as_bytes(data), dtype_name(data.dtype), tuple(data.shape)
+            payloads.append((item, raw, offset, dtype, shape))
+            offset += -(-len(raw) // _ALIGN) * _ALIGN
+        results: list[WriteResult] = []
+        if payloads:
+            mapping = store.put(self.step, DATA_ITEM, offset)
+            try:
+                target = torch.frombuffer(mapping, dtype=torch.uint8, count=max(offset, 1))
+                for item, raw, at, dtype, shape in payloads:
+                    size = len(raw)
+                    if isinstance(raw, bytes):
+                        mapping[at:at + size] = raw
+                    elif size:
+                        target[at:at + size].copy_(raw)
+                    results.append(WriteResult(
+                        index=item.index, size_in_bytes=size,
+                        storage_data=StoredItem(rank, DATA_ITEM, at, size, dtype, shape)))
+                del target
+            finally:
+                with contextlib.suppress(BufferError):  # a view survived an error: GC frees it
+                    mapping.close()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator, once every rank's results are in: store the metadata,
+        then commit the step (the daemon marks it complete only now)."""
+        assert self.step is not None
+        store = self.store
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        record = _LENGTH.pack(len(encoded := encode(metadata))) + encoded
+        mapping = store.put(self.step, METADATA_ITEM, len(record))
+        try:
+            mapping[:len(record)] = record
+        finally:
+            mapping.close()
+        parts = {(where.rank, where.item) for where in metadata.storage_data.values()}
+        parts.add((store.rank, METADATA_ITEM))
+        store.commit(self.step, sorted(parts))
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_step(checkpoint_id)
+
+
+class DaemonStorageReader(_DaemonStorage, StorageReader):
+    """Loads the job's newest complete checkpoint (or `checkpoint_id` = step) from
+    daemon memory."""
+
+    def __init__(self, job: str | None = None, step: int | None = None,
+                 client: Client | None = None) -> None:
+        StorageReader.__init__(self)
+        _DaemonStorage.__init__(self, job, step, client)
+        self.opened: OpenedCheckpoint | None = None
+        self.storage_data: dict[MetadataIndex, StoredItem] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._take_step(checkpoint_id)
+        self.opened = None
+
+    def read_metadata(self) -> Metadata:
+        """Open (map) the checkpoint and decode its metadata record."""
+        self.opened = opened = self.store.open(self.step)
+        record = next((mapping for (_, item), mapping in opened.parts.items()
+                       if item == METADATA_ITEM), None)
+        if record is None:
+            raise ValueError(f"checkpoint step {opened.step} of job {self.store.job!r} "
+                             "holds no DCP metadata (saved by something else than DCP)")
+        (length,) = _LENGTH.unpack_from(record)
+        return decode(bytes(record[_LENGTH.size:_LENGTH.size + length]))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self.storage_data = dict(metadata.storage_data or {})
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Copy each requested item out of the mapped parts into the planner's tensors."""
+        if self.opened is None:
+            self.read_metadata()
+        assert self.opened is not None
+        parts = self.opened.parts
+        for request in plan.items:
+            where = self.storage_data[request.storage_index]
+            mapping: mmap.mmap = parts[(where.rank, where.item)]
+            if where.dtype is None:
+                raw = bytes(mapping[where.offset:where.offset + where.nbytes])
+                planner.load_bytes(request, io.BytesIO(raw))
+                continue
+            dtype, shape = parse_dtype(where.dtype), where.shape or ()
+            if where.nbytes:
+                tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=where.nbytes,
+                                          offset=where.offset).view(dtype).reshape(shape)
+            else:
+                tensor = torch.empty(shape, dtype=dtype)
+            for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths,
+                                                      strict=True)):
+                tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(request).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(request, target)
+            del tensor
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _is_step(checkpoint_id)
