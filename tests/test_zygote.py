@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -93,19 +94,18 @@ PROBE = """
 """
 
 
-def test_a_forked_child_starts_as_a_fresh_interpreter(tmp_path: Path) -> None:
+def test_a_forked_child_starts_as_a_fresh_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = program(tmp_path, PROBE)
-    work = tmp_path / "work"
-    work.mkdir()
-    os.chdir(work)  # (pytest's monkeypatch would restore it; so does the finally below)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
     env = {"ZYGOTE_PROBE": "x y", "TMPDIR": str(tmp_path)}
-    try:
-        child = forked(path, "a", "b c", env=env)
-        assert child.forked, RANK_ZYGOTE.summary()
-        ours, theirs = (json.loads(outcome(p)[1]) for p in (child, fresh(path, "a", "b c", env=env)))
-        assert {k: v for k, v in ours.items() if theirs[k] != v} == {}, theirs
-    finally:
-        os.chdir(Path(__file__).parent.parent)
+    child = forked(path, "a", "b c", env=env)
+    assert child.forked, RANK_ZYGOTE.summary()
+    ours = json.loads(outcome(child)[1])
+    theirs = json.loads(outcome(fresh(path, "a", "b c", env=env))[1])
+    assert {name: value for name, value in ours.items() if theirs[name] != value} == {}, theirs
 
 
 def test_random_generators_differ_between_children(tmp_path: Path) -> None:
@@ -186,3 +186,16 @@ def test_a_forked_child_costs_less_than_a_fresh_one(tmp_path: Path) -> None:
     started = time.monotonic()
     assert outcome(forked(path))[0] == 0
     assert time.monotonic() - started < 5  # fresh: ~2 s of CPU, far more on a loaded machine
+
+
+def test_a_malformed_request_is_refused_and_the_zygote_serves_on(tmp_path: Path) -> None:
+    path = program(tmp_path, "print('served')")
+    assert outcome(forked(path))[0] == 0  # started
+    for message in (b"not json", b"[1, 2]", json.dumps({"argv": [sys.executable]}).encode()):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+            connection.settimeout(30)
+            connection.connect(str(RANK_ZYGOTE.socket_path))
+            socket.send_fds(connection, [message], [0, 1, 2])
+            assert "refused" in json.loads(connection.recv(65536)), message
+    child = forked(path)
+    assert child.forked and outcome(child) == (0, "served\n", "")

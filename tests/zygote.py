@@ -175,7 +175,11 @@ class Server:
         while True:
             for key, _ in self.selector.select():
                 if key.fileobj is self.listener:
-                    connection, _ = self.listener.accept()
+                    try:
+                        connection, _ = self.listener.accept()
+                    except OSError as exc:  # out of descriptors, say: the client falls back
+                        print(f"zygote: accept: {exc}", file=sys.stderr, flush=True)
+                        continue
                     self.selector.register(connection, selectors.EVENT_READ)
                 elif key.fileobj == self.wake_read:
                     while True:
@@ -225,12 +229,15 @@ class Server:
             self.close(connection)
             return None
         try:
-            request = json.loads(data)
-            if request.get("hello"):
-                self.send(connection, {"ready": self.problem is None, "problem": self.problem,
-                                       "pid": os.getpid()})
-                return None
-            refusal = self.refusal(request, fds, flags)
+            try:
+                request = json.loads(data)
+                if request.get("hello"):
+                    self.send(connection, {"ready": self.problem is None,
+                                           "problem": self.problem, "pid": os.getpid()})
+                    return None
+                refusal = self.refusal(request, fds, flags)
+            except Exception as exc:  # a malformed request must not end the zygote
+                refusal = f"a malformed request: {type(exc).__name__}: {exc}"
             if refusal is not None:
                 self.send(connection, {"refused": refusal})
                 return None
@@ -243,8 +250,11 @@ class Server:
                 return None
             if pid == 0:
                 return Child(request, fds, self.abandon, self.inherited, self.backends)
-            pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
             self.children[pid] = connection
+            try:
+                pidfd: int | None = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # the client signals by pid, after a poll
+                pidfd = None
             self.send(connection, {"pid": pid}, [] if pidfd is None else [pidfd])
             if pidfd is not None:
                 os.close(pidfd)
@@ -323,7 +333,7 @@ class Child:
         random.seed()
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:
-            numpy_random.seed()  # type: ignore[attr-defined]
+            numpy_random.seed()
         if sys.stdout is not None and sys.stdout.line_buffering != os.isatty(1):
             sys.stdout.reconfigure(line_buffering=os.isatty(1))  # type: ignore[union-attr]
 
@@ -340,7 +350,13 @@ class Child:
                     f"extension auto-loading with {AUTOLOAD}=0.") from err
 
     def run(self) -> NoReturn:
-        self.become()
+        try:
+            self.become()
+        except BaseException:  # never back into the server's frames
+            with contextlib.suppress(BaseException):
+                sys.excepthook(*sys.exc_info())
+                _flush_stdio()
+            os._exit(1)
         path = self.argv[1]
         main = types.ModuleType("__main__")
         main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
@@ -362,7 +378,10 @@ class Child:
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, traceback
             sys.excepthook(type(exc), exc, traceback)
             code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
-        _exit(code, interrupted)
+        try:
+            _exit(code, interrupted)
+        finally:
+            os._exit(1)  # only where the way out itself failed
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -393,7 +412,7 @@ def _exit(code: int, interrupted: bool) -> NoReturn:
     try:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
-        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
+        sys.excepthook(*sys.exc_info())
     atexit._run_exitfuncs()
     flushed = _flush_stdio()
     main = sys.modules.get("__main__")
@@ -527,14 +546,16 @@ class Zygote:
                 data, received, _, _ = socket.recv_fds(connection, 65536, 1)
             except OSError as exc:
                 connection.close()
-                return self._broken(f"{type(exc).__name__}: {exc}")
+                self._broken(f"{type(exc).__name__}: {exc}")
+                return None
         reply = json.loads(data) if data else {}
         if "pid" not in reply:
             connection.close()
             for fd in received:
                 os.close(fd)
             if not data:
-                return self._broken("it closed the connection")
+                self._broken("it closed the connection")
+                return None
             self.fallbacks[str(reply.get("refused"))] += 1
             return None
         connection.settimeout(None)
@@ -548,7 +569,6 @@ class Zygote:
                 self.enabled = False
                 warnings.warn(f"the rank zygote failed ({problem}); rank programs start as "
                               "fresh processes from now on", stacklevel=5)
-        return None
 
     def stop(self) -> None:
         """End the zygote (children it forked run on, as rank processes outlive pytest)."""
