@@ -23,11 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zygote import ENABLE_VARIABLE, Zygote
 
 from gradsync.client import daemon_process
 from gradsync.client.daemon_process import segments_of
 
 PROGRAMS = Path(__file__).parent / "programs"
+#: Forks rank processes from a warm interpreter (tests/zygote.py); started on first use,
+#: stopped at the end of the session.  GRADSYNC_TEST_ZYGOTE=0: every rank starts fresh.
+RANK_ZYGOTE = Zygote(enabled=os.environ.get(ENABLE_VARIABLE, "1") != "0")
 READY_TIMEOUT_S = 20.0
 #: GRADSYNC_FAST_PATH for each path a small synchronous allreduce can take: the
 #: shared-memory fast path with its compiled publish-and-spin (the default), the
@@ -300,6 +304,15 @@ def records_by_scenario(
     return grouped
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    RANK_ZYGOTE.stop()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if RANK_ZYGOTE.forked or RANK_ZYGOTE.fallbacks:
+        terminalreporter.write_line(RANK_ZYGOTE.summary())
+
+
 def spawn_rank(
     program: str,
     args: Sequence[str],
@@ -311,7 +324,8 @@ def spawn_rank(
     job: str,
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    """One process of tests/programs/PROGRAM with torchrun-style variables."""
+    """One process of tests/programs/PROGRAM with torchrun-style variables (forked by the
+    session's zygote where it can: a subprocess.Popen all the same)."""
     rank_env = {
         **os.environ,
         "RANK": str(rank),
@@ -322,13 +336,7 @@ def spawn_rank(
         "GRADSYNC_JOB": job,
         **(env or {}),
     }
-    return subprocess.Popen(
-        [sys.executable, str(PROGRAMS / program), *args],
-        env=rank_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return RANK_ZYGOTE.popen([sys.executable, str(PROGRAMS / program), *args], env=rank_env)
 
 
 def spawn_ranks(
