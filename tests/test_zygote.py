@@ -8,7 +8,6 @@ and the two must agree.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -34,15 +33,18 @@ def program(folder: Path, code: str) -> Path:
 
 
 def forked(path: Path, *args: str, env: dict[str, str] | None = None) -> ZygoteProcess:
+    # The zygote's own environment, not this process's: earlier tests in the session
+    # may have set start-up variables here (OMP_NUM_THREADS, ...) that it refuses.
     process = RANK_ZYGOTE.popen([sys.executable, str(path), *args],
-                                env={**os.environ, **(env or {})})
+                                env={**RANK_ZYGOTE.environ, **(env or {})})
     assert isinstance(process, ZygoteProcess)
     return process
 
 
 def fresh(path: Path, *args: str, env: dict[str, str] | None = None
           ) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(path), *args], env={**os.environ, **(env or {})},
+    return subprocess.Popen([sys.executable, str(path), *args],
+                            env={**RANK_ZYGOTE.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

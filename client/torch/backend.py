@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -60,6 +61,11 @@ from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
 BACKEND = "gradsync"
+#: How long shutting a group down waits for its small sends to be received, when
+#: the group has no timeout of its own.
+EAGER_FLUSH_S = 60.0
+
+_LOG = logging.getLogger("gradsync.torch")
 
 __all__ = ["BACKEND", "ProcessGroupGradsync", "empty", "register"]
 
@@ -174,23 +180,32 @@ class ProcessGroupGradsync(dist.ProcessGroup):
     # -- lifecycle -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Leave the job, disconnect, then stop the future threads (joined).
+        """Let small sends already handed back reach their receivers (up to the
+        group's timeout), leave the job, disconnect, then stop the future threads
+        (joined).
 
-        Disconnecting first fails whatever is still in flight at once, so the
-        join never waits for a collective's deadline.
+        Disconnecting fails whatever else is still in flight at once, so the join
+        never waits for a collective's deadline.
         """
+        self._close(flush_sends=True)
+
+    def abort(self) -> None:
+        """Like `shutdown`, but at once: small sends not yet received fail too."""
+        self._close(flush_sends=False)
+
+    def _close(self, flush_sends: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        if flush_sends and not self._eager.flush(self._timeout_s or EAGER_FLUSH_S):
+            _LOG.warning("gradsync: process group %r shut down with sends not yet received",
+                         self._group_name)
         self._notes.close()
         self._pairs.close()
         self._eager.close()
         self._fast_path.forget()
         self._client.close()
         self._completer.close()
-
-    def abort(self) -> None:
-        self.shutdown()
 
     @property
     def closed(self) -> bool:

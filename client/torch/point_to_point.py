@@ -251,8 +251,9 @@ class EagerSends:
     """
 
     def __init__(self, name: str) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._held = 0
+        self._pending = 0
         self._lane = _Lane(name)
 
     def admit(self, nbytes: int) -> bool:
@@ -263,6 +264,7 @@ class EagerSends:
             if self._held + nbytes > EAGER_OUTSTANDING_BYTES:
                 return False
             self._held += nbytes
+            self._pending += 1
             return True
 
     def finish(self, works: list[GradsyncWork], nbytes: int, what: str) -> None:
@@ -272,6 +274,15 @@ class EagerSends:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._held -= nbytes
+            self._pending -= 1
+            self._lock.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (up to `timeout_s`) until every send handed back has been received
+        (or failed): a sender that closes its group first would take its messages
+        with it.  False if some were still out at the deadline."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._pending == 0, timeout_s)
 
     def _wait(self, works: list[GradsyncWork], nbytes: int, what: str) -> None:
         try:
