@@ -3,13 +3,14 @@ committed step, torchft on gradsync vs torchft on its own ProcessGroupGloo.
 
 Three "nodes" (network namespaces on a bridge, 10.213.50.0/24), one replica
 group of one rank on each, the Lighthouse on node 0, and for gradsync one
-daemon per node (`--insecure`, `--peer-timeout-s 2`).  torchft's collective
-timeout is its default, 60 s.  Two failures, each in a fresh set of nodes:
+daemon per node with the shipped defaults (`--insecure` only; `--peer-timeout-s
+S` adds that flag, for a tuned figure).  torchft's collective timeout is its
+default, 60 s.  Two failures, each in a fresh set of nodes:
 
 * `cut`: replica 2 stops mid-step (the others wait in the step's allreduces)
   and its node's link goes down (`ip link set ... down`): nothing closes, so
-  gloo can only wait for the timeout; gradsync's daemons declare the peer lost
-  after their peer timeout and fail the step on every node at once.
+  gloo can only wait for the timeout; gradsync's daemons' failure detector
+  declares the peer lost and fails the step on every node at once.
 * `sigkill`: replica 2 SIGKILLs itself between two allreduces of a step: its
   sockets close, which both see.
 
@@ -37,7 +38,6 @@ REPLICA = Path(__file__).resolve().parents[1] / "tests" / "programs" / "torchft_
 LIGHTHOUSE = REPLICA.with_name("lighthouse.py")
 STEPS = 12
 FAIL_AT = 4
-PEER_TIMEOUT_S = 2
 LIGHTHOUSE_PORT = topology.NETNS_BASE_PORT + 90
 
 
@@ -53,7 +53,9 @@ def wait_for(path: Path, timeout_s: float, processes: list[subprocess.Popen[str]
         time.sleep(0.05)
 
 
-def run_once(pg: str, failure: str, timeout_s: float) -> dict[str, Any]:
+def run_once(
+    pg: str, failure: str, timeout_s: float, peer_timeout_s: float | None = None
+) -> dict[str, Any]:
     """One training run of three replicas with `failure` at step FAIL_AT."""
     with contextlib.ExitStack() as stack:
         topo = stack.enter_context(topology.namespaces(3))
@@ -63,8 +65,9 @@ def run_once(pg: str, failure: str, timeout_s: float) -> dict[str, Any]:
         daemons: list[str] = ["-"] * 3
         if pg == "gradsync":
             endpoints = topo.endpoints()[0]
+            tuned = [] if peer_timeout_s is None else ["--peer-timeout-s", str(peer_timeout_s)]
             flags = [["--listen", endpoints[i], "--peers", ",".join(endpoints), "--insecure",
-                      "--peer-timeout-s", str(PEER_TIMEOUT_S)] for i in range(3)]
+                      *tuned] for i in range(3)]
             runs = stack.enter_context(daemon_cluster(flags, [topo.prefix(i) for i in range(3)]))
             daemons = [run.endpoint for run in runs]
         lighthouse = subprocess.Popen(
@@ -138,13 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout-s", type=float, default=60.0,
                         help="torchft's collective timeout (its default: 60)")
+    parser.add_argument("--peer-timeout-s", type=float, default=None,
+                        help="gradsyncd's --peer-timeout-s (default: the daemons' own "
+                        "default; a figure with it set is a tuned one)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     reason = topology.namespaces_unavailable()
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
-    results = [run_once(pg, failure, args.timeout_s)
+    results = [run_once(pg, failure, args.timeout_s, args.peer_timeout_s)
                for failure in ("cut", "sigkill") for pg in ("gradsync", "gloo")]
     if args.json:
         print(json.dumps(results, indent=1))
