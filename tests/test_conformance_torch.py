@@ -58,6 +58,8 @@ if BACKEND not in ("gradsync", "gloo"):
 WORLD_SIZE = 2
 WORKER = PROGRAMS / "torch_dist_suite_worker.py"
 COLLECT_TIMEOUT_S = 120.0
+#: How long a test's buffers may stay in the daemon after it ended (freed asynchronously).
+BUFFERS_GONE_S = 10.0
 START_TIMEOUT_S = 90.0  # a rank imports torch and the suite
 TEST_TIMEOUT_S = 120.0  # one suite test on both ranks (upstream allows 300)
 GRACE_S = 10.0  # for the other rank to answer once one has failed
@@ -433,9 +435,14 @@ def test_suite(name: str, request: pytest.FixtureRequest, tally: Tally) -> None:
         ranks: SuiteRanks = request.getfixturevalue("suite_ranks")
         outcome = ranks.run(name)
         if outcome.outcome == "passed" and ranks.daemon is not None:
-            left = buffers_of(ranks.daemon)
+            # The ranks' sessions end and their segments go a moment after the test
+            # reports: wait (up to a deadline) for that, never judge the instant.
+            deadline = time.monotonic() + BUFFERS_GONE_S
+            while (left := buffers_of(ranks.daemon)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             if left:
-                outcome = Outcome("failed", f"the test's buffers are still in the daemon: {left}")
+                outcome = Outcome("failed", f"the test's buffers are still in the daemon "
+                                  f"{BUFFERS_GONE_S:g} s after it ended: {left}")
     except BaseException:
         tally.counts["failed"] += 1
         raise
