@@ -61,9 +61,9 @@ from gradsync.client.work import Work as GradsyncWork
 from gradsync.protocol.errors import GradsyncError, InvalidArgumentError
 
 BACKEND = "gradsync"
-#: How long shutting a group down waits for its small sends to be received, when
-#: the group has no timeout of its own.
-EAGER_FLUSH_S = 60.0
+#: The longest shutting a group down waits for its small sends to be received (the
+#: group's timeout if shorter): a receiver that never comes must not hold it long.
+EAGER_FLUSH_S = 30.0
 
 _LOG = logging.getLogger("gradsync.torch")
 
@@ -197,7 +197,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        if flush_sends and not self._eager.flush(self._timeout_s or EAGER_FLUSH_S):
+        if flush_sends and not self._eager.flush(min(self._timeout_s or EAGER_FLUSH_S,
+                                                     EAGER_FLUSH_S)):
             _LOG.warning("gradsync: process group %r shut down with sends not yet received",
                          self._group_name)
         self._notes.close()
