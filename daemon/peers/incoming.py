@@ -199,8 +199,9 @@ class IncomingMessages:
             self._counters.add("stream_encrypted_received")
         self._deliver(PeerMessage(peer, header, list(payloads)))
 
-    def on_dealer_frames(self, link: Link, frames: list[zmq.Frame]) -> None:
-        """An answer to one of our probes, back over the link's DEALER."""
+    def _pong(self, link: Link, frames: list[zmq.Frame]) -> tuple[Message, Probe] | None:
+        """A PONG from `link`'s peer (its header and probe), counted as heard from
+        it; None (refused, counted) when malformed."""
         try:
             header = decode_header(frames[0].bytes, frozenset({PONG}))
             if len(frames) != 1:
@@ -208,8 +209,16 @@ class IncomingMessages:
             pong = Probe.from_wire(header)
         except ProtocolError as exc:
             self._refused(link, exc)
-            return
+            return None
         self._health.heard(link)
+        return header, pong
+
+    def on_dealer_frames(self, link: Link, frames: list[zmq.Frame]) -> None:
+        """An answer to one of our probes, back over the link's DEALER."""
+        decoded = self._pong(link, frames)
+        if decoded is None:
+            return
+        header, pong = decoded
         link.version_error = None
         if pong.data_port is not None:
             link.data_address = f"{pong.data_host or link.endpoint.host}:{pong.data_port}"
@@ -222,15 +231,10 @@ class IncomingMessages:
     def on_live_frames(self, link: Link, frames: list[zmq.Frame]) -> None:
         """An answer on the link's `live` DEALER: to a heartbeat, or to a question
         about a suspect (`about`, `heard_s`)."""
-        try:
-            header = decode_header(frames[0].bytes, frozenset({PONG}))
-            if len(frames) != 1:
-                raise ProtocolError("a pong carries no payload")
-            pong = Probe.from_wire(header)
-        except ProtocolError as exc:
-            self._refused(link, exc)
+        decoded = self._pong(link, frames)
+        if decoded is None:
             return
-        self._health.heard(link)
+        _, pong = decoded
         link.live_heard = link.last_heard or 0.0
         if pong.about is not None:
             self._health.witness_said(link, pong.about, pong.heard_s)
