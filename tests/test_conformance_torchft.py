@@ -86,13 +86,9 @@ DILOCO: tuple[str, ...] = (
 GLOO_ONLY: dict[str, str] = {}
 
 #: Tests that fail with GradsyncTransport for a gap of ours, each with why (reviewed).
-#: The run fails once one of them passes: then its entry goes.
-GRADSYNC_TRANSPORT_GAPS: dict[str, str] = {
-    "torchft/checkpointing/pg_transport_test.py::PGTransportTest::test_pg_transport_gloo":
-        "torchft's transport contract (checkpointing/transport_test.make_state_dict) "
-        "sends a DTensor; state_codec.Layout carries plain tensors only "
-        "(StateCodecError: tensor at /dtensor is a DTensor)",
-}
+#: The run fails once one of them passes: then its entry goes.  (None left: the DTensor
+#: of torchft's transport contract travels since state_codec's header version 2.)
+GRADSYNC_TRANSPORT_GAPS: dict[str, str] = {}
 
 #: Races in torchft's own tests (node-id prefix -> (failure message pattern, why)),
 #: reviewed: a test failing so gets one more run, and the summary says so.

@@ -6,7 +6,10 @@ state dict travels as one msgpack header and one flat payload (state_codec),
 in a few large sends from and into daemon memory (shared memory between
 replicas on one node, the daemons'
 peer data streams between nodes), not as one send per tensor behind a pickled
-header, as torchft's PGTransport does.  Imports torchft (as torchft_group does).
+header, as torchft's PGTransport does.  A DTensor travels as its local shard
+and its mesh, placements, global shape and stride (as plain data); the healing
+replica rebuilds it on its own mesh (`device_meshes`).  Imports torchft (as
+torchft_group does).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Iterable
 from typing import TypeVar
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torchft.checkpointing.transport import CheckpointTransport
 from torchft.process_group import ProcessGroup
 
@@ -34,6 +39,11 @@ _SIZES, _HEADER, _PAYLOAD = 101, 102, 103
 _CHUNK_BYTES = 16 << 20
 
 
+def _metadata(version: int) -> str:
+    """What a replica announces of its checkpoints: the codec's header version."""
+    return f"gradsync-state-v{version}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Heal:
     """One received checkpoint: from whom, which step, how many bytes, how long."""
@@ -48,21 +58,26 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
     """Moves a state dict from a live replica to a healing one over `pg`'s send/recv.
 
     `pg` is the Manager's process group (ProcessGroupGradsync for the daemons'
-    paths; any torchft group works).  `chunk_bytes` bounds one send.
+    paths; any torchft group works).  `chunk_bytes` bounds one send.  A received
+    DTensor lands on the mesh of `device_meshes` that equals its sender's (device
+    type, ranks, shape, dim names: pass the model's meshes); for one none equals, a
+    mesh is built over the default process group once and kept.
     """
 
     def __init__(self, pg: ProcessGroup, timeout: datetime.timedelta,
-                 chunk_bytes: int = _CHUNK_BYTES) -> None:
+                 chunk_bytes: int = _CHUNK_BYTES,
+                 device_meshes: Iterable[DeviceMesh] = ()) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
         self._pg = pg
         self._timeout = timeout
         self._chunk = chunk_bytes
+        self._meshes = state_codec.Meshes(device_meshes)
         #: The last checkpoint this replica received (None until it heals).
         self.last_heal: Heal | None = None
 
     def metadata(self) -> str:
-        return f"gradsync-state-v{state_codec.HEADER_VERSION}"
+        return _metadata(state_codec.HEADER_VERSION)
 
     def disallow_checkpoint(self) -> None:
         """Nothing to withdraw: `send_checkpoint` returns once every send is done."""
@@ -85,10 +100,12 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: datetime.timedelta) -> T:
-        if metadata != self.metadata():
+        readable = [_metadata(v) for v in state_codec.READABLE_VERSIONS]
+        if metadata not in readable:
             raise state_codec.StateCodecError(
                 f"replica rank {src_rank} sends checkpoints as {metadata!r}; this one reads "
-                f"{self.metadata()!r} (give every replica the same checkpoint transport)")
+                f"{', '.join(map(repr, readable))} (give every replica the same checkpoint "
+                "transport)")
         started = time.perf_counter()
         sizes = torch.zeros(2, dtype=torch.int64)
         self._pg.recv([sizes], src_rank, _SIZES).wait(timeout)
@@ -109,7 +126,7 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
         works = [self._pg.recv([chunk], src_rank, _PAYLOAD) for _, chunk in self._chunks(payload)]
         for work in works:
             work.wait(timeout)
-        got_step, state = state_codec.decode(raw, payload)
+        got_step, state = state_codec.decode(raw, payload, self._meshes)
         if got_step != step:
             raise state_codec.StateCodecError(
                 f"replica rank {src_rank} sent the checkpoint of step {got_step}; this replica "
