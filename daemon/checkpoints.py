@@ -9,6 +9,11 @@ the last `kept` complete checkpoints stay; a commit drops older ones and the
 unfinished saves they supersede.  The bytes count against `max_shm_bytes` like
 every other segment: a part that does not fit is an error for that save only.
 
+Complete checkpoints also outlive the daemon (part 4): every commit rewrites
+the manifest (checkpoint_manifest.py) that a daemon restarted on the same
+socket reads at start-up (`take_over`) to adopt their segments.  At a clean
+exit they are released, unless the daemon runs with `checkpoints_survive_exit`.
+
 The job name is the scope: only sessions of the job may put, commit, list or
 open its checkpoints (io/service.py checks who asks).  The daemon never reads
 the data; its clients write and read it through their own mappings.
@@ -18,12 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from gradsync.daemon.backends import Buffers, Slab
-from gradsync.protocol.errors import CheckpointError, ShmExhaustedError
+from gradsync.daemon.backends.shm_pool import pid_alive
+from gradsync.daemon.checkpoint_manifest import (
+    ManifestFile,
+    SavedCheckpoint,
+    SavedPart,
+    plan_adoption,
+    remove_segments,
+    segment_size,
+)
+from gradsync.protocol.errors import CheckpointError, GradsyncError, ShmExhaustedError
 
 log = logging.getLogger("gradsync.daemon.checkpoints")
 
@@ -37,6 +52,10 @@ class Checkpoint:
     created: float
     parts: dict[tuple[int, str], Slab] = dataclasses.field(default_factory=dict)
     committed_at: float | None = None
+    #: The commit's wall-clock time (Unix seconds), for the manifest.
+    committed_unix: float = 0.0
+    #: The pid of the dead daemon this checkpoint was taken over from.
+    adopted_from: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -50,11 +69,14 @@ class CheckpointStore:
     """Every job's checkpoints on this daemon, allocated from `buffers`."""
 
     def __init__(self, buffers: Buffers, kept: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 manifest: ManifestFile | None = None) -> None:
         self.buffers = buffers
         self.kept = kept
         self.clock = clock
         self.jobs: dict[str, dict[int, Checkpoint]] = {}
+        #: Where the complete checkpoints are listed for a successor (None: nowhere).
+        self.manifest = manifest
 
     def put(self, job: str, step: int, rank: int, item: str, nbytes: int) -> Slab:
         """A fresh segment for `item` of `rank` in (job, step); a part put again
@@ -114,7 +136,9 @@ class CheckpointStore:
             self.buffers.release(checkpoint.parts.pop(key).segment_id)
         if checkpoint.committed_at is None:
             checkpoint.committed_at = self.clock()
+            checkpoint.committed_unix = time.time()
         self._prune(job)
+        self._publish()
         return checkpoint
 
     def _prune(self, job: str) -> None:
@@ -163,12 +187,15 @@ class CheckpointStore:
     def describe(self, checkpoint: Checkpoint) -> dict[str, Any]:
         """A checkpoint as `ckpt_list` and the statistics show it."""
         now = self.clock()
-        return {
+        described = {
             "step": checkpoint.step, "bytes": checkpoint.nbytes,
             "age_s": now - (checkpoint.committed_at or checkpoint.created),
             "complete": checkpoint.committed_at is not None,
             "ranks": sorted({rank for rank, _ in checkpoint.parts}),
         }
+        if checkpoint.adopted_from is not None:
+            described["adopted_from"] = checkpoint.adopted_from
+        return described
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
         """Every job's checkpoints, complete and under way, newest first."""
@@ -181,3 +208,86 @@ class CheckpointStore:
         for steps in list(self.jobs.values()):
             for checkpoint in list(steps.values()):
                 self._drop(checkpoint)
+
+    def close(self, keep: bool) -> None:
+        """At a clean exit: release every checkpoint, or with `keep` leave the complete
+        ones, and the manifest that lists them, to the next daemon on this socket."""
+        if not keep or self.manifest is None:
+            self.release_all()
+            if self.manifest is not None:
+                self.manifest.remove()
+            return
+        for steps in list(self.jobs.values()):
+            for checkpoint in [c for c in steps.values() if c.committed_at is None]:
+                self._drop(checkpoint)
+        self._publish()
+        complete = [c for steps in self.jobs.values() for c in steps.values()]
+        for checkpoint in complete:
+            for slab in checkpoint.parts.values():
+                self.buffers.detach(slab.segment_id)
+        self.jobs.clear()
+        if complete:
+            log.info("leaving %d complete checkpoints (%d bytes) to the next daemon on "
+                     "this socket (%s)", len(complete), sum(c.nbytes for c in complete),
+                     self.manifest.path)
+
+    # -- the manifest and the takeover --------------------------------------------
+
+    def _publish(self) -> None:
+        """Rewrite the manifest: every complete checkpoint, as `ckpt_open` serves it."""
+        if self.manifest is not None:
+            self.manifest.write(tuple(
+                _saved(c) for steps in self.jobs.values() for c in steps.values()
+                if c.committed_at is not None))
+
+    def take_over(self) -> None:
+        """At start-up: adopt the complete checkpoints that a dead daemon on this
+        socket listed; drop (and unlink) those that are damaged or do not fit."""
+        manifest = self.manifest.load() if self.manifest is not None else None
+        if manifest is None or self.manifest is None:
+            return
+        if manifest.pid == os.getpid() or pid_alive(manifest.pid):
+            log.warning("not taking over the checkpoints listed in %s: their daemon (pid %d) "
+                        "still runs", self.manifest.path, manifest.pid)
+            return
+        plan = plan_adoption(manifest, segment_size(self.manifest.shm_dir),
+                             self.buffers.max_bytes - self.buffers.in_use)
+        for saved, why in plan.dropped:
+            log.error("dropping %s left by gradsyncd pid %d (segments %s): %s",
+                      saved.describe(), manifest.pid, [p.name for p in saved.parts], why)
+            remove_segments((p.name for p in saved.parts), self.manifest.shm_dir)
+        adopted = [c for c in plan.adopt if self._adopt(c, manifest.pid)]
+        for job in list(self.jobs):
+            self._prune(job)
+        self._publish()
+        if adopted:
+            log.info("took over %d checkpoints (%d bytes) left by gradsyncd pid %d: %s",
+                     len(adopted), sum(c.nbytes for c in adopted), manifest.pid,
+                     ", ".join(c.describe() for c in adopted))
+
+    def _adopt(self, saved: SavedCheckpoint, pid: int) -> bool:
+        """Take over one complete checkpoint's segments; on any failure, none of them."""
+        checkpoint = Checkpoint(saved.job, saved.step, self.clock(),
+                                committed_unix=saved.committed_unix, adopted_from=pid)
+        # Its age goes on from the commit, whatever this daemon's clock says.
+        checkpoint.committed_at = checkpoint.created - max(0.0, time.time() - saved.committed_unix)
+        self.jobs.setdefault(saved.job, {})[saved.step] = checkpoint
+        for part in saved.parts:
+            owner = f"{saved.describe()}, rank {part.rank}, item {part.item!r}"
+            try:
+                checkpoint.parts[(part.rank, part.item)] = self.buffers.adopt(
+                    part.name, part.nbytes, owner)
+            except (OSError, ValueError, GradsyncError) as exc:
+                log.error("dropping %s left by gradsyncd pid %d: taking over segment %s "
+                          "failed: %s", saved.describe(), pid, part.name, exc)
+                self._drop(checkpoint)
+                remove_segments(p.name for p in saved.parts)
+                return False
+        return True
+
+
+def _saved(checkpoint: Checkpoint) -> SavedCheckpoint:
+    """A complete checkpoint as the manifest lists it."""
+    parts = tuple(SavedPart(rank, item, slab.backend.export(slab)["name"], slab.nbytes)
+                  for (rank, item), slab in sorted(checkpoint.parts.items()))
+    return SavedCheckpoint(checkpoint.job, checkpoint.step, checkpoint.committed_unix, parts)

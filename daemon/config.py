@@ -58,6 +58,9 @@ class DaemonConfig:
     fast_path_bytes: int = 64 * 1024
     #: Complete checkpoints kept per job in daemon memory (daemon/checkpoints.py).
     checkpoints_kept: int = 2
+    #: Leave the complete checkpoints in /dev/shm at a clean exit too, for the next
+    #: daemon on the same socket (a crashed daemon's are taken over either way).
+    checkpoints_survive_exit: bool = False
     log_level: str = "info"
     #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group
     #: may use it (the systemd unit runs it as user and group gradsync).
@@ -305,6 +308,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "inline_reduce_bytes": _positive_size,
     "fast_path_bytes": _fast_path_size,
     "checkpoints_kept": _positive_int,
+    "checkpoints_survive_exit": _boolean,
     "log_level": _log_level,
     "group_access": _boolean,
     "stats": _stats_endpoint,

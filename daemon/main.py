@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="complete checkpoints kept per job in daemon memory (default 2)",
     )
     parser.add_argument(
+        "--checkpoints-survive-exit", action="store_true", default=None,
+        help="at a clean exit, leave the complete checkpoints in /dev/shm for the next "
+        "daemon on this socket (a crashed daemon's are taken over either way)",
+    )
+    parser.add_argument(
         "--fast-path-bytes", metavar="SIZE",
         help="synchronous allreduces of single-node jobs up to this size skip the "
         "socket (shared-memory fast path; default 64KiB, 0: off)",

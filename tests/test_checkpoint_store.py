@@ -3,14 +3,31 @@ a daemon process: segments from a real pool, time from a fake clock."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from gradsync.daemon.backends import Buffers
+from gradsync.daemon.backends.shm_pool import pid_alive
+from gradsync.daemon.checkpoint_manifest import (
+    Manifest,
+    ManifestError,
+    ManifestFile,
+    SavedCheckpoint,
+    SavedPart,
+    decode,
+    encode,
+    plan_adoption,
+    read_manifest,
+    spared_segments,
+    write_manifest,
+)
 from gradsync.daemon.checkpoints import CheckpointStore
 from gradsync.protocol import messages
 from gradsync.protocol.errors import CheckpointError, InvalidArgumentError, ShmExhaustedError
@@ -118,3 +135,115 @@ def test_a_checkpoint_session_names_its_job_and_rank() -> None:
     assert parse_checkpoint_session_job("checkpoint:a#1#3") == ("a#1", 3)
     for other in ("a", "checkpoint:a", "checkpoint:#3", "checkpoint:a#x", "a#3"):
         assert parse_checkpoint_session_job(other) is None, other
+
+
+# -- the manifest and the takeover by a restarted daemon (part 4) ----------------
+
+
+def dead_pid() -> int:
+    """A pid no process has (above any pid_max there is)."""
+    pid = 1 << 30
+    while pid_alive(pid):
+        pid -= 1
+    return pid
+
+
+def manifest_of(*checkpoints: SavedCheckpoint, pid: int = 7, uid: int | None = None) -> Manifest:
+    return Manifest(pid, os.getuid() if uid is None else uid, "/tmp/x/d.sock", checkpoints)
+
+
+def saved(job: str, step: int, committed: float, *sizes: int) -> SavedCheckpoint:
+    return SavedCheckpoint(job, step, committed, tuple(
+        SavedPart(rank, "data", f"gradsync-7-{job}{step}r{rank}", size)
+        for rank, size in enumerate(sizes)))
+
+
+def test_a_manifest_round_trips_and_anything_else_is_refused() -> None:
+    manifest = manifest_of(saved("j", 3, 1.5, PAGE, 2 * PAGE), saved("k", 1, 2.0, PAGE))
+    assert decode(encode(manifest)) == manifest
+    good = msgpack.unpackb(encode(manifest))
+    part = good["checkpoints"][0]["parts"][0]
+    for bad, error in [
+        (b"\xc1", "not msgpack"),
+        (msgpack.packb(good | {"v": 2}), "version 2"),
+        (msgpack.packb(good | {"pid": True}), "'pid' is True, not int"),
+        (msgpack.packb({k: v for k, v in good.items() if k != "socket"}), "no 'socket'"),
+        (msgpack.packb(good | {"checkpoints": [good["checkpoints"][0]] * 2}), "listed twice"),
+        (msgpack.packb(good | {"checkpoints": [{**good["checkpoints"][0], "parts": [
+            [0, "data", "../../etc/passwd", PAGE]]}]}), "not a gradsync segment name"),
+        (msgpack.packb(good | {"checkpoints": [{**good["checkpoints"][0], "parts": [
+            [*part[:3], 0]]}]}), "is not \\[rank, item, segment, bytes\\]"),
+        (msgpack.packb(good | {"checkpoints": [{**good["checkpoints"][0], "job": "x" * 200}]}),
+         "bad length"),
+        (msgpack.packb(good | {"checkpoints": [{**good["checkpoints"][0], "committed": None}]}),
+         "'committed' is None"),
+    ]:
+        with pytest.raises(ManifestError, match=error):
+            decode(bad)
+
+
+def test_the_adoption_takes_whole_checkpoints_newest_first_within_the_budget() -> None:
+    old, new, newest = (saved("j", 1, 1.0, PAGE, PAGE), saved("j", 2, 2.0, PAGE, PAGE),
+                        saved("k", 9, 3.0, 3 * PAGE))
+    sizes = {p.name: p.nbytes for c in (old, new, newest) for p in c.parts}
+    plan = plan_adoption(manifest_of(old, new, newest), sizes.get, 5 * PAGE)
+    assert plan.adopt == [newest, new]
+    [(dropped, why)] = plan.dropped
+    assert dropped == old and "do not fit in max_shm_bytes" in why
+    sizes[new.parts[1].name] = 2 * PAGE  # resized: the checkpoint would be torn
+    del sizes[newest.parts[0].name]  # gone
+    plan = plan_adoption(manifest_of(old, new, newest), sizes.get, 100 * PAGE)
+    assert plan.adopt == [old]
+    assert [c for c, why in plan.dropped if "missing or resized" in why] == [newest, new]
+
+
+def test_a_restarted_store_takes_over_the_segments_bitwise(tmp_path: Any) -> None:
+    socket = str(tmp_path / "d.sock")
+    manifest = ManifestFile(socket)
+    first = CheckpointStore(Buffers(10 * PAGE), kept=2, manifest=manifest)
+    for step in (1, 2):
+        save(first, step)
+        for slab in first.open("j", step).parts.values():
+            slab.view(0, 4, np.dtype(np.uint8))[:] = [step, slab.segment_id, 7, 9]
+    first.put("j", 3, 0, "data", PAGE)  # unfinished: not left to a successor
+    expected = {(step, key): bytes(slab.view(0, 4, np.dtype(np.uint8)))
+                for step in (1, 2) for key, slab in first.open("j", step).parts.items()}
+    first.close(keep=True)  # as a dying daemon would leave them, but unmapped here
+    assert first.buffers.in_use == 0
+    left = read_manifest(manifest.path)
+    assert left is not None and [c.step for c in left.checkpoints] == [1, 2]
+    names = {p.name for c in left.checkpoints for p in c.parts}
+    assert spared_segments() >= names
+    write_manifest(dataclasses.replace(left, pid=dead_pid()), manifest.path)
+    second = CheckpointStore(Buffers(10 * PAGE), kept=2, manifest=manifest)
+    try:
+        second.take_over()
+        assert [c.step for c in second.complete("j")] == [2, 1]
+        assert second.buffers.in_use == 4 * PAGE
+        for step in (1, 2):
+            for key, slab in second.open("j", step).parts.items():
+                assert bytes(slab.view(0, 4, np.dtype(np.uint8))) == expected[(step, key)]
+        assert all(not os.path.exists(f"/dev/shm/{name}") for name in names)  # renamed
+        now = read_manifest(manifest.path)
+        assert now is not None and now.pid == os.getpid()
+        assert second.snapshot()["j"][0]["adopted_from"] == dead_pid()
+    finally:
+        second.close(keep=False)
+    assert second.buffers.in_use == 0 and not os.path.exists(manifest.path)
+
+
+def test_a_dead_daemons_manifest_spares_its_segments_while_its_socket_may_return(
+    tmp_path: Any
+) -> None:
+    socket = str(tmp_path / "d.sock")
+    manifest = ManifestFile(socket)
+    left = Manifest(dead_pid(), os.getuid(), socket, (saved("j", 1, 1.0, PAGE),))
+    write_manifest(left, manifest.path)
+    try:
+        open(socket + ".lock", "w").close()
+        assert "gradsync-7-j1r0" in spared_segments()
+        os.unlink(socket + ".lock")  # the socket's folder is gone: nobody comes back
+        assert "gradsync-7-j1r0" not in spared_segments()
+        assert not os.path.exists(manifest.path)
+    finally:
+        manifest.remove()

@@ -219,7 +219,9 @@ def render_table(snapshot: dict[str, Any]) -> str:
             state = "complete" if checkpoint["complete"] else "being saved"
             lines.append(f"checkpoint of job {job_name!r} step {checkpoint['step']} ({state}): "
                          f"{_bytes(checkpoint['bytes'])}, age {checkpoint['age_s']:.1f}s, "
-                         f"ranks {len(checkpoint['ranks'])}")
+                         f"ranks {len(checkpoint['ranks'])}"
+                         + (f", adopted from pid {checkpoint['adopted_from']}"
+                            if "adopted_from" in checkpoint else ""))
     return "\n".join(lines)
 
 

@@ -68,6 +68,21 @@ class Buffers:
         self._slabs[slab.segment_id] = slab
         return slab
 
+    def adopt(self, name: str, nbytes: int, owner: str) -> Slab:
+        """A host slab over segment `name` that a dead daemon left (a checkpoint's part);
+        at start-up, before any device memory, so the host pool's budget is the check."""
+        slab = self.host.adopt(next(self._ids), name, nbytes, owner)
+        self._slabs[slab.segment_id] = slab
+        return slab
+
+    def detach(self, segment_id: int) -> str | None:
+        """Stop using a host slab but leave its segment for a later daemon; its name."""
+        slab = self._slabs.get(segment_id)
+        if slab is None or slab.backend is not self.host:
+            return None
+        del self._slabs[segment_id]
+        return self.host.pool.detach(segment_id)
+
     @property
     def attached(self) -> int:
         """Bytes of client memory the daemon maps (`attach`)."""

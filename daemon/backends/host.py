@@ -39,6 +39,11 @@ class HostBackend:
         segment = self.pool.attach(path, nbytes, owner, segment_id)
         return Slab(segment_id, segment.nbytes, owner, self, segment)
 
+    def adopt(self, segment_id: int, name: str, nbytes: int, owner: str) -> Slab:
+        """A slab over a segment a dead daemon left (see `ShmPool.adopt`)."""
+        segment = self.pool.adopt(name, nbytes, owner, segment_id)
+        return Slab(segment_id, segment.nbytes, owner, self, segment)
+
     def export(self, slab: Slab) -> dict[str, Any]:
         return {"name": slab.handle.name}
 

@@ -19,6 +19,8 @@ import secrets
 import stat
 import threading
 import weakref
+from collections.abc import Callable, Set
+from typing import TypeVar
 
 import numpy as np
 
@@ -31,6 +33,7 @@ _PAGE = mmap.PAGESIZE
 #: Random bytes in a segment name's tag (base64url in the name), and how often to redraw.
 _TAG_BYTES = 12
 _CREATE_ATTEMPTS = 8
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass
@@ -121,16 +124,25 @@ class ShmPool:
                         {"requested": size},
                     ) from None
                 raise
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return self._map_own(fd, segment_id, name, size, owner)
         finally:
             os.close(fd)
+
+    def _map_own(self, fd: int, segment_id: int, name: str, size: int, owner: str) -> Segment:
+        """Map a segment of this daemon's and count it in the budget."""
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         segment = Segment(segment_id, name, size, mapping, owner)
         self._segments[segment_id] = segment
         self._own_bytes += size
         return segment
 
     def _create(self) -> tuple[str, int]:
-        """Create a new segment file under an unpredictable name: (name, descriptor).
+        """Create a new segment file under an unpredictable name: (name, descriptor)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        return self._claim_name(lambda path: os.open(path, flags, 0o600))
+
+    def _claim_name(self, claim: Callable[[str], _T]) -> tuple[str, _T]:
+        """Draw a fresh name and `claim(path)` it (raising FileExistsError if taken).
 
         /dev/shm is world-writable, so any local user could pre-create names
         that are easy to guess; a random tag (retried on the unlikely
@@ -140,16 +152,35 @@ class ShmPool:
         for _ in range(_CREATE_ATTEMPTS):
             name = segment_name(self._pid, secrets.token_urlsafe(_TAG_BYTES))
             try:
-                fd = os.open(os.path.join(self.shm_dir, name),
-                             os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o600)
+                return name, claim(os.path.join(self.shm_dir, name))
             except FileExistsError:
                 log.warning("segment name %s is taken in %s; drawing another", name,
                             self.shm_dir)
-                continue
-            return name, fd
         raise FileExistsError(f"{_CREATE_ATTEMPTS} random segment names in a row were taken "
                               f"in {self.shm_dir}")
+
+    def adopt(self, name: str, nbytes: int, owner: str, segment_id: int) -> Segment:
+        """Take over segment `name` that a dead daemon left (a checkpoint's part):
+        renamed into this daemon's names, so that no sweep takes it for a dead
+        daemon's, mapped, and counted in the budget like a new one."""
+        if self.in_use + nbytes > self.max_bytes:
+            raise ShmExhaustedError(
+                f"taking over {nbytes} bytes for {owner} would exceed max_shm_bytes="
+                f"{self.max_bytes} ({self.in_use} in use); raise --max-shm-bytes",
+                {"requested": nbytes, "in_use": self.in_use, "limit": self.max_bytes})
+        old = os.path.join(self.shm_dir, name)
+        fd = os.open(old, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not owned_regular_file(info) or info.st_size != nbytes:
+                raise ValueError(f"segment {name} is not a {nbytes}-byte file of uid "
+                                 f"{os.getuid()}")
+            new_name, _ = self._claim_name(lambda path: os.link(old, path))
+            os.unlink(old)
+            os.fchmod(fd, self.mode)
+            return self._map_own(fd, segment_id, new_name, nbytes, owner)
+        finally:
+            os.close(fd)
 
     def attach(self, path: str, nbytes: int, owner: str, segment_id: int) -> Segment:
         """Map `nbytes` of a file the client shares (its descriptor, seen through /proc).
@@ -163,7 +194,7 @@ class ShmPool:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            if not owned_regular_file(info):
                 raise PermissionError(f"{owner}: only regular files of the daemon's user "
                                       "can be attached")
             if info.st_size < nbytes:
@@ -213,6 +244,15 @@ class ShmPool:
         with self._lingering_lock:
             self._lingering -= nbytes
 
+    def detach(self, segment_id: int) -> str | None:
+        """Unmap a segment but leave it in /dev/shm (for a later daemon); its name."""
+        segment = self._segments.pop(segment_id, None)
+        if segment is None or segment.attached:
+            return None
+        self._own_bytes -= segment.nbytes
+        self._unmap(segment, lingering=False)
+        return segment.name
+
     def release_all(self) -> None:
         for segment_id in list(self._segments):
             self.release(segment_id)
@@ -220,6 +260,11 @@ class ShmPool:
     def _free_bytes(self) -> int:
         stats = os.statvfs(self.shm_dir)
         return stats.f_bavail * stats.f_frsize
+
+
+def owned_regular_file(info: os.stat_result) -> bool:
+    """A regular file of this process's user (not a link, a device or another's file)."""
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
 
 
 def pid_alive(pid: int) -> bool:
@@ -233,8 +278,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove `gradsync-<pid>-*` segments whose daemon pid no longer runs."""
+def sweep_dead_segments(shm_dir: str = SHM_DIR, spared: Set[str] = frozenset()) -> list[str]:
+    """Remove `gradsync-<pid>-*` segments whose daemon pid no longer runs, but for
+    those in `spared` (checkpoints a restarted daemon may take over)."""
     removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
@@ -244,7 +290,7 @@ def sweep_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
         if not name.startswith(SEGMENT_PREFIX):
             continue
         pid = owner_pid(name)
-        if pid is None or pid == os.getpid() or pid_alive(pid):
+        if pid is None or pid == os.getpid() or name in spared or pid_alive(pid):
             continue
         try:
             os.unlink(segment_path(name) if shm_dir == SHM_DIR else os.path.join(shm_dir, name))

@@ -1,9 +1,10 @@
 """Daemon lifecycle (`Daemon`): claim the socket, serve, shut down cleanly on a signal.
 
-Start: sweep segments of dead daemons, take an exclusive `flock` beside the
-socket (a live daemon holds it: refuse; a dead one left it: take over), bind
-the socket owner-only, serve.  SIGTERM/SIGINT: stop accepting, fail in-flight
-collectives with "daemon shutting down", unlink every segment, exit 0.
+Start: take an exclusive `flock` beside the socket (a live daemon holds it:
+refuse; a dead one left it: take over, with the checkpoints it listed), sweep
+segments of dead daemons, bind the socket owner-only, serve.  SIGTERM/SIGINT:
+stop accepting, fail in-flight collectives with "daemon shutting down", unlink
+every segment (but complete checkpoints with `checkpoints_survive_exit`), exit 0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 import zmq
 
 from gradsync.daemon.backends.shm_pool import sweep_dead_segments
+from gradsync.daemon.checkpoint_manifest import spared_segments
 from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.io.peering import Peering, wants_peers
 from gradsync.daemon.io.service import GradsyncService
@@ -141,9 +143,6 @@ class Daemon:
         config = self.config
         loop = asyncio.get_running_loop()
         path = parse_ipc_endpoint(config.socket)
-        removed = sweep_dead_segments()
-        if removed:
-            log.info("removed %d segments left by dead daemons", len(removed))
         use_peers = wants_peers(config)
         if use_peers:
             # ml_dtypes (bfloat16) takes about a second to import here, holding the GIL.
@@ -156,6 +155,12 @@ class Daemon:
         stats_keys = stats_curve(config, endpoints[0]) if endpoints is not None else None
         self._exits.enter_context(claim_socket(path, config.group_access))
         service = self.service = GradsyncService(DaemonState(config), loop)
+        # Holding the socket: the checkpoints of a dead daemon on it are ours to take
+        # over, before the sweep (which spares what other sockets' manifests list).
+        service.checkpoints.take_over()
+        removed = sweep_dead_segments(spared=spared_segments())
+        if removed:
+            log.info("removed %d segments left by dead daemons", len(removed))
         if use_peers:
             self._peering = Peering(config, service)
             try:

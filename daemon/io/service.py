@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gradsync.daemon.backends import Buffers, Slab
+from gradsync.daemon.checkpoint_manifest import ManifestFile
 from gradsync.daemon.checkpoints import CheckpointStore
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
@@ -34,6 +35,7 @@ from gradsync.daemon.trace import TraceRecorder
 from gradsync.protocol import messages
 from gradsync.protocol.codec import Message
 from gradsync.protocol.dtypes import DTYPES
+from gradsync.protocol.endpoint import parse_ipc_endpoint
 from gradsync.protocol.errors import (
     CheckpointError,
     DaemonShuttingDownError,
@@ -85,7 +87,9 @@ class GradsyncService:
         )
         self.jobs = state.jobs
         #: The jobs' checkpoints: segments owned by the daemon, not by a session.
-        self.checkpoints = CheckpointStore(self.buffers, config.checkpoints_kept)
+        self.checkpoints = CheckpointStore(
+            self.buffers, config.checkpoints_kept,
+            manifest=ManifestFile(parse_ipc_endpoint(config.socket)))
         self.sessions = state.sessions
         #: Sessions that said hello to a job: the idle exit (`--exit-when-idle-s`)
         #: sees a job that came and went between two of its polls.
@@ -455,7 +459,7 @@ class GradsyncService:
         self.runs.fail_in_flight(error)
         for session in list(self.sessions.values()):
             session.close()
-        self.checkpoints.release_all()
+        self.checkpoints.close(keep=self.config.checkpoints_survive_exit)
         self.buffers.release_all()
 
     async def drain(self, timeout_s: float) -> bool:
