@@ -52,6 +52,8 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 * 1024**2
 _MAX_ITEMS = 1 << 20
 _MANIFEST_NAME = re.compile(r"^gradsync-checkpoints-(\d+)-[0-9a-f]{32}$")
+#: A manifest being written (`write_manifest`): the writer's pid, before the rename.
+_TEMPORARY_NAME = re.compile(r"^gradsync-checkpoints-(\d+)-[0-9a-f]{32}\.(\d+)\.tmp$")
 
 
 class ManifestError(ValueError):
@@ -292,17 +294,21 @@ def load_or_warn(path: str) -> Manifest | None:
 def spared_segments(shm_dir: str = SHM_DIR) -> set[str]:
     """Segments the start-up sweep must leave: those of the user's manifests whose
     daemon runs, or is dead but may come back (its socket lock file exists).
-    Orphaned manifests are removed (their segments are then swept)."""
+    Orphaned manifests, and ones whose writer died writing them, are removed."""
     spared: set[str] = set()
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return spared
     for name in names:
+        path = os.path.join(shm_dir, name)
+        temporary = _TEMPORARY_NAME.match(name)
+        if temporary and int(temporary.group(1)) == os.getuid() \
+                and not pid_alive(int(temporary.group(2))):
+            remove_file(path)  # its writer died in the middle of writing it
         match = _MANIFEST_NAME.match(name)
         if match is None or int(match.group(1)) != os.getuid():
             continue
-        path = os.path.join(shm_dir, name)
         manifest = load_or_warn(path)
         if manifest is None:
             continue

@@ -243,7 +243,9 @@ def test_a_dead_daemons_manifest_spares_its_segments_while_its_socket_may_return
         open(socket + ".lock", "w").close()
         assert "gradsync-7-j1r0" in spared_segments()
         os.unlink(socket + ".lock")  # the socket's folder is gone: nobody comes back
+        stale = f"{manifest.path}.{dead_pid()}.tmp"  # its writer died writing it
+        open(stale, "w").close()
         assert "gradsync-7-j1r0" not in spared_segments()
-        assert not os.path.exists(manifest.path)
+        assert not os.path.exists(manifest.path) and not os.path.exists(stale)
     finally:
         manifest.remove()
