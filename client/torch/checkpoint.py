@@ -14,6 +14,10 @@ midway is never read.  The DCP metadata is our own msgpack record
 (checkpoint_metadata.py), never a pickle.  The storage's session is a
 `Client` of its own (`checkpoint_client`: job `checkpoint:<job>#<rank>`, the
 rank from the default process group), or the `client` given.
+
+With `persist_dir=DIR`, the checkpoints of steps that are multiples of
+`persist_every` are also written, in the background, to `DIR/<step>/` as
+ordinary DCP checkpoints (checkpoint_persist.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from gradsync.client.torch.checkpoint_metadata import (
     encode,
     parse_dtype,
 )
+from gradsync.client.torch.checkpoint_persist import Persister
 
 __all__ = ["DaemonStorageReader", "DaemonStorageWriter"]
 
@@ -97,6 +102,45 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
 
 
+#: One item to write: DCP's item, its raw data, offset in the part, dtype and shape.
+_Payload = tuple[Any, "torch.Tensor | bytes", int, "str | None", "tuple[int, ...] | None"]
+
+
+def _payloads(plan: SavePlan, planner: SavePlanner) -> tuple[list[_Payload], int]:
+    """Each item's raw data and place in the rank's part; the part's size."""
+    payloads: list[_Payload] = []
+    offset = 0
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            assert isinstance(data, io.BytesIO)
+            raw: torch.Tensor | bytes = data.getvalue()
+            dtype, shape = None, None
+        else:
+            assert isinstance(data, torch.Tensor)
+            raw, dtype, shape = _as_bytes(data), dtype_name(data.dtype), tuple(data.shape)
+        payloads.append((item, raw, offset, dtype, shape))
+        offset += -(-len(raw) // _ALIGN) * _ALIGN
+    return payloads, offset
+
+
+def _copy_in(mapping: mmap.mmap, payloads: list[_Payload], rank: int) -> list[WriteResult]:
+    """Copy the payloads into the mapped part; DCP's write results for them."""
+    results = []
+    target = torch.frombuffer(mapping, dtype=torch.uint8, count=len(mapping))
+    for item, raw, at, dtype, shape in payloads:
+        size = len(raw)
+        if isinstance(raw, bytes):
+            mapping[at:at + size] = raw
+        elif size:
+            target[at:at + size].copy_(raw)
+        results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                   storage_data=StoredItem(rank, DATA_ITEM, at, size, dtype,
+                                                           shape)))
+    del target
+    return results
+
+
 class _DaemonStorage:
     """What the writer and the reader share: the job's checkpoints in the local
     daemon (connected on first use) and the step (`checkpoint_id`)."""
@@ -119,13 +163,25 @@ class _DaemonStorage:
 
 
 class DaemonStorageWriter(_DaemonStorage, StorageWriter):
-    """Saves DCP checkpoints (`checkpoint_id` = step) into daemon memory."""
+    """Saves DCP checkpoints (`checkpoint_id` = step) into daemon memory.
+
+    `persist_dir`: also write the checkpoint of every step that is a multiple of
+    `persist_every` to `persist_dir/<step>/` as a plain DCP checkpoint, in the
+    background (`wait_persisted`); the coordinator waits at most
+    `persist_timeout_s` for the other ranks' files.  Every rank must see the same
+    directory (a shared file system across nodes)."""
 
     def __init__(self, job: str | None = None, step: int | None = None,
-                 client: Client | None = None) -> None:
+                 client: Client | None = None, *,
+                 persist_dir: str | os.PathLike[str] | None = None, persist_every: int = 1,
+                 persist_timeout_s: float = 600.0) -> None:
         StorageWriter.__init__(self)
         _DaemonStorage.__init__(self, job, step, client)
         self.is_coordinator = False
+        self.dcp_rank = 0
+        #: The background writer of persisted checkpoints (None: none are persisted).
+        self.persister = None if persist_dir is None else Persister(
+            persist_dir, persist_every, persist_timeout_s, job)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._take_step(checkpoint_id)
@@ -135,47 +191,43 @@ class DaemonStorageWriter(_DaemonStorage, StorageWriter):
             raise ValueError("a daemon checkpoint needs its step: dcp.save(..., "
                              "checkpoint_id=step) or DaemonStorageWriter(step=...)")
         self.is_coordinator = is_coordinator
+        self.dcp_rank = int(kwargs.get("rank") or 0)  # the rank in DCP's group
         _ = self.store  # connect now: errors surface before any data moves
+
+    def _persists(self) -> Persister | None:
+        """The persister, if this step is one to persist."""
+        persister = self.persister
+        return persister if persister and self.step is not None and persister.wants(
+            self.step) else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if (persister := self._persists()) is not None:
+            assert self.step is not None
+            persister.prepare(self.step, len(plans))  # before any rank writes its files
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Copy this rank's items into one daemon segment (tensors as their raw bytes)."""
+        """Copy this rank's items into one daemon segment (tensors as their raw bytes);
+        on a step to persist, hand that segment to the background writer."""
         store, rank = self.store, self.store.rank
         assert self.step is not None
-        payloads: list[tuple[Any, torch.Tensor | bytes, int, str | None, tuple[int, ...] | None]]
-        payloads, offset = [], 0
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(data, io.BytesIO)
-                raw: torch.Tensor | bytes = data.getvalue()
-                dtype, shape = None, None
-            else:
-                assert isinstance(data, torch.Tensor)
-                raw, dtype, shape = _as_bytes(data), dtype_name(data.dtype), tuple(data.shape)
-            payloads.append((item, raw, offset, dtype, shape))
-            offset += -(-len(raw) // _ALIGN) * _ALIGN
+        payloads, size = _payloads(plan, planner)
         results: list[WriteResult] = []
-        if payloads:
-            mapping = store.put(self.step, DATA_ITEM, offset)
-            try:
-                target = torch.frombuffer(mapping, dtype=torch.uint8, count=max(offset, 1))
-                for item, raw, at, dtype, shape in payloads:
-                    size = len(raw)
-                    if isinstance(raw, bytes):
-                        mapping[at:at + size] = raw
-                    elif size:
-                        target[at:at + size].copy_(raw)
-                    results.append(WriteResult(
-                        index=item.index, size_in_bytes=size,
-                        storage_data=StoredItem(rank, DATA_ITEM, at, size, dtype, shape)))
-                del target
-            finally:
+        mapping = store.put(self.step, DATA_ITEM, size) if payloads else None
+        persister = self._persists()
+        try:
+            if mapping is not None:
+                results = _copy_in(mapping, payloads, rank)
+            if persister is not None:
+                held = [(payload[0], result.storage_data)
+                        for payload, result in zip(payloads, results, strict=True)]
+                persister.write_rank(self.step, self.dcp_rank, held, mapping)
+                mapping = None  # the persister closes it
+        finally:
+            if mapping is not None:
                 with contextlib.suppress(BufferError):  # a view survived an error: GC frees it
                     mapping.close()
         future: Future[list[WriteResult]] = Future()
@@ -197,6 +249,13 @@ class DaemonStorageWriter(_DaemonStorage, StorageWriter):
         parts = {(where.rank, where.item) for where in metadata.storage_data.values()}
         parts.add((store.rank, METADATA_ITEM))
         store.commit(self.step, sorted(parts))
+        if (persister := self._persists()) is not None:
+            persister.write_metadata(self.step, metadata, len(results))
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        """Whether the persisting this writer started has ended (each step written,
+        or warned about) within `timeout` seconds; True without `persist_dir`."""
+        return self.persister is None or self.persister.wait(timeout)
 
     def storage_meta(self) -> None:
         return None
