@@ -1,11 +1,13 @@
 """Training that checkpoints every step into daemon memory and persists every N-th
 step to a directory (DaemonStorageWriter(persist_dir=...)).
 
-argv: JOB DIR STEPS [--every N] [--fsdp]; ranks from env:// (RANK, WORLD_SIZE,
-MASTER_ADDR/PORT).  Torch DDP (or FSDP2 with `--fsdp`) with Adam on backend
-"gradsync", steps 1..STEPS.  Prints one JSON line per rank: the final state
-flattened (persist_state.flatten), whether the daemon's newest checkpoint loads
-back equal to it, the steps this rank persisted, the warnings and errors seen.
+argv: JOB DIR STEPS [--every N] [--fsdp] [--async]; ranks from env:// (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT).  Torch DDP (or FSDP2 with `--fsdp`) with Adam on
+backend "gradsync", steps 1..STEPS; `--async` saves with `dcp.async_save` (over a
+gloo group, as tests/programs/dcp_daemon_train.py explains).  Prints one JSON
+line per rank: the final state flattened (persist_state.flatten), whether the
+daemon's newest checkpoint loads back equal to it, the steps this rank
+persisted, the warnings and errors seen.
 """
 
 import argparse
@@ -27,6 +29,7 @@ parser.add_argument("dir")
 parser.add_argument("steps", type=int)
 parser.add_argument("--every", type=int, default=2)
 parser.add_argument("--fsdp", action="store_true")
+parser.add_argument("--async", dest="use_async", action="store_true")
 args = parser.parse_args()
 
 dist.init_process_group("gradsync", timeout=datetime.timedelta(seconds=60))
@@ -54,9 +57,19 @@ def state(step: int) -> dict:
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
+    async_group = dist.new_group(backend="gloo") if args.use_async else None
+    pending = None
     for step in range(1, args.steps + 1):
         train_step(model, optimizer, step, RANK, 8 if args.fsdp else 16)
-        dcp.save(state(step), storage_writer=writer, checkpoint_id=str(step))
+        if pending is not None:
+            pending.result()
+        if args.use_async:
+            pending = dcp.async_save(state(step), storage_writer=writer,
+                                     checkpoint_id=str(step), process_group=async_group)
+        else:
+            dcp.save(state(step), storage_writer=writer, checkpoint_id=str(step))
+    if pending is not None:
+        pending.result()
     final = flatten(state(args.steps))
     waited = writer.wait_persisted(120)
 
