@@ -175,3 +175,7 @@ def test_a_stale_or_foreign_rank_record_is_refused(tmp_path: Path) -> None:
     failed = msgpack.packb({"format": FORMAT, "step": 6, "rank": 1, "error": "disk full"})
     with pytest.raises(ValueError, match="rank 1 failed: disk full"):
         _decode_results(failed, 6, 1)
+    escaping = msgpack.packb({"format": FORMAT, "step": 6, "rank": 1, "items": [
+        ["w", [0], 0, "../__1_0.distcp", 0, 8, None]]})
+    with pytest.raises(ValueError, match="rank 1's record has a malformed item for 'w'"):
+        _decode_results(escaping, 6, 1)

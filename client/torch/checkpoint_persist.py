@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import io
-import logging
 import mmap
 import os
 import threading
@@ -43,7 +42,9 @@ from gradsync.client.torch.checkpoint_metadata import StoredItem, parse_dtype
 
 __all__ = ["CheckpointPersistWarning", "Persister"]
 
-logger = logging.getLogger("gradsync.checkpoint")
+# _StorageInfo and _StoragePrefix are torch's private classes, on purpose: `.metadata`
+# must hold torch's own _StorageInfo (one of ours would make unpickling it need
+# gradsync), and FileSystemWriter takes each rank's file-name prefix as a _StoragePrefix.
 
 #: The record each rank leaves beside its data file: where its items went.
 FORMAT = "gradsync-dcp-persist-1"
@@ -103,11 +104,28 @@ def _decode_results(data: bytes, step: int, rank: int) -> list[WriteResult]:
         raise ValueError(f"rank {rank} failed: {body['error']}")
     results = []
     for fqn, offset, index, path, at, length, transforms in body["items"]:
+        _check_item(rank, fqn, offset, index, path, at, length, transforms)
         results.append(WriteResult(
             index=MetadataIndex(fqn, None if offset is None else torch.Size(offset), index),
             size_in_bytes=length,
             storage_data=_StorageInfo(path, at, length, transforms)))
     return results
+
+
+def _check_item(rank: int, fqn: Any, offset: Any, index: Any, path: Any, at: Any, length: Any,
+                transforms: Any) -> None:
+    """Refuse an item entry whose fields are not what `_encode_results` writes (or
+    whose file is not the rank's own, in the directory itself)."""
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(type(v) is int for v in value)
+
+    if not (isinstance(fqn, str) and (offset is None or ints(offset))
+            and (index is None or type(index) is int) and ints([at, length])
+            and min(at, length) >= 0 and isinstance(path, str)
+            and path.startswith(f"__{rank}_") and os.sep not in path
+            and (transforms is None or (isinstance(transforms, list)
+                                        and all(isinstance(t, str) for t in transforms)))):
+        raise ValueError(f"rank {rank}'s record has a malformed item for {fqn!r}")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -245,5 +263,4 @@ class Persister:
                    f"{self.step_directory(step)}: {type(exc).__name__}: {exc} (the checkpoint "
                    "in daemon memory is unaffected)")
         self.errors.append(message)
-        logger.warning("%s", message)
         warnings.warn(message, CheckpointPersistWarning, stacklevel=2)
