@@ -194,10 +194,15 @@ def test_auto_compresses_nothing_over_loopback_and_says_why(start_daemon: StartD
         for entry in chosen.values():
             assert entry["last"] == "none" and entry["picks"] == {"none": 3}, entry
             assert "loopback" in entry["reason"], entry
-            assert entry["link_Bps"] > 0 and entry["codec_Bps"]["fp8"] > 0, entry
+            # The codec is timed for a bounded while on its own thread: under load a
+            # format may miss the cut (then `auto` cannot pick it), never a bad rate.
+            assert entry["link_Bps"] > 0, entry
+            assert all(rate > 0 for rate in entry["codec_Bps"].values()), entry
         codec = snapshot["codec"]
         assert codec["peers_on_this_host"] and codec["lanes"] >= 1, codec
-        assert {"bf16", "fp8", "bf16/float64", "fp8/float64"} <= set(codec["rates_Bps"]), codec
+        rates = codec["rates_Bps"]
+        assert rates and set(rates) <= {"bf16", "fp8", "bf16/float64", "fp8/float64"}, codec
+        assert all(rate > 0 for rate in rates.values()), codec
         (peer,) = snapshot["peers"].values()
         assert peer["bytes_sent"] == peer["bytes_sent_uncompressed"] > 0, peer
         table = render_table(snapshot)
