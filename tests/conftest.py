@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_alone import room_lock
 from zygote import ENABLE_VARIABLE, Zygote
 
 from gradsync.client import daemon_process
@@ -32,6 +33,8 @@ PROGRAMS = Path(__file__).parent / "programs"
 #: Forks rank processes from a warm interpreter (tests/zygote.py); started on first use,
 #: stopped at the end of the session.  GRADSYNC_TEST_ZYGOTE=0: every rank starts fresh.
 RANK_ZYGOTE = Zygote(enabled=os.environ.get(ENABLE_VARIABLE, "1") != "0")
+#: Tests marked `alone` run with no other test beside them on the other xdist worker.
+ROOM = room_lock()
 READY_TIMEOUT_S = 20.0
 #: GRADSYNC_FAST_PATH for each path a small synchronous allreduce can take: the
 #: shared-memory fast path with its compiled publish-and-spin (the default), the
@@ -191,6 +194,7 @@ FAST_MODULES = (
     "test_peer_protocol.py",
     "test_protocol_requests.py",
     "test_protocol_units.py",
+    "test_run_alone.py",
     "test_schedules.py",
     "test_socket_io.py",
     "test_state_codec.py",
@@ -304,8 +308,15 @@ def records_by_scenario(
     return grouped
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's clock
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    with ROOM.hold(item.get_closest_marker("alone") is not None, item.nodeid):
+        yield
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     RANK_ZYGOTE.stop()
+    ROOM.remove()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -39,6 +39,7 @@ def test_sizes_read_and_written_alike() -> None:
     assert [size_name(n) for n in (4096, 65536, 1 << 20, 100)] == ["4K", "64K", "1M", "100"]
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(180)
 def test_the_guard_runs_two_trees_in_turn_and_gives_a_verdict() -> None:
     """The working tree against HEAD, one short round: a table with both trees, a

@@ -39,7 +39,7 @@ from benchmarks.topology import Topology, namespaces, namespaces_unavailable
 from conftest import DaemonProcess, collect, poll_until
 from gradsync.client.ping import query
 
-pytestmark = pytest.mark.fault
+pytestmark = [pytest.mark.fault, pytest.mark.alone]
 
 StartDaemon = Callable[..., DaemonProcess]
 #: How long the ranks all-reduce under each disturbance: 30 s in the suite (two

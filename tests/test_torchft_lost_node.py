@@ -34,7 +34,7 @@ from gradsync.client.cli.stats import fetch_snapshot
 from tests.cluster import free_ports, peer_args
 from tests.conftest import PROGRAMS, DaemonProcess, poll_until
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.fault, pytest.mark.alone, pytest.mark.timeout(240)]
 
 STEPS = 12
 CUT_AT = 4
