@@ -180,6 +180,7 @@ def daemon(start_daemon: object) -> DaemonProcess:
 FAST_MODULES = (
     "test_calibration.py",
     "test_checkpoint_metadata.py",
+    "test_checkpoint_persist.py",
     "test_checkpoint_store.py",
     "test_codec_lane.py",
     "test_config.py",
