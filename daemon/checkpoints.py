@@ -56,6 +56,11 @@ class Checkpoint:
     committed_unix: float = 0.0
     #: The pid of the dead daemon this checkpoint was taken over from.
     adopted_from: int | None = None
+    #: Every part of the step, on whatever daemon (set at the commit; the parts
+    #: here where empty: a checkpoint taken over, whose manifest lists only those).
+    all_parts: frozenset[tuple[int, str]] = frozenset()
+    #: Per peer daemon, the parts of this daemon it confirmed holding as replicas.
+    replicas: dict[str, set[tuple[int, str]]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +68,15 @@ class Checkpoint:
 
     def describe(self) -> str:
         return f"checkpoint step {self.step} of job {self.job!r}"
+
+    @property
+    def every_part(self) -> frozenset[tuple[int, str]]:
+        """All parts of the step: those held here when nothing else is known."""
+        return self.all_parts or frozenset(self.parts)
+
+    def replicated_on(self) -> list[str]:
+        """The peers that confirmed a replica of every part held here."""
+        return sorted(peer for peer, held in self.replicas.items() if held >= set(self.parts))
 
 
 class CheckpointStore:
@@ -119,14 +133,16 @@ class CheckpointStore:
                 self._drop(checkpoint)
             return self.buffers.allocate(nbytes, owner, {})
 
-    def commit(self, job: str, step: int, parts: tuple[tuple[int, str], ...]) -> Checkpoint:
-        """Mark (job, step) complete once every part in `parts` is in; prune the job."""
+    def commit(self, job: str, step: int, parts: tuple[tuple[int, str], ...],
+               elsewhere: frozenset[tuple[int, str]] = frozenset()) -> Checkpoint:
+        """Mark (job, step) complete once every part in `parts` is in (but those
+        `elsewhere`: held by peer daemons, as the committer checked); prune the job."""
         checkpoint = self.jobs.get(job, {}).get(step)
         if checkpoint is None:
             raise CheckpointError(f"no parts of checkpoint step {step} of job {job!r} were put "
                                   "(a rank's save failed, or the daemon restarted)",
                                   {"job": job, "step": step})
-        missing = sorted(set(parts) - set(checkpoint.parts))
+        missing = sorted(set(parts) - set(checkpoint.parts) - elsewhere)
         if missing:
             raise CheckpointError(
                 f"{checkpoint.describe()} cannot be committed: parts {missing[:8]} "
@@ -137,6 +153,7 @@ class CheckpointStore:
         if checkpoint.committed_at is None:
             checkpoint.committed_at = self.clock()
             checkpoint.committed_unix = time.time()
+        checkpoint.all_parts = frozenset(parts)
         self._prune(job)
         self._publish()
         return checkpoint
@@ -195,6 +212,8 @@ class CheckpointStore:
         }
         if checkpoint.adopted_from is not None:
             described["adopted_from"] = checkpoint.adopted_from
+        if checkpoint.replicas:
+            described["replicas"] = checkpoint.replicated_on()
         return described
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:

@@ -61,6 +61,9 @@ class DaemonConfig:
     #: Leave the complete checkpoints in /dev/shm at a clean exit too, for the next
     #: daemon on the same socket (a crashed daemon's are taken over either way).
     checkpoints_survive_exit: bool = False
+    #: Peer daemons each checkpoint part is replicated to (daemon/io/checkpoint_peers.py);
+    #: a daemon without peers keeps none.
+    checkpoint_replicas: int = 1
     log_level: str = "info"
     #: Socket 0660 (folder 0750) and segments 0660: clients of the daemon's group
     #: may use it (the systemd unit runs it as user and group gradsync).
@@ -143,6 +146,15 @@ def _positive_int(value: Any) -> int:
     if number <= 0:
         raise ValueError(f"must be positive, got {number}")
     return number
+
+
+def _count(value: Any) -> int:
+    """A non-negative integer."""
+    if isinstance(value, str) and value.strip() == "0":
+        return 0
+    if not isinstance(value, bool) and value == 0:
+        return 0
+    return _positive_int(value)
 
 
 def _positive_size(value: Any) -> int:
@@ -309,6 +321,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "fast_path_bytes": _fast_path_size,
     "checkpoints_kept": _positive_int,
     "checkpoints_survive_exit": _boolean,
+    "checkpoint_replicas": _count,
     "log_level": _log_level,
     "group_access": _boolean,
     "stats": _stats_endpoint,

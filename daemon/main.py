@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "daemon on this socket (a crashed daemon's are taken over either way)",
     )
     parser.add_argument(
+        "--checkpoint-replicas", metavar="R",
+        help="peer daemons each checkpoint part is copied to, in the links' idle time "
+        "(default 1; 0: none)",
+    )
+    parser.add_argument(
         "--fast-path-bytes", metavar="SIZE",
         help="synchronous allreduces of single-node jobs up to this size skip the "
         "socket (shared-memory fast path; default 64KiB, 0: off)",

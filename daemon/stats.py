@@ -205,6 +205,7 @@ class StatsRecorder:
                      sorted(set(service.jobs) | set(self.jobs))},
             "peers": _peers(links, self.jobs),
             "checkpoints": service.checkpoints.snapshot(),
+            "checkpoint_replicas": service.replicas.snapshot(),
         }
 
     def _job(self, service: GradsyncService, name: str, now: float) -> dict[str, Any]:

@@ -473,3 +473,200 @@ class Probe:
               str(kind), "'data_cipher' must come with 'data_key' and name a stream cipher", cipher)
         return cls(str(kind), seq, int(port), bytes(token),  # type: ignore[arg-type]
                    None if key is None else bytes(key), cipher, host)
+
+
+# -- checkpoint replicas (daemon/io/checkpoint_peers.py) ----------------------
+
+#: Parts a checkpoint message may list, at most.
+MAX_CKPT_PARTS = 2048
+#: The longest item name or daemon endpoint a checkpoint message carries (bytes).
+MAX_CKPT_NAME = 255
+#: A part's size on the wire, at most (bytes).
+MAX_CKPT_PART_BYTES = 1 << 44
+#: What a `CkptAsk` asks: the parts held, to commit a step, to send a part back.
+CKPT_QUESTIONS = ("held", "commit", "pull")
+
+#: (rank, item): one part of a checkpoint, as the client names it.
+CkptPart = tuple[int, str]
+#: (origin daemon, rank, item): one part, with the daemon its rank put it on.
+CkptWhere = tuple[str, int, str]
+
+
+def _name(value: Any, kind: str, what: str) -> str:
+    _need(isinstance(value, str) and 0 < len(value.encode()) <= MAX_CKPT_NAME, kind,
+          f"{what} must be a text of 1 to {MAX_CKPT_NAME} bytes", value)
+    return str(value)
+
+
+def _rank(value: Any, kind: str) -> int:
+    _need(is_integer(value) and 0 <= value < 1 << 31, kind, "a rank must be in [0, 2**31)",
+          value)
+    return int(value)
+
+
+def _ckpt_list(value: Any, kind: str, what: str) -> list[Any]:
+    _need(isinstance(value, list) and len(value) <= MAX_CKPT_PARTS, kind,
+          f"{what!r} must be a list of at most {MAX_CKPT_PARTS} entries")
+    return list(value)
+
+
+def _ckpt_parts(value: Any, kind: str) -> tuple[CkptPart, ...]:
+    """[[rank, item], ...] on the wire."""
+    parts = []
+    for entry in _ckpt_list(value, kind, "parts"):
+        _need(isinstance(entry, list) and len(entry) == 2, kind, "a part is [rank, item]", entry)
+        parts.append((_rank(entry[0], kind), _name(entry[1], kind, "an item")))
+    return tuple(parts)
+
+
+def _ckpt_where(value: Any, kind: str) -> CkptWhere:
+    _need(isinstance(value, list) and len(value) == 3, kind,
+          "a part's place is [origin, rank, item]", value)
+    return (_name(value[0], kind, "an origin"), _rank(value[1], kind),
+            _name(value[2], kind, "an item"))
+
+
+def _ckpt_step(fields: Mapping[str, Any], kind: str, allow_any: bool = False) -> int:
+    step = _int(fields, "step", kind)
+    _need(step >= (-1 if allow_any else 0) and step < 1 << 63, kind,
+          "'step' must be a non-negative integer" + (" (or -1: any)" if allow_any else ""), step)
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptAsk(WireMessage):
+    """A question to a peer daemon about a job's checkpoints, answered by one
+    `CkptAnswer` with the same `req`: `what` is "held" (the parts and replicas of
+    `step` it holds; -1: of every step), "commit" (mark its parts of `step`
+    complete; `parts` are all of the step's, on whatever daemon) or "pull"
+    (send `part` back as `CkptChunk`s, then answer)."""
+
+    kind: ClassVar[str] = "ckpt_ask"
+    job: str
+    req: int
+    what: str
+    step: int
+    parts: tuple[CkptPart, ...] = ()
+    part: CkptWhere | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        fields = {**super().to_wire(), "parts": [list(p) for p in self.parts]}
+        fields["part"] = None if self.part is None else list(self.part)
+        return fields
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> CkptAsk:
+        kind = cls.kind
+        what = fields.get("what")
+        _need(what in CKPT_QUESTIONS, kind, f"'what' must be one of {CKPT_QUESTIONS}", what)
+        part = fields.get("part")
+        _need((part is None) == (what != "pull"), kind, "a pull (alone) names its 'part'")
+        return cls(_name(fields.get("job"), kind, "'job'"), _int(fields, "req", kind),
+                   str(what), _ckpt_step(fields, kind, allow_any=what == "held"),
+                   _ckpt_parts(fields.get("parts"), kind),
+                   None if part is None else _ckpt_where(part, kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptHeld:
+    """What a daemon holds of one step of a job: whether the step is complete
+    (committed), all its parts (once complete), and the parts it holds, each with
+    its origin and size (its own ranks' parts have this daemon as origin)."""
+
+    step: int
+    complete: bool
+    parts: tuple[CkptPart, ...]
+    held: tuple[tuple[str, int, str, int], ...]
+
+    def to_wire(self) -> list[Any]:
+        return [self.step, self.complete, [list(p) for p in self.parts],
+                [list(h) for h in self.held]]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> CkptHeld:
+        kind = CkptAnswer.kind
+        _need(isinstance(value, list) and len(value) == 4 and isinstance(value[1], bool)
+              and is_integer(value[0]) and 0 <= value[0] < 1 << 63, kind,
+              "a holding is [step, complete, parts, held]", value)
+        held = []
+        for entry in _ckpt_list(value[3], kind, "held"):
+            _need(isinstance(entry, list) and len(entry) == 4 and is_integer(entry[3])
+                  and 0 <= entry[3] <= MAX_CKPT_PART_BYTES, kind,
+                  "a held part is [origin, rank, item, bytes]", entry)
+            held.append((*_ckpt_where(entry[:3], kind), int(entry[3])))
+        return cls(int(value[0]), value[1], _ckpt_parts(value[2], kind), tuple(held))
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptAnswer(WireMessage):
+    """The answer to a `CkptAsk` (or to a pushed replica: `req` is the push's):
+    whether it went well, why not, and for "held" what the daemon holds."""
+
+    kind: ClassVar[str] = "ckpt_answer"
+    job: str
+    req: int
+    ok: bool
+    error: str = ""
+    held: tuple[CkptHeld, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "held": [h.to_wire() for h in self.held]}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> CkptAnswer:
+        kind = cls.kind
+        ok, error = fields.get("ok"), fields.get("error")
+        _need(isinstance(ok, bool), kind, "'ok' must be a boolean")
+        _need(isinstance(error, str) and len(error) <= MAX_WHY, kind,
+              f"'error' must be a text of at most {MAX_WHY} characters")
+        held = _ckpt_list(fields.get("held"), kind, "held")
+        return cls(_name(fields.get("job"), kind, "'job'"), _int(fields, "req", kind),
+                   bool(ok), str(error), tuple(CkptHeld.from_wire(h) for h in held))
+
+
+@dataclasses.dataclass(frozen=True)
+class CkptChunk(WireMessage):
+    """The header of one chunk of a checkpoint part (its bytes follow as the one
+    payload): bytes [off, off + payload) of the part (rank, item) of `step` that
+    its rank put on daemon `origin`, `nbytes` in all.  `pull`: an answer to our
+    "pull" `req`; else a replica pushed to us, answered once whole (or dropped)."""
+
+    kind: ClassVar[str] = "ckpt_chunk"
+    job: str
+    req: int
+    pull: bool
+    step: int
+    origin: str
+    rank: int
+    item: str
+    nbytes: int
+    off: int
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> CkptChunk:
+        kind = cls.kind
+        pull, nbytes, off = fields.get("pull"), fields.get("nbytes"), fields.get("off")
+        _need(isinstance(pull, bool), kind, "'pull' must be a boolean")
+        _need(is_integer(nbytes) and 0 < nbytes <= MAX_CKPT_PART_BYTES and is_integer(off)
+              and 0 <= off < nbytes, kind, "'off' must lie in [0, nbytes), nbytes in (0, 2**44]")
+        return cls(_name(fields.get("job"), kind, "'job'"), _int(fields, "req", kind),
+                   bool(pull), _ckpt_step(fields, kind),
+                   _name(fields.get("origin"), kind, "'origin'"),
+                   _rank(fields.get("rank"), kind), _name(fields.get("item"), kind, "'item'"),
+                   int(nbytes), int(off))  # type: ignore[arg-type]
+
+
+CkptMessage = CkptAsk | CkptAnswer | CkptChunk
+#: The checkpoint kinds, by name (routed apart from the collectives' `MESSAGES`).
+CKPT_MESSAGES: dict[str, type[CkptAsk | CkptAnswer | CkptChunk]] = {
+    cls.kind: cls for cls in (CkptAsk, CkptAnswer, CkptChunk)
+}
+
+
+def ckpt_from_wire(fields: Mapping[str, Any]) -> CkptMessage:
+    """The typed checkpoint message of a decoded header; `ProtocolError` if malformed."""
+    kind = fields.get("kind")
+    cls = CKPT_MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown checkpoint message kind {_clip(kind)}")
+    return cls.from_wire(fields)

@@ -221,7 +221,15 @@ def render_table(snapshot: dict[str, Any]) -> str:
                          f"{_bytes(checkpoint['bytes'])}, age {checkpoint['age_s']:.1f}s, "
                          f"ranks {len(checkpoint['ranks'])}"
                          + (f", adopted from pid {checkpoint['adopted_from']}"
-                            if "adopted_from" in checkpoint else ""))
+                            if "adopted_from" in checkpoint else "")
+                         + (f", replicas on {', '.join(checkpoint['replicas']) or 'none yet'}"
+                            if "replicas" in checkpoint else ""))
+    for job_name, replicas in snapshot.get("checkpoint_replicas", {}).items():
+        for replica in replicas:
+            state = "" if replica["complete"] else f" (arriving: {_bytes(replica['got'])})"
+            lines.append(f"replica of job {job_name!r} step {replica['step']} rank "
+                         f"{replica['rank']} item {replica['item']!r} from {replica['origin']}: "
+                         f"{_bytes(replica['bytes'])}{state}")
     return "\n".join(lines)
 
 

@@ -9,15 +9,20 @@ the request handlers about them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.io.checkpoint_peers import CheckpointPeers
 from gradsync.daemon.io.service import GradsyncService
+from gradsync.daemon.peers.events import PeerMessage
 from gradsync.daemon.peers.keys import CurveConfig
 from gradsync.daemon.peers.link_settings import LinkSettings
 from gradsync.daemon.peers.links import PeerLinks
+from gradsync.daemon.peers.stream import PayloadSink
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
-from gradsync.protocol.peer import MESSAGES, STREAM_KINDS
+from gradsync.protocol.codec import Message
+from gradsync.protocol.peer import CKPT_MESSAGES, MESSAGES, STREAM_KINDS, CkptAnswer, CkptChunk
 
 log = logging.getLogger("gradsync.daemon.peering")
 
@@ -34,6 +39,42 @@ def wants_peers(config: DaemonConfig) -> bool:
     if bool(config.curve_secret) != bool(config.curve_authorized):
         raise ConfigError("pass both --curve-secret and --curve-authorized (or neither)")
     return True
+
+
+class PeeringEvents:
+    """The links' events: checkpoint messages go to the checkpoint peers, the rest
+    (and every link event) to the cluster core."""
+
+    def __init__(self, cluster: ClusterJobs) -> None:
+        self.cluster = cluster
+        #: Set once the links exist (the checkpoint peers send through them).
+        self.checkpoints: CheckpointPeers | None = None
+
+    def message(self, message: PeerMessage) -> None:
+        if message.header["kind"] in CKPT_MESSAGES:
+            if self.checkpoints is not None:
+                self.checkpoints.message(message.peer, message.header, message.payloads)
+            return
+        self.cluster.message(message)
+
+    def place(self, peer: str, header: Message,
+              sizes: list[int]) -> Sequence[PayloadSink | None] | None:
+        if header["kind"] in CKPT_MESSAGES:
+            return None  # a fresh buffer, copied into the replica
+        return self.cluster.place(peer, header, sizes)
+
+    def peer_up(self, peer: str) -> None:
+        self.cluster.peer_up(peer)
+
+    def peer_lost(self, peer: str, why: str = "") -> None:
+        self.cluster.peer_lost(peer, why)
+        if self.checkpoints is not None:
+            self.checkpoints.peer_lost(peer, why or "its connection closed")
+
+    def stream_broken(self, peer: str, why: str) -> None:
+        self.cluster.stream_broken(peer, why)
+        if self.checkpoints is not None:
+            self.checkpoints.stream_broken(peer, why)
 
 
 class Peering:
@@ -53,17 +94,23 @@ class Peering:
             list(config.all_peers()),
             curve,
             insecure=config.insecure,
-            kinds=MESSAGES,
+            kinds={**MESSAGES, **CKPT_MESSAGES},
             # A withdraw follows the sender's slices down the same stream: a daemon
             # whose ranks leave right after their last collective must not overtake
             # the slices its peers still need to finish that collective.
-            stream_kinds=STREAM_KINDS,
+            # Checkpoint parts, and the answer that follows a pulled part, too.
+            stream_kinds=(*STREAM_KINDS, CkptChunk.kind, CkptAnswer.kind),
             peer_timeout_s=config.peer_timeout_s,
             data_port=config.data_port,
             data_advertise=config.data_advertise,
         )
-        self.links = PeerLinks(settings, events=self.cluster)
+        events = PeeringEvents(self.cluster)
+        self.links = PeerLinks(settings, events=events)
         self.cluster.connect(self.links, service.runs)
+        self.checkpoints = events.checkpoints = CheckpointPeers(
+            service.checkpoints, service.replicas, self.links, config.checkpoint_replicas,
+            busy=self._busy)
+        service.checkpoint_peers = self.checkpoints
         runner = CrossDaemonRunner(
             self.cluster, service.loop, service.run_call, service.stats, service.trace,
             alive=lambda segment: service.buffers.get(segment) is not None,
@@ -81,11 +128,19 @@ class Peering:
                 "anyone who can reach %s can join jobs and read gradients", self.links.endpoint
             )
         await self.links.start()
+        self.checkpoints.start()
         log.info("peer links up on %s; peers: %s", self.links.endpoint,
                  ", ".join(self.links.peers) or "none")
 
     def counters(self) -> dict[str, int]:
         return dict(self.links.counters)
 
+    def _busy(self, peer: str) -> bool:
+        """Whether a collective of a job spanning `peer` runs here now."""
+        return any(job.across.runs and job.across.formation is not None
+                   and peer in job.across.formation.daemons
+                   for job in self.cluster.jobs.values())
+
     async def close(self) -> None:
+        await self.checkpoints.close()
         await self.links.close()

@@ -14,12 +14,14 @@ import concurrent.futures
 import functools
 import logging
 import os
+from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.checkpoint_manifest import ManifestFile
+from gradsync.daemon.checkpoint_replicas import ReplicaStore
 from gradsync.daemon.checkpoints import CheckpointStore
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
@@ -65,6 +67,7 @@ from gradsync.protocol.requests import (
 from gradsync.protocol.version import PROTOCOL_VERSION, __version__
 
 if TYPE_CHECKING:
+    from gradsync.daemon.io.checkpoint_peers import CheckpointPeers
     from gradsync.daemon.io.session import ClientSession
 
 log = logging.getLogger("gradsync.daemon")
@@ -90,6 +93,11 @@ class GradsyncService:
         self.checkpoints = CheckpointStore(
             self.buffers, config.checkpoints_kept,
             manifest=ManifestFile(parse_ipc_endpoint(config.socket)))
+        #: Peer daemons' checkpoint parts held here (and parts fetched for an open).
+        self.replicas = ReplicaStore(self.buffers, config.checkpoints_kept)
+        #: Checkpoints across daemons (commit, replicas, pulls), when this daemon has peers.
+        self.checkpoint_peers: CheckpointPeers | None = None
+        self._checkpoint_tasks: set[asyncio.Task[None]] = set()
         self.sessions = state.sessions
         #: Sessions that said hello to a job: the idle exit (`--exit-when-idle-s`)
         #: sees a job that came and went between two of its polls.
@@ -337,18 +345,60 @@ class GradsyncService:
             session.reply(messages.ok_reply(request_id, nbytes=slab.nbytes,
                                             **slab.backend.export(slab)))
         elif isinstance(request, CheckpointCommit):
-            checkpoint = store.commit(request.job, request.step, request.parts)
-            log.debug("%s complete: %d bytes in %d parts", checkpoint.describe(),
-                     checkpoint.nbytes, len(checkpoint.parts))
-            session.reply(messages.ok_reply(request_id, **store.describe(checkpoint)))
+            self._commit(session, request, request_id)
         elif isinstance(request, CheckpointList):
             session.reply(messages.ok_reply(request_id, checkpoints=[
                 store.describe(checkpoint) for checkpoint in store.complete(request.job)]))
-        else:
+        elif self.checkpoint_peers is None:
             checkpoint = store.open(request.job, request.step)
-            parts = [[owner, item, slab.backend.export(slab)["name"], slab.nbytes]
-                     for (owner, item), slab in sorted(checkpoint.parts.items())]
-            session.reply(messages.ok_reply(request_id, step=checkpoint.step, parts=parts))
+            session.reply(_opened(request_id, checkpoint.step, checkpoint.parts))
+        else:
+            self._reply_later(session, request_id, self._open_across(
+                self.checkpoint_peers, request.job, request.step, request_id))
+
+    def _commit(self, session: ClientSession, request: CheckpointCommit,
+                request_id: int) -> None:
+        """Commit a step: here, or across the daemons where parts are on peers."""
+        store, job, step = self.checkpoints, request.job, request.step
+        local = store.jobs.get(job, {}).get(step)
+        held_here = set(local.parts) if local is not None else set()
+        if self.checkpoint_peers is not None and not set(request.parts) <= held_here:
+            self._reply_later(session, request_id, self._commit_across(
+                self.checkpoint_peers, request, request_id))
+            return
+        checkpoint = store.commit(job, step, request.parts)
+        log.debug("%s complete: %d bytes in %d parts", checkpoint.describe(),
+                  checkpoint.nbytes, len(checkpoint.parts))
+        if self.checkpoint_peers is not None:
+            self.checkpoint_peers.replicate(checkpoint)
+        session.reply(messages.ok_reply(request_id, **store.describe(checkpoint)))
+
+    async def _commit_across(self, peers: CheckpointPeers, request: CheckpointCommit,
+                             request_id: int) -> Message:
+        checkpoint = await peers.commit(request.job, request.step, request.parts)
+        log.debug("%s complete across daemons: %d bytes here", checkpoint.describe(),
+                  checkpoint.nbytes)
+        return messages.ok_reply(request_id, **self.checkpoints.describe(checkpoint))
+
+    async def _open_across(self, peers: CheckpointPeers, job: str, step: int | None,
+                           request_id: int) -> Message:
+        return _opened(request_id, *await peers.open(job, step))
+
+    def _reply_later(self, session: ClientSession, request_id: int,
+                     answer: Coroutine[Any, Any, Message]) -> None:
+        """Reply with what `answer` gives once it is done (an error reply if it fails)."""
+        async def reply() -> None:
+            try:
+                session.reply(await answer)
+            except GradsyncError as exc:
+                session.reply_error(request_id, exc)
+            except Exception as exc:  # a bug: say so, keep serving
+                log.exception("a checkpoint request of %s failed", session.describe())
+                session.reply_error(request_id, GradsyncError(
+                    f"internal error in the daemon: {type(exc).__name__}: {exc}"))
+        task = self.loop.create_task(reply(), name="checkpoint request")
+        self._checkpoint_tasks.add(task)
+        task.add_done_callback(self._checkpoint_tasks.discard)
 
     # -- collectives ----------------------------------------------------------
 
@@ -459,7 +509,10 @@ class GradsyncService:
         self.runs.fail_in_flight(error)
         for session in list(self.sessions.values()):
             session.close()
+        for task in self._checkpoint_tasks:
+            task.cancel()
         self.checkpoints.close(keep=self.config.checkpoints_survive_exit)
+        self.replicas.release_all()
         self.buffers.release_all()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -472,6 +525,13 @@ class GradsyncService:
         except TimeoutError:
             return False
         return True
+
+
+def _opened(request_id: int, step: int, parts: Mapping[tuple[int, str], Slab]) -> Message:
+    """The reply to `ckpt_open`: the step, and each part's segment."""
+    return messages.ok_reply(request_id, step=step, parts=[
+        [owner, item, slab.backend.export(slab)["name"], slab.nbytes]
+        for (owner, item), slab in sorted(parts.items())])
 
 
 def _checkpoint_rank(session: ClientSession, job: str) -> int | None:

@@ -1,0 +1,507 @@
+"""Checkpoints across daemons: the commit, replicas on peers, and the pull on open
+(issue 50, part 2).
+
+- Commit.  A job's coordinator commits a step on its own daemon, but its other
+  ranks put their parts on theirs.  The daemon asks every peer which parts of
+  the step it holds ("held"), and only when every part is held somewhere tells
+  the holders to commit their parts ("commit"), then commits its own.
+- Replicas.  After a commit, each daemon sends the parts its own ranks put to
+  the next `copies` daemons in the ring of all daemons sorted by endpoint
+  (skipping those that are down): every part then lives on two daemons, so
+  losing any one node keeps a full copy.  Parts travel in chunks of
+  `CHUNK_BYTES` as `CkptChunk` messages, over the data stream to that peer
+  (sealed on CURVE links; over the CURVE ZeroMQ link while no stream is open),
+  one chunk at a time per peer.  A chunk waits while a collective of any job
+  spanning that peer runs here (at most `YIELD_AT_MOST_S`, so that replicas
+  are never starved): replicas fill the link's idle time between collectives.
+  The receiver answers once the replica is whole (or dropped: see
+  daemon/checkpoint_replicas.py); the sender records who confirmed what.
+- Open.  A rank opens the newest step whose every part is here (its own, or
+  replicas); else its daemon asks every peer what it holds, takes the newest
+  step whose every part is held somewhere, pulls the parts it lacks ("pull":
+  the holder sends them back as chunks) and serves them like its own.  That
+  is how a replacement node's ranks load what the lost node's ranks saved.
+
+Every wait has a deadline (`ANSWER_TIMEOUT_S`); a peer lost fails what waits
+on it at once.  Nothing here ever fails the job's training: a replica not made
+is a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gradsync.daemon.backends import Slab
+from gradsync.daemon.checkpoint_replicas import ReplicaDropped, ReplicaStore
+from gradsync.daemon.checkpoints import Checkpoint, CheckpointStore
+from gradsync.daemon.peers.links import PeerLinks
+from gradsync.protocol.errors import CheckpointError, GradsyncError, ProtocolError
+from gradsync.protocol.peer import (
+    CkptAnswer,
+    CkptAsk,
+    CkptChunk,
+    CkptHeld,
+    CkptPart,
+    CkptWhere,
+    ckpt_from_wire,
+)
+
+log = logging.getLogger("gradsync.daemon.checkpoints")
+
+#: Bytes of a part per chunk: a collective waits behind at most one of them.
+CHUNK_BYTES = 1 << 20
+#: How long a chunk yields to running collectives, at most.
+YIELD_AT_MOST_S = 2.0
+#: How often a waiting chunk looks again whether the collectives are done.
+_YIELD_POLL_S = 0.001
+#: How long any answer from a peer is waited for.
+ANSWER_TIMEOUT_S = 30.0
+#: A replica whose chunks stopped coming this long is dropped.
+REPLICA_IDLE_S = 60.0
+_BYTE = np.dtype(np.uint8)
+#: Where a part can be had: (holder daemon, origin daemon, bytes).
+Source = tuple[str, str, int]
+
+
+class CheckpointPeers:
+    """The checkpoint messages of one daemon's peer links, and what they do."""
+
+    def __init__(self, store: CheckpointStore, replicas: ReplicaStore, links: PeerLinks,
+                 copies: int, busy: Callable[[str], bool]) -> None:
+        """`copies`: peers each part is replicated to; `busy(peer)`: whether a
+        collective spanning `peer` runs now (replicas wait for it to end)."""
+        self.store = store
+        self.replicas = replicas
+        self.links = links
+        self.copies = copies
+        self.busy = busy
+        self._reqs = itertools.count(1)
+        #: What we wait for an answer to, by req: (peer, future).
+        self._pending: dict[int, tuple[str, asyncio.Future[CkptAnswer]]] = {}
+        #: Our pulls under way: req -> the replica key they fill.
+        self._pulls: dict[int, tuple[str, int, str, int, str]] = {}
+        #: Pushes we dropped (peer, req): their later chunks are ignored quietly.
+        self._refused: set[tuple[str, int]] = set()
+        self._queues: dict[str, collections.deque[tuple[str, int]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self.malformed = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.links.endpoint
+
+    def start(self) -> None:
+        self._spawn(self._expire(), "checkpoint replicas expiry")
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._workers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, waiter in self._pending.values():
+            if not waiter.done():
+                waiter.cancel()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(REPLICA_IDLE_S / 4)
+            self.replicas.expire(REPLICA_IDLE_S)
+
+    # -- the links' events ----------------------------------------------------
+
+    def message(self, peer: str, header: Mapping[str, Any], payloads: Sequence[Any]) -> None:
+        """One checkpoint message from `peer`; a malformed one is counted and logged."""
+        try:
+            message = ckpt_from_wire(header)
+            if isinstance(message, CkptChunk):
+                self._on_chunk(peer, message, payloads)
+            elif isinstance(message, CkptAnswer):
+                self._on_answer(peer, message)
+            else:
+                self._on_ask(peer, message)
+        except ProtocolError as exc:
+            self.malformed += 1
+            log.warning("dropped a bad %r message from peer %s: %s", header.get("kind"), peer,
+                        exc)
+        except Exception:  # a bug: say so, drop the message, keep serving
+            self.malformed += 1
+            log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
+
+    def peer_lost(self, peer: str, why: str) -> None:
+        """Drop the replicas `peer` had not finished; fail what waits on it."""
+        self.replicas.drop_from(peer, f"was lost ({why})")
+        for asked, waiter in list(self._pending.values()):
+            if asked == peer and not waiter.done():
+                waiter.set_exception(CheckpointError(
+                    f"peer daemon {peer} was lost ({why})", {"peer": peer}))
+
+    def stream_broken(self, peer: str, why: str) -> None:
+        """Chunks from `peer` may be lost: what it had not finished is dropped."""
+        self.replicas.drop_from(peer, f"broke the data stream ({why})")
+
+    # -- asking and answering -------------------------------------------------
+
+    async def ask(self, peer: str, job: str, what: str, step: int,
+                  parts: tuple[CkptPart, ...] = (), part: CkptWhere | None = None,
+                  req: int | None = None) -> CkptAnswer:
+        """Ask `peer` and wait for its answer (`CheckpointError` when none comes)."""
+        req = next(self._reqs) if req is None else req
+        waiter = self._expect(peer, req)
+        try:
+            await self.links.send(peer, CkptAsk(job, req, what, step, parts, part).to_wire())
+            return await asyncio.wait_for(waiter, ANSWER_TIMEOUT_S)
+        except TimeoutError:
+            raise CheckpointError(f"peer daemon {peer} did not answer a checkpoint {what!r} of "
+                                  f"job {job!r} within {ANSWER_TIMEOUT_S:g}s",
+                                  {"peer": peer, "job": job}) from None
+        except GradsyncError as exc:
+            raise CheckpointError(f"asking peer daemon {peer} ({what!r} of job {job!r}) "
+                                  f"failed: {exc.message}", {"peer": peer, "job": job}) from None
+        finally:
+            self._pending.pop(req, None)
+
+    def _expect(self, peer: str, req: int) -> asyncio.Future[CkptAnswer]:
+        waiter: asyncio.Future[CkptAnswer] = asyncio.get_running_loop().create_future()
+        self._pending[req] = (peer, waiter)
+        return waiter
+
+    def _on_answer(self, peer: str, answer: CkptAnswer) -> None:
+        asked, waiter = self._pending.get(answer.req, (None, None))
+        if waiter is None or asked != peer:
+            log.debug("an answer (req %d) from %s that nothing waits for", answer.req, peer)
+        elif not waiter.done():
+            waiter.set_result(answer)
+
+    def _answer(self, peer: str, answer: CkptAnswer) -> None:
+        """Send an answer in the background (a lost peer needs none)."""
+        async def send() -> None:
+            try:
+                await self.links.send(peer, answer.to_wire())
+            except GradsyncError as exc:
+                log.info("checkpoint answer to %s not sent: %s", peer, exc.message)
+        self._spawn(send(), f"checkpoint answer to {peer}")
+
+    def _on_ask(self, peer: str, ask: CkptAsk) -> None:
+        if ask.what == "held":
+            held = self.holdings(ask.job, None if ask.step < 0 else ask.step)
+            self._answer(peer, CkptAnswer(ask.job, ask.req, True, held=held))
+        elif ask.what == "commit":
+            self._answer(peer, self._commit_here(ask))
+        else:
+            self._spawn(self._serve_pull(peer, ask), f"checkpoint pull by {peer}")
+
+    def _commit_here(self, ask: CkptAsk) -> CkptAnswer:
+        """A peer's coordinator committed the step: mark our parts of it complete."""
+        try:
+            checkpoint = self.store.commit(ask.job, ask.step, ask.parts,
+                                           elsewhere=frozenset(ask.parts))
+        except GradsyncError as exc:
+            return CkptAnswer(ask.job, ask.req, False, exc.message[:1000])
+        log.debug("%s complete (committed by a peer): %d bytes here", checkpoint.describe(),
+                  checkpoint.nbytes)
+        self.replicate(checkpoint)
+        return CkptAnswer(ask.job, ask.req, True)
+
+    def holdings(self, job: str, step: int | None) -> tuple[CkptHeld, ...]:
+        """What this daemon holds of the job's steps (all, or `step`): its own parts
+        (complete: committed), and its whole replicas (of committed steps)."""
+        held = []
+        for checkpoint in list(self.store.jobs.get(job, {}).values()):
+            if step is None or checkpoint.step == step:
+                complete = checkpoint.committed_at is not None
+                held.append(CkptHeld(
+                    checkpoint.step, complete,
+                    tuple(sorted(checkpoint.every_part)) if complete else (),
+                    tuple((self.endpoint, rank, item, slab.nbytes)
+                          for (rank, item), slab in sorted(checkpoint.parts.items()))))
+        for replica_step in self.replicas.steps(job):
+            if step is None or replica_step == step:
+                whole = self.replicas.whole(job, replica_step)
+                held.append(CkptHeld(replica_step, True, (), tuple(
+                    (*where, replica.nbytes) for where, replica in sorted(whole.items()))))
+        return tuple(held)
+
+    async def ask_all(self, job: str, step: int) -> dict[str, CkptAnswer | Exception]:
+        """Every peer that is up, asked what it holds (step -1: of every step)."""
+        peers = [p for p in self.links.peers if self.links.is_up(p)]
+        answers = await asyncio.gather(*(self.ask(p, job, "held", step) for p in peers),
+                                       return_exceptions=True)
+        return {p: a if isinstance(a, CkptAnswer | Exception) else Exception(str(a))
+                for p, a in zip(peers, answers, strict=True)}
+
+    # -- the commit -------------------------------------------------------------
+
+    async def commit(self, job: str, step: int, parts: tuple[CkptPart, ...]) -> Checkpoint:
+        """Commit a step whose parts are not all here: only once every part is held
+        by some peer, whose parts are committed first."""
+        local = self.store.jobs.get(job, {}).get(step)
+        missing = set(parts) - set(local.parts if local is not None else ())
+        holders: dict[str, set[CkptPart]] = {}
+        answers = await self.ask_all(job, step)
+        for peer, answer in answers.items():
+            if isinstance(answer, CkptAnswer):
+                for held in answer.held:
+                    holders.setdefault(peer, set()).update(
+                        (rank, item) for origin, rank, item, _ in held.held if origin == peer)
+        unheld = sorted(missing - set().union(*holders.values()))
+        if unheld:
+            silent = {p: str(a) for p, a in answers.items() if isinstance(a, Exception)}
+            raise CheckpointError(
+                f"checkpoint step {step} of job {job!r} cannot be committed: parts "
+                f"{unheld[:8]} (rank, item) are held by no daemon"
+                + (f" (no answer from {silent})" if silent else ""), {"job": job, "step": step})
+        owners = [p for p, held in holders.items() if held & missing]
+        results = await asyncio.gather(*(self.ask(p, job, "commit", step, parts)
+                                         for p in owners), return_exceptions=True)
+        for peer, result in zip(owners, results, strict=True):
+            if isinstance(result, BaseException) or not result.ok:
+                why = result if isinstance(result, BaseException) else result.error
+                raise CheckpointError(f"checkpoint step {step} of job {job!r}: peer daemon "
+                                      f"{peer} did not commit its parts: {why}",
+                                      {"job": job, "step": step, "peer": peer})
+        checkpoint = self.store.commit(job, step, parts, elsewhere=frozenset(missing))
+        self.replicate(checkpoint)
+        return checkpoint
+
+    # -- replicas: pushing ------------------------------------------------------
+
+    def targets(self) -> list[str]:
+        """The daemons that get our parts: the next `copies` after us, in the ring of
+        every daemon sorted by endpoint, that are up."""
+        ring = sorted({self.endpoint, *self.links.peers})
+        at = ring.index(self.endpoint)
+        after = [p for p in ring[at + 1:] + ring[:at] if self.links.is_up(p)]
+        return after[:self.copies]
+
+    def replicate(self, checkpoint: Checkpoint) -> None:
+        """Send our parts of a committed step to the target peers, in the background."""
+        if not self.copies or not checkpoint.parts:
+            return
+        for peer in self.targets():
+            self._queues.setdefault(peer, collections.deque()).append(
+                (checkpoint.job, checkpoint.step))
+            worker = self._workers.get(peer)
+            if worker is None or worker.done():
+                self._workers[peer] = asyncio.get_running_loop().create_task(
+                    self._push_worker(peer), name=f"checkpoint replicas to {peer}")
+
+    async def _push_worker(self, peer: str) -> None:
+        queue = self._queues[peer]
+        while queue:
+            job, step = queue.popleft()
+            if any(j == job and s > step for j, s in queue):
+                continue  # a newer step of the job waits: only the newest matters
+            checkpoint = self.store.jobs.get(job, {}).get(step)
+            if checkpoint is None or checkpoint.committed_at is None:
+                continue
+            if not await self._push(peer, checkpoint):
+                break
+
+    async def _push(self, peer: str, checkpoint: Checkpoint) -> bool:
+        """Send every part of `checkpoint` held here to `peer`; False if the peer is
+        gone (the rest of its queue is dropped)."""
+        started = asyncio.get_running_loop().time()
+        for rank, item in sorted(checkpoint.parts):
+            req = next(self._reqs)
+            waiter = self._expect(peer, req)
+            where = (self.endpoint, rank, item)
+            try:
+                await self._send_part(peer, req, False, checkpoint.job, checkpoint.step,
+                                      where, waiter)
+                answer = await asyncio.wait_for(waiter, ANSWER_TIMEOUT_S)
+            except (GradsyncError, TimeoutError, ConnectionError) as exc:
+                log.warning("the replica of %s, rank %d, item %r on %s was not made: %s",
+                            checkpoint.describe(), rank, item, peer,
+                            getattr(exc, "message", None) or type(exc).__name__)
+                return self.links.is_up(peer)
+            finally:
+                self._pending.pop(req, None)
+            if not answer.ok:
+                log.warning("peer %s dropped the replica of %s, rank %d, item %r: %s", peer,
+                            checkpoint.describe(), rank, item, answer.error)
+                return True
+            checkpoint.replicas.setdefault(peer, set()).add((rank, item))
+        log.info("%s replicated on %s (%d bytes, %.2fs)", checkpoint.describe(), peer,
+                 checkpoint.nbytes, asyncio.get_running_loop().time() - started)
+        return True
+
+    def _part(self, job: str, step: int, where: CkptWhere) -> Slab | None:
+        """The segment of a part held here (ours committed, or a whole replica)."""
+        origin, rank, item = where
+        checkpoint = self.store.jobs.get(job, {}).get(step)
+        if (origin == self.endpoint and checkpoint is not None
+                and checkpoint.committed_at is not None and (rank, item) in checkpoint.parts):
+            return checkpoint.parts[(rank, item)]
+        # A part of our origin held as a replica: one fetched by a replacement daemon
+        # (same address) from its lost predecessor's.
+        replica = self.replicas.whole(job, step).get(where)
+        return None if replica is None else replica.slab
+
+    async def _send_part(self, peer: str, req: int, pull: bool, job: str, step: int,
+                         where: CkptWhere, stop: asyncio.Future[Any] | None = None) -> None:
+        """Send one part as chunks, each once the link is idle (or waited long enough);
+        stops early when `stop` is done (the receiver answered: dropped)."""
+        slab = self._part(job, step, where)
+        if slab is None:
+            raise CheckpointError(f"part {where} of step {step} of job {job!r} is not held "
+                                  f"on {self.endpoint}")
+        nbytes, off = slab.nbytes, 0
+        while off < nbytes and not (stop is not None and stop.done()):
+            await self._idle(peer)
+            slab = self._part(job, step, where)
+            if slab is None or slab.nbytes != nbytes:
+                raise CheckpointError(f"part {where} of step {step} of job {job!r} was "
+                                      "dropped here while being sent (a newer one pruned it)")
+            count = min(CHUNK_BYTES, nbytes - off)
+            view = slab.view(off, count, _BYTE)
+            data = view.tobytes()  # a copy: the segment may be released while it is sent
+            del view
+            chunk = CkptChunk(job, req, pull, step, *where, nbytes, off)
+            await self.links.send(peer, chunk.to_wire(), [data])
+            off += count
+
+    async def _idle(self, peer: str) -> None:
+        """Wait while a collective spanning `peer` runs here, `YIELD_AT_MOST_S` at most."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + YIELD_AT_MOST_S
+        while self.busy(peer) and loop.time() < deadline:
+            await asyncio.sleep(_YIELD_POLL_S)
+
+    # -- replicas: receiving ----------------------------------------------------
+
+    def _on_chunk(self, peer: str, chunk: CkptChunk, payloads: Sequence[Any]) -> None:
+        if len(payloads) != 1 or not isinstance(payloads[0], memoryview | bytes):
+            raise ProtocolError("ckpt_chunk: one payload of bytes expected")
+        data = memoryview(payloads[0]).cast("B")
+        key = (chunk.job, chunk.step, chunk.origin, chunk.rank, chunk.item)
+        if chunk.pull and self._pulls.get(chunk.req) != key:
+            raise ProtocolError(f"ckpt_chunk: a pull (req {chunk.req}) we did not ask for")
+        if not chunk.pull and (peer, chunk.req) in self._refused:
+            return
+        try:
+            replica = self.replicas.chunk(key, peer, chunk.nbytes, chunk.off, data)
+        except ReplicaDropped as exc:
+            log.warning("dropping the replica of checkpoint step %d of job %r, rank %d, item "
+                        "%r from %s: %s", chunk.step, chunk.job, chunk.rank, chunk.item, peer,
+                        exc)
+            if not chunk.pull:
+                if len(self._refused) > 1024:
+                    self._refused.clear()
+                self._refused.add((peer, chunk.req))
+                self._answer(peer, CkptAnswer(chunk.job, chunk.req, False, str(exc)[:1000]))
+            return
+        if replica.complete and not chunk.pull:
+            self._answer(peer, CkptAnswer(chunk.job, chunk.req, True))
+
+    # -- the open: pulling what is missing ---------------------------------------
+
+    async def _serve_pull(self, peer: str, ask: CkptAsk) -> None:
+        assert ask.part is not None
+        answer = CkptAnswer(ask.job, ask.req, True)
+        try:
+            await self._send_part(peer, ask.req, True, ask.job, ask.step, ask.part)
+        except CheckpointError as exc:
+            answer = CkptAnswer(ask.job, ask.req, False, exc.message[:1000])
+        except GradsyncError as exc:
+            log.info("sending part %s of job %r to %s failed: %s", ask.part, ask.job, peer,
+                     exc.message)
+            return
+        self._answer(peer, answer)
+
+    def local_parts(self, job: str, step: int | None) -> tuple[int, dict[CkptPart, Slab]] | None:
+        """The newest complete step (or `step`) whose every part is here, if any."""
+        for checkpoint in self.store.complete(job):
+            if step is None or checkpoint.step == step:
+                parts = {(rank, item): replica.slab for (_, rank, item), replica
+                         in self.replicas.whole(job, checkpoint.step).items()}
+                parts.update(checkpoint.parts)
+                if checkpoint.every_part <= set(parts):
+                    return checkpoint.step, {p: parts[p] for p in checkpoint.every_part}
+                return None
+        return None
+
+    async def open(self, job: str, step: int | None) -> tuple[int, dict[CkptPart, Slab]]:
+        """The parts of the newest step (or `step`) complete across the daemons, fetched
+        here where missing."""
+        here = self.local_parts(job, step)
+        if here is not None:
+            return here
+        answers = await self.ask_all(job, -1 if step is None else step)
+        entries = [(self.endpoint, held) for held in self.holdings(job, step)]
+        entries += [(peer, held) for peer, answer in answers.items()
+                    if isinstance(answer, CkptAnswer) for held in answer.held]
+        chosen, sources = choose_step(job, step, entries)
+        parts: dict[CkptPart, Slab] = {}
+        for part, where in sorted(sources.items()):
+            parts[part] = await self._fetch(job, chosen, part, where)
+        log.info("checkpoint step %d of job %r opened from the peers' parts and replicas",
+                 chosen, job)
+        return chosen, parts
+
+    async def _fetch(self, job: str, step: int, part: CkptPart,
+                     sources: list[Source]) -> Slab:
+        """A part here, pulled from the first source that sends it whole."""
+        errors = []
+        for holder, origin, _ in sorted(sources, key=lambda s: (s[0] != self.endpoint,
+                                                               s[0] != s[1])):
+            slab = self._part(job, step, (origin, *part))
+            if slab is not None:
+                return slab
+            if holder == self.endpoint:
+                continue
+            req = next(self._reqs)
+            self._pulls[req] = (job, step, origin, *part)
+            try:
+                answer = await self.ask(holder, job, "pull", step, part=(origin, *part), req=req)
+            except CheckpointError as exc:
+                errors.append(exc.message)
+                continue
+            finally:
+                self._pulls.pop(req, None)
+            slab = self._part(job, step, (origin, *part))
+            if answer.ok and slab is not None:
+                return slab
+            errors.append(answer.error or f"{holder} sent part {part} incompletely")
+        raise CheckpointError(f"part {part} (rank, item) of checkpoint step {step} of job "
+                              f"{job!r} could not be fetched: {'; '.join(errors)}",
+                              {"job": job, "step": step})
+
+
+def choose_step(job: str, step: int | None, entries: Iterable[tuple[str, CkptHeld]]
+                ) -> tuple[int, dict[CkptPart, list[Source]]]:
+    """The newest step (or `step`) whose every part some daemon holds, and where each
+    part is; entries are (holder, what it holds of a step)."""
+    known: dict[int, frozenset[CkptPart]] = {}
+    where: dict[int, dict[CkptPart, list[Source]]] = {}
+    for holder, held in entries:
+        if not held.complete:
+            continue  # a save not (yet) committed there
+        if held.parts:
+            known[held.step] = frozenset(held.parts)
+        for origin, rank, item, nbytes in held.held:
+            where.setdefault(held.step, {}).setdefault((rank, item), []).append(
+                (holder, origin, nbytes))
+    for candidate in sorted(known, reverse=True):
+        if step is not None and candidate != step:
+            continue
+        sources = where.get(candidate, {})
+        if known[candidate] <= set(sources):
+            return candidate, {part: sources[part] for part in known[candidate]}
+    steps = {s: f"{len(set(where.get(s, {})) & p)}/{len(p)} parts" for s, p in known.items()}
+    raise CheckpointError(
+        f"job {job!r} has no complete checkpoint{'' if step is None else f' of step {step}'} "
+        f"on this daemon or its peers (steps seen: {steps or 'none'})", {"job": job})
