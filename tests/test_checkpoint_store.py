@@ -28,9 +28,12 @@ from gradsync.daemon.checkpoint_manifest import (
     spared_segments,
     write_manifest,
 )
+from gradsync.daemon.checkpoint_replicas import ReplicaDropped, ReplicaStore
 from gradsync.daemon.checkpoints import CheckpointStore
+from gradsync.daemon.io.checkpoint_peers import CheckpointPeers, choose_step
 from gradsync.protocol import messages
 from gradsync.protocol.errors import CheckpointError, InvalidArgumentError, ShmExhaustedError
+from gradsync.protocol.peer import CkptChunk, CkptHeld
 from gradsync.protocol.requests import CheckpointCommit, CheckpointOpen, parse_request
 
 PAGE = 4096
@@ -249,3 +252,114 @@ def test_a_dead_daemons_manifest_spares_its_segments_while_its_socket_may_return
         assert not os.path.exists(manifest.path) and not os.path.exists(stale)
     finally:
         manifest.remove()
+
+
+# -- replicas of peers' parts (daemon/checkpoint_replicas.py) ---------------------
+
+
+@pytest.fixture
+def replicas() -> Iterator[ReplicaStore]:
+    ticks = itertools.count()
+    held = ReplicaStore(Buffers(6 * PAGE), kept=2, clock=lambda: float(next(ticks)))
+    yield held
+    held.release_all()
+    assert held.buffers.in_use == 0 and len(held.buffers) == 0
+
+
+def receive(replicas: ReplicaStore, step: int, data: bytes, sender: str = "a",
+            chunk: int = 1000) -> None:
+    """A whole replica of rank 0's part of `step`, in chunks, in order."""
+    for off in range(0, len(data), chunk):
+        replicas.chunk(("j", step, sender, 0, "data"), sender, len(data), off,
+                       memoryview(data[off:off + chunk]))
+
+
+def test_replicas_arrive_in_order_and_the_newest_k_steps_stay(replicas: ReplicaStore) -> None:
+    data = os.urandom(PAGE)
+    receive(replicas, 1, data)
+    whole = replicas.whole("j", 1)[("a", 0, "data")]
+    assert whole.complete and bytes(whole.slab.view(0, PAGE, np.dtype(np.uint8))) == data
+    receive(replicas, 2, data)
+    receive(replicas, 3, data)
+    assert replicas.steps("j") == [3, 2]  # kept=2: step 1's replica is gone
+    with pytest.raises(ReplicaDropped, match="older than"):
+        receive(replicas, 1, data)
+    snapshot = replicas.snapshot()["j"]
+    assert [(r["step"], r["origin"], r["complete"]) for r in snapshot] == [
+        (3, "a", True), (2, "a", True)]
+
+
+def test_a_replica_out_of_order_too_big_or_from_a_lost_sender_is_dropped(
+    replicas: ReplicaStore
+) -> None:
+    key = ("j", 5, "a", 0, "data")
+    replicas.chunk(key, "a", 2 * PAGE, 0, memoryview(b"x" * 100))
+    with pytest.raises(ReplicaDropped, match="a chunk at 200"):
+        replicas.chunk(key, "a", 2 * PAGE, 200, memoryview(b"x" * 100))  # a gap
+    assert not replicas.replicas
+    with pytest.raises(ReplicaDropped, match="not being received"):
+        replicas.chunk(key, "a", 2 * PAGE, 100, memoryview(b"x"))
+    with pytest.raises(ReplicaDropped, match="does not fit"):
+        replicas.chunk(key, "a", 7 * PAGE, 0, memoryview(b"x"))  # the budget is 6 pages
+    replicas.chunk(key, "a", 2 * PAGE, 0, memoryview(b"x" * 100))
+    replicas.chunk(("j", 5, "b", 1, "data"), "b", PAGE, 0, memoryview(b"y" * 10))
+    replicas.drop_from("a", "was lost")
+    assert list(replicas.replicas) == [("j", 5, "b", 1, "data")]
+    replicas.expire(idle_s=0.5)  # the fake clock moved on: nothing came since
+    assert not replicas.replicas
+
+
+def test_the_step_to_open_is_the_newest_whose_every_part_some_daemon_holds() -> None:
+    parts = ((0, "data"), (0, "metadata"), (1, "data"))
+    entries = [
+        ("a", CkptHeld(4, True, parts, (("a", 0, "data", PAGE), ("a", 0, "metadata", PAGE)))),
+        ("a", CkptHeld(3, True, parts, (("a", 0, "data", PAGE), ("a", 0, "metadata", PAGE)))),
+        ("a", CkptHeld(3, True, (), (("b", 1, "data", PAGE),))),  # a replica of b's part
+        ("c", CkptHeld(5, False, (), (("c", 1, "data", PAGE),))),  # never committed
+    ]
+    step, sources = choose_step("j", None, entries)
+    assert step == 3 and sources[(1, "data")] == [("a", "b", PAGE)]  # 4 lacks rank 1's part
+    assert choose_step("j", 3, entries)[0] == 3
+    with pytest.raises(CheckpointError, match=r"steps seen: \{4: '2/3 parts', 3: '3/3 parts'\}"):
+        choose_step("j", 4, entries)
+
+
+class FakeLinks:
+    """The peer links as CheckpointPeers sees them: names, and which are up."""
+
+    def __init__(self, endpoint: str, peers: tuple[str, ...], down: set[str]) -> None:
+        self.endpoint, self.peers, self.down = endpoint, peers, down
+
+    def is_up(self, peer: str) -> bool:
+        return peer not in self.down
+
+
+def checkpoint_peers(store: CheckpointStore, replicas: ReplicaStore, me: str,
+                     down: frozenset[str] = frozenset(), copies: int = 1) -> CheckpointPeers:
+    """Daemon `me` of the four a, b, c, d."""
+    links = FakeLinks(me, tuple(sorted({"a", "b", "c", "d"} - {me})), set(down))
+    return CheckpointPeers(store, replicas, links, copies, busy=lambda peer: False)  # type: ignore[arg-type]
+
+
+def test_replicas_go_to_the_next_daemons_of_the_ring_that_are_up(
+    store: CheckpointStore, replicas: ReplicaStore
+) -> None:
+    assert checkpoint_peers(store, replicas, "b").targets() == ["c"]
+    assert checkpoint_peers(store, replicas, "d").targets() == ["a"]  # the ring wraps
+    assert checkpoint_peers(store, replicas, "b", down=frozenset("c")).targets() == ["d"]
+    assert checkpoint_peers(store, replicas, "a", copies=2).targets() == ["b", "c"]
+    assert checkpoint_peers(store, replicas, "a", copies=9).targets() == ["b", "c", "d"]
+
+
+def test_a_malformed_or_unasked_checkpoint_message_is_counted_and_dropped(
+    store: CheckpointStore, replicas: ReplicaStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    peers = checkpoint_peers(store, replicas, "a")
+    chunk = CkptChunk("j", 7, True, 1, "b", 0, "data", PAGE, 0).to_wire()
+    for header, payloads in [({"kind": "ckpt_ask", "job": "j"}, []),
+                             ({**chunk, "off": PAGE}, [b"x"]),
+                             (chunk, [b"x"]),  # a pull nobody asked for
+                             ({**chunk, "pull": False}, [b"x", b"y"])]:  # two payloads
+        peers.message("b", header, payloads)
+    assert peers.malformed == 4 and not replicas.replicas
+    assert "we did not ask for" in caplog.text and "one payload" in caplog.text

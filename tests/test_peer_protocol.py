@@ -152,3 +152,52 @@ def test_the_algorithms_are_named_once() -> None:
 
     assert tuple(ALGORITHMS) == peer.ALGORITHM_NAMES
     assert CLIENT_CHOICES == CONFIG_CHOICES == ("auto", *peer.ALGORITHM_NAMES)
+
+
+CHECKPOINT_MESSAGES: list[peer.CkptMessage] = [
+    peer.CkptAsk("job", 4, "held", -1),
+    peer.CkptAsk("job", 5, "commit", 3, ((0, "data"), (0, "metadata"), (1, "data"))),
+    peer.CkptAsk("job", 6, "pull", 3, part=("tcp://10.0.0.2:7000", 1, "data")),
+    peer.CkptAnswer("job", 5, False, "no room"),
+    peer.CkptAnswer("job", 4, True, held=(
+        peer.CkptHeld(3, True, ((0, "data"), (1, "data")), ((SENDER, 0, "data", 4096),)),
+        peer.CkptHeld(3, True, (), (("tcp://10.0.0.2:7000", 1, "data", 8192),)),
+        peer.CkptHeld(4, False, (), ((SENDER, 0, "data", 4096),)))),
+    peer.CkptChunk("job", 9, False, 3, SENDER, 0, "data", 1 << 30, 1 << 20),
+]
+
+
+@pytest.mark.parametrize("message", CHECKPOINT_MESSAGES, ids=lambda m: type(m).__name__)
+def test_checkpoint_messages_round_trip_and_refuse_missing_fields(
+    message: peer.CkptMessage
+) -> None:
+    body = encode_header(SENDER, message.to_wire())
+    fields = dict(decode_header(body, frozenset(peer.CKPT_MESSAGES)))
+    assert peer.ckpt_from_wire(fields) == message
+    for name in message.to_wire():
+        if name != "kind" and not (name == "part" and fields["part"] is None):
+            with pytest.raises(ProtocolError, match=message.kind):
+                peer.ckpt_from_wire(_without(fields, name))
+
+
+@pytest.mark.parametrize(("kind", "change"), [
+    ("ckpt_ask", {"what": "delete"}), ("ckpt_ask", {"step": -2}),
+    ("ckpt_ask", {"what": "commit", "step": -1}), ("ckpt_ask", {"part": ["a", 0, "data"]}),
+    ("ckpt_ask", {"parts": [[0, "data"]] * (peer.MAX_CKPT_PARTS + 1)}),
+    ("ckpt_ask", {"parts": [[-1, "data"]]}), ("ckpt_ask", {"parts": [[0, ""]]}),
+    ("ckpt_ask", {"parts": [[0, "x" * 256]]}), ("ckpt_ask", {"parts": [[True, "data"]]}),
+    ("ckpt_ask", {"job": ""}),
+    ("ckpt_answer", {"ok": 1}), ("ckpt_answer", {"error": "e" * 1025}),
+    ("ckpt_answer", {"held": [[3, "yes", [], []]]}),
+    ("ckpt_answer", {"held": [[3, True, [], [[SENDER, 0, "data", -1]]]]}),
+    ("ckpt_answer", {"held": [[3, True, [], [[SENDER, 0, "data"]]]]}),
+    ("ckpt_chunk", {"off": -1}), ("ckpt_chunk", {"nbytes": 0, "off": 0}),
+    ("ckpt_chunk", {"off": 1 << 30}), ("ckpt_chunk", {"nbytes": (1 << 44) + 1}),
+    ("ckpt_chunk", {"pull": 0}), ("ckpt_chunk", {"origin": 7}),
+])
+def test_malformed_checkpoint_messages_are_refused(kind: str, change: dict[str, Any]) -> None:
+    message = next(m for m in CHECKPOINT_MESSAGES if m.kind == kind)
+    with pytest.raises(ProtocolError, match=kind):
+        peer.ckpt_from_wire({**message.to_wire(), **change})
+    with pytest.raises(ProtocolError, match="unknown checkpoint message kind"):
+        peer.ckpt_from_wire({**message.to_wire(), "kind": "ckpt_delete"})

@@ -42,7 +42,12 @@ from gradsync.daemon.backends import Slab
 from gradsync.daemon.checkpoint_replicas import ReplicaDropped, ReplicaStore
 from gradsync.daemon.checkpoints import Checkpoint, CheckpointStore
 from gradsync.daemon.peers.links import PeerLinks
-from gradsync.protocol.errors import CheckpointError, GradsyncError, ProtocolError
+from gradsync.protocol.errors import (
+    CheckpointError,
+    GradsyncError,
+    InvalidArgumentError,
+    ProtocolError,
+)
 from gradsync.protocol.peer import (
     CkptAnswer,
     CkptAsk,
@@ -190,7 +195,12 @@ class CheckpointPeers:
         """Send an answer in the background (a lost peer needs none)."""
         async def send() -> None:
             try:
-                await self.links.send(peer, answer.to_wire())
+                try:
+                    await self.links.send(peer, answer.to_wire())
+                except InvalidArgumentError as exc:  # a listing beyond the header's limit
+                    log.warning("checkpoint answer to %s too large: %s", peer, exc.message)
+                    await self.links.send(peer, CkptAnswer(
+                        answer.job, answer.req, False, exc.message[:1000]).to_wire())
             except GradsyncError as exc:
                 log.info("checkpoint answer to %s not sent: %s", peer, exc.message)
         self._spawn(send(), f"checkpoint answer to {peer}")
