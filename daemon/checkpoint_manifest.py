@@ -78,6 +78,8 @@ class SavedCheckpoint:
     step: int
     committed_unix: float
     parts: tuple[SavedPart, ...]
+    #: The step's parts that other daemons hold (a job on several nodes): (rank, item).
+    elsewhere: tuple[tuple[int, str], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +111,8 @@ def encode(manifest: Manifest) -> bytes:
         "socket": manifest.socket,
         "checkpoints": [
             {"job": c.job, "step": c.step, "committed": c.committed_unix,
-             "parts": [[p.rank, p.item, p.name, p.nbytes] for p in c.parts]}
+             "parts": [[p.rank, p.item, p.name, p.nbytes] for p in c.parts],
+             **({"elsewhere": [list(e) for e in c.elsewhere]} if c.elsewhere else {})}
             for c in manifest.checkpoints],
     }, use_bin_type=True)
 
@@ -166,8 +169,13 @@ def _checkpoint(entry: Any) -> SavedCheckpoint:
     parts = tuple(_part(part) for part in _field(entry, "parts", list))
     if not parts:
         raise ManifestError(f"checkpoint of job {job!r} has no parts")
+    elsewhere = entry.get("elsewhere", [])
+    if not (isinstance(elsewhere, list) and all(
+            isinstance(e, list) and len(e) == 2 and is_integer(e[0]) and e[0] >= 0
+            and isinstance(e[1], str) for e in elsewhere)):
+        raise ManifestError(f"checkpoint of job {job!r}: 'elsewhere' is not [[rank, item], ...]")
     return SavedCheckpoint(job, _natural(entry, "step"), float(_field(entry, "committed", float)),
-                           parts)
+                           parts, tuple((int(e[0]), str(e[1])) for e in elsewhere))
 
 
 def _part(part: Any) -> SavedPart:

@@ -287,7 +287,9 @@ class CheckpointStore:
     def _adopt(self, saved: SavedCheckpoint, pid: int) -> bool:
         """Take over one complete checkpoint's segments; on any failure, none of them."""
         checkpoint = Checkpoint(saved.job, saved.step, self.clock(),
-                                committed_unix=saved.committed_unix, adopted_from=pid)
+                                committed_unix=saved.committed_unix, adopted_from=pid,
+                                all_parts=frozenset((p.rank, p.item) for p in saved.parts)
+                                | frozenset(saved.elsewhere))
         # Its age goes on from the commit, whatever this daemon's clock says.
         checkpoint.committed_at = checkpoint.created - max(0.0, time.time() - saved.committed_unix)
         self.jobs.setdefault(saved.job, {})[saved.step] = checkpoint
@@ -309,4 +311,6 @@ def _saved(checkpoint: Checkpoint) -> SavedCheckpoint:
     """A complete checkpoint as the manifest lists it."""
     parts = tuple(SavedPart(rank, item, slab.backend.export(slab)["name"], slab.nbytes)
                   for (rank, item), slab in sorted(checkpoint.parts.items()))
-    return SavedCheckpoint(checkpoint.job, checkpoint.step, checkpoint.committed_unix, parts)
+    elsewhere = tuple(sorted(checkpoint.every_part - set(checkpoint.parts)))
+    return SavedCheckpoint(checkpoint.job, checkpoint.step, checkpoint.committed_unix, parts,
+                           elsewhere)

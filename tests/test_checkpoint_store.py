@@ -162,7 +162,8 @@ def saved(job: str, step: int, committed: float, *sizes: int) -> SavedCheckpoint
 
 
 def test_a_manifest_round_trips_and_anything_else_is_refused() -> None:
-    manifest = manifest_of(saved("j", 3, 1.5, PAGE, 2 * PAGE), saved("k", 1, 2.0, PAGE))
+    across = dataclasses.replace(saved("m", 2, 1.0, PAGE), elsewhere=((1, "data"),))
+    manifest = manifest_of(saved("j", 3, 1.5, PAGE, 2 * PAGE), saved("k", 1, 2.0, PAGE), across)
     assert decode(encode(manifest)) == manifest
     good = msgpack.unpackb(encode(manifest))
     part = good["checkpoints"][0]["parts"][0]
@@ -180,6 +181,8 @@ def test_a_manifest_round_trips_and_anything_else_is_refused() -> None:
          "bad length"),
         (msgpack.packb(good | {"checkpoints": [{**good["checkpoints"][0], "committed": None}]}),
          "'committed' is None"),
+        (msgpack.packb(good | {"checkpoints": [{**good["checkpoints"][0], "elsewhere": [
+            [-1, "data"]]}]}), "'elsewhere' is not"),
     ]:
         with pytest.raises(ManifestError, match=error):
             decode(bad)
@@ -208,13 +211,16 @@ def test_a_restarted_store_takes_over_the_segments_bitwise(tmp_path: Any) -> Non
         save(first, step)
         for slab in first.open("j", step).parts.values():
             slab.view(0, 4, np.dtype(np.uint8))[:] = [step, slab.segment_id, 7, 9]
+    first.put("k", 1, 0, "data", PAGE)  # a job on two daemons: rank 1's part is on another
+    first.commit("k", 1, ((0, "data"), (1, "data")), elsewhere=frozenset({(1, "data")}))
     first.put("j", 3, 0, "data", PAGE)  # unfinished: not left to a successor
     expected = {(step, key): bytes(slab.view(0, 4, np.dtype(np.uint8)))
                 for step in (1, 2) for key, slab in first.open("j", step).parts.items()}
     first.close(keep=True)  # as a dying daemon would leave them, but unmapped here
     assert first.buffers.in_use == 0
     left = read_manifest(manifest.path)
-    assert left is not None and [c.step for c in left.checkpoints] == [1, 2]
+    assert left is not None and [(c.job, c.step) for c in left.checkpoints] == [
+        ("j", 1), ("j", 2), ("k", 1)]
     names = {p.name for c in left.checkpoints for p in c.parts}
     assert spared_segments() >= names
     write_manifest(dataclasses.replace(left, pid=dead_pid()), manifest.path)
@@ -222,7 +228,8 @@ def test_a_restarted_store_takes_over_the_segments_bitwise(tmp_path: Any) -> Non
     try:
         second.take_over()
         assert [c.step for c in second.complete("j")] == [2, 1]
-        assert second.buffers.in_use == 4 * PAGE
+        assert second.buffers.in_use == 5 * PAGE
+        assert second.open("k", 1).every_part == {(0, "data"), (1, "data")}
         for step in (1, 2):
             for key, slab in second.open("j", step).parts.items():
                 assert bytes(slab.view(0, 4, np.dtype(np.uint8))) == expected[(step, key)]

@@ -500,8 +500,8 @@ def choose_step(job: str, step: int | None, entries: Iterable[tuple[str, CkptHel
     for holder, held in entries:
         if not held.complete:
             continue  # a save not (yet) committed there
-        if held.parts:
-            known[held.step] = frozenset(held.parts)
+        if held.parts:  # every daemon that committed the step lists the same parts
+            known[held.step] = known.get(held.step, frozenset()) | frozenset(held.parts)
         for origin, rank, item, nbytes in held.held:
             where.setdefault(held.step, {}).setdefault((rank, item), []).append(
                 (holder, origin, nbytes))
