@@ -32,8 +32,16 @@ ReplicaKey = tuple[str, int, str, int, str]
 _BYTE = np.dtype(np.uint8)
 
 
+#: One transfer of a part: (sender, its request number, whether we pulled it).
+Transfer = tuple[str, int, bool]
+
+
 class ReplicaDropped(Exception):
     """A replica could not be kept (it does not fit, or its chunks broke off)."""
+
+
+class ReplicaBusy(ReplicaDropped):
+    """The chunk's part is arriving here by another transfer."""
 
 
 @dataclasses.dataclass
@@ -43,9 +51,13 @@ class Replica:
     key: ReplicaKey
     nbytes: int
     slab: Slab
-    sender: str
+    transfer: Transfer
     last_heard: float
     got: int = 0
+
+    @property
+    def sender(self) -> str:
+        return self.transfer[0]
 
     @property
     def complete(self) -> bool:
@@ -67,21 +79,26 @@ class ReplicaStore:
         self.clock = clock
         self.replicas: dict[ReplicaKey, Replica] = {}
 
-    def chunk(self, key: ReplicaKey, sender: str, nbytes: int, off: int,
+    def chunk(self, key: ReplicaKey, transfer: Transfer, nbytes: int, off: int,
               data: memoryview) -> Replica:
-        """Write one chunk; the replica (complete once `got == nbytes`).  A first
-        chunk (off 0) starts the replica afresh.  Raises `ReplicaDropped`."""
+        """Write one chunk of `transfer`; the replica (complete once `got == nbytes`).
+        A first chunk (off 0) starts the replica afresh (a whole one is replaced),
+        unless another transfer is bringing it (`ReplicaBusy`; but a pull, which a
+        rank waits for, takes over from a push).  Raises `ReplicaDropped`."""
         replica = self.replicas.get(key)
-        if off == 0:
-            if replica is not None:
-                self._release(replica)
-            replica = self._start(key, sender, nbytes)
+        if replica is not None and replica.transfer != transfer:
+            if not (off == 0 and (replica.complete or (transfer[2] and not replica.transfer[2]))):
+                raise ReplicaBusy(f"{replica.describe()} is arriving from {replica.sender}")
+            self._release(replica)
+            replica = None
+        if off == 0 and replica is None:
+            replica = self._start(key, transfer, nbytes)
         if replica is None or replica.complete or replica.nbytes != nbytes:
             raise ReplicaDropped(f"a chunk at {off} of a replica not being received")
-        if off != replica.got or off + data.nbytes > nbytes or replica.sender != sender:
+        if off != replica.got or off + data.nbytes > nbytes:
             self._release(replica)
             raise ReplicaDropped(f"{replica.describe()}: a chunk at {off} (+{data.nbytes}) "
-                                 f"from {sender} after {replica.got} of {nbytes} bytes")
+                                 f"from {transfer[0]} after {replica.got} of {nbytes} bytes")
         if data.nbytes:
             target = replica.slab.view(off, data.nbytes, _BYTE)
             target[:] = np.frombuffer(data, dtype=_BYTE)
@@ -92,7 +109,7 @@ class ReplicaStore:
             self._prune(key[0])
         return replica
 
-    def _start(self, key: ReplicaKey, sender: str, nbytes: int) -> Replica:
+    def _start(self, key: ReplicaKey, transfer: Transfer, nbytes: int) -> Replica:
         job, step, _, rank, item = key
         newest = self.steps(key[0])
         if len(newest) >= self.kept and step < newest[self.kept - 1]:
@@ -103,7 +120,7 @@ class ReplicaStore:
             slab = self.buffers.allocate(nbytes, owner, {})
         except ShmExhaustedError as exc:
             raise ReplicaDropped(f"it does not fit: {exc}") from None
-        replica = self.replicas[key] = Replica(key, nbytes, slab, sender, self.clock())
+        replica = self.replicas[key] = Replica(key, nbytes, slab, transfer, self.clock())
         return replica
 
     def steps(self, job: str) -> list[int]:

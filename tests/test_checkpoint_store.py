@@ -28,7 +28,7 @@ from gradsync.daemon.checkpoint_manifest import (
     spared_segments,
     write_manifest,
 )
-from gradsync.daemon.checkpoint_replicas import ReplicaDropped, ReplicaStore
+from gradsync.daemon.checkpoint_replicas import ReplicaBusy, ReplicaDropped, ReplicaStore
 from gradsync.daemon.checkpoints import CheckpointStore
 from gradsync.daemon.io.checkpoint_peers import CheckpointPeers, choose_step
 from gradsync.protocol import messages
@@ -277,7 +277,7 @@ def receive(replicas: ReplicaStore, step: int, data: bytes, sender: str = "a",
             chunk: int = 1000) -> None:
     """A whole replica of rank 0's part of `step`, in chunks, in order."""
     for off in range(0, len(data), chunk):
-        replicas.chunk(("j", step, sender, 0, "data"), sender, len(data), off,
+        replicas.chunk(("j", step, sender, 0, "data"), (sender, step, False), len(data), off,
                        memoryview(data[off:off + chunk]))
 
 
@@ -299,21 +299,36 @@ def test_replicas_arrive_in_order_and_the_newest_k_steps_stay(replicas: ReplicaS
 def test_a_replica_out_of_order_too_big_or_from_a_lost_sender_is_dropped(
     replicas: ReplicaStore
 ) -> None:
-    key = ("j", 5, "a", 0, "data")
-    replicas.chunk(key, "a", 2 * PAGE, 0, memoryview(b"x" * 100))
+    key, push = ("j", 5, "a", 0, "data"), ("a", 1, False)
+    replicas.chunk(key, push, 2 * PAGE, 0, memoryview(b"x" * 100))
     with pytest.raises(ReplicaDropped, match="a chunk at 200"):
-        replicas.chunk(key, "a", 2 * PAGE, 200, memoryview(b"x" * 100))  # a gap
+        replicas.chunk(key, push, 2 * PAGE, 200, memoryview(b"x" * 100))  # a gap
     assert not replicas.replicas
     with pytest.raises(ReplicaDropped, match="not being received"):
-        replicas.chunk(key, "a", 2 * PAGE, 100, memoryview(b"x"))
+        replicas.chunk(key, push, 2 * PAGE, 100, memoryview(b"x"))
     with pytest.raises(ReplicaDropped, match="does not fit"):
-        replicas.chunk(key, "a", 7 * PAGE, 0, memoryview(b"x"))  # the budget is 6 pages
-    replicas.chunk(key, "a", 2 * PAGE, 0, memoryview(b"x" * 100))
-    replicas.chunk(("j", 5, "b", 1, "data"), "b", PAGE, 0, memoryview(b"y" * 10))
+        replicas.chunk(key, push, 7 * PAGE, 0, memoryview(b"x"))  # the budget is 6 pages
+    replicas.chunk(key, push, 2 * PAGE, 0, memoryview(b"x" * 100))
+    replicas.chunk(("j", 5, "b", 1, "data"), ("b", 1, False), PAGE, 0, memoryview(b"y" * 10))
     replicas.drop_from("a", "was lost")
     assert list(replicas.replicas) == [("j", 5, "b", 1, "data")]
     replicas.expire(idle_s=0.5)  # the fake clock moved on: nothing came since
     assert not replicas.replicas
+
+
+def test_two_transfers_of_one_part_never_mix(replicas: ReplicaStore) -> None:
+    key, push, pull = ("j", 5, "a", 0, "data"), ("a", 1, False), ("a", 9, True)
+    replicas.chunk(key, push, 2 * PAGE, 0, memoryview(b"p" * PAGE))
+    with pytest.raises(ReplicaBusy):
+        replicas.chunk(key, ("c", 4, False), 2 * PAGE, 0, memoryview(b"q"))  # another push
+    replicas.chunk(key, pull, 2 * PAGE, 0, memoryview(b"r" * PAGE))  # a pull takes over
+    with pytest.raises(ReplicaBusy):
+        replicas.chunk(key, push, 2 * PAGE, PAGE, memoryview(b"p" * PAGE))
+    whole = replicas.chunk(key, pull, 2 * PAGE, PAGE, memoryview(b"r" * PAGE))
+    assert whole.complete and bytes(whole.slab.view(0, 2 * PAGE, np.dtype(np.uint8))) == (
+        b"r" * 2 * PAGE)
+    renewed = replicas.chunk(key, ("a", 7, False), 2 * PAGE, 0, memoryview(b"s"))
+    assert not renewed.complete  # the origin sends it again: a whole one is replaced
 
 
 def test_the_step_to_open_is_the_newest_whose_every_part_some_daemon_holds() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from gradsync.daemon.backends import Slab
-from gradsync.daemon.checkpoint_replicas import ReplicaDropped, ReplicaStore
+from gradsync.daemon.checkpoint_replicas import ReplicaBusy, ReplicaDropped, ReplicaStore
 from gradsync.daemon.checkpoints import Checkpoint, CheckpointStore
 from gradsync.daemon.peers.links import PeerLinks
 from gradsync.protocol.errors import (
@@ -97,6 +97,8 @@ class CheckpointPeers:
         self._queues: dict[str, collections.deque[tuple[str, int]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers: dict[str, asyncio.Task[None]] = {}
+        #: Per job, held while an open asks the peers and pulls.
+        self._opening: dict[str, asyncio.Lock] = {}
         self.malformed = 0
 
     @property
@@ -153,6 +155,16 @@ class CheckpointPeers:
             if asked == peer and not waiter.done():
                 waiter.set_exception(CheckpointError(
                     f"peer daemon {peer} was lost ({why})", {"peer": peer}))
+
+    def peer_up(self, peer: str) -> None:
+        """A peer (back, or a replacement node): if it is one of our targets, it gets
+        the newest complete checkpoint of each job it has not confirmed."""
+        if peer not in self.targets():
+            return
+        for job in list(self.store.jobs):
+            newest = next(iter(self.store.complete(job)), None)
+            if newest is not None and peer not in newest.replicated_on():
+                self.replicate(newest, only=peer)
 
     def stream_broken(self, peer: str, why: str) -> None:
         """Chunks from `peer` may be lost: what it had not finished is dropped."""
@@ -297,11 +309,12 @@ class CheckpointPeers:
         after = [p for p in ring[at + 1:] + ring[:at] if self.links.is_up(p)]
         return after[:self.copies]
 
-    def replicate(self, checkpoint: Checkpoint) -> None:
-        """Send our parts of a committed step to the target peers, in the background."""
+    def replicate(self, checkpoint: Checkpoint, only: str | None = None) -> None:
+        """Send our parts of a committed step to the target peers (or to `only`), in
+        the background."""
         if not self.copies or not checkpoint.parts:
             return
-        for peer in self.targets():
+        for peer in self.targets() if only is None else [only]:
             self._queues.setdefault(peer, collections.deque()).append(
                 (checkpoint.job, checkpoint.step))
             worker = self._workers.get(peer)
@@ -403,12 +416,14 @@ class CheckpointPeers:
         if not chunk.pull and (peer, chunk.req) in self._refused:
             return
         try:
-            replica = self.replicas.chunk(key, peer, chunk.nbytes, chunk.off, data)
+            replica = self.replicas.chunk(key, (peer, chunk.req, chunk.pull), chunk.nbytes,
+                                          chunk.off, data)
         except ReplicaDropped as exc:
-            log.warning("dropping the replica of checkpoint step %d of job %r, rank %d, item "
-                        "%r from %s: %s", chunk.step, chunk.job, chunk.rank, chunk.item, peer,
-                        exc)
-            if not chunk.pull:
+            if not isinstance(exc, ReplicaBusy):
+                log.warning("dropping the replica of checkpoint step %d of job %r, rank %d, "
+                            "item %r from %s: %s", chunk.step, chunk.job, chunk.rank,
+                            chunk.item, peer, exc)
+            if not chunk.pull:  # answered now; the rest of its chunks are ignored
                 if len(self._refused) > 1024:
                     self._refused.clear()
                 self._refused.add((peer, chunk.req))
@@ -450,6 +465,13 @@ class CheckpointPeers:
         here = self.local_parts(job, step)
         if here is not None:
             return here
+        # The ranks of a node open together: one asks and pulls, the others find the
+        # parts here then (two pulls of one part would restart each other's replica).
+        async with self._opening.setdefault(job, asyncio.Lock()):
+            return await self._open_across(job, step)
+
+    async def _open_across(self, job: str, step: int | None
+                           ) -> tuple[int, dict[CkptPart, Slab]]:
         answers = await self.ask_all(job, -1 if step is None else step)
         entries = [(self.endpoint, held) for held in self.holdings(job, step)]
         entries += [(peer, held) for peer, answer in answers.items()

@@ -65,6 +65,8 @@ class PeeringEvents:
 
     def peer_up(self, peer: str) -> None:
         self.cluster.peer_up(peer)
+        if self.checkpoints is not None:
+            self.checkpoints.peer_up(peer)
 
     def peer_lost(self, peer: str, why: str = "") -> None:
         self.cluster.peer_lost(peer, why)
