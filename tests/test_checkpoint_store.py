@@ -383,5 +383,5 @@ def test_a_malformed_or_unasked_checkpoint_message_is_counted_and_dropped(
                              (chunk, [b"x"]),  # a pull nobody asked for
                              ({**chunk, "pull": False}, [b"x", b"y"])]:  # two payloads
         peers.message("b", header, payloads)
-    assert peers.malformed == 4 and not replicas.replicas
+    assert peers.counters.malformed == 4 and not replicas.replicas
     assert "we did not ask for" in caplog.text and "one payload" in caplog.text

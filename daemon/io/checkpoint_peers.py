@@ -41,6 +41,7 @@ import numpy as np
 from gradsync.daemon.backends import Slab
 from gradsync.daemon.checkpoint_replicas import ReplicaBusy, ReplicaDropped, ReplicaStore
 from gradsync.daemon.checkpoints import Checkpoint, CheckpointStore
+from gradsync.daemon.core.cluster import ClusterCounters
 from gradsync.daemon.peers.links import PeerLinks
 from gradsync.protocol.errors import (
     CheckpointError,
@@ -79,9 +80,11 @@ class CheckpointPeers:
     """The checkpoint messages of one daemon's peer links, and what they do."""
 
     def __init__(self, store: CheckpointStore, replicas: ReplicaStore, links: PeerLinks,
-                 copies: int, busy: Callable[[str], bool]) -> None:
+                 copies: int, busy: Callable[[str], bool],
+                 counters: ClusterCounters | None = None) -> None:
         """`copies`: peers each part is replicated to; `busy(peer)`: whether a
-        collective spanning `peer` runs now (replicas wait for it to end)."""
+        collective spanning `peer` runs now (replicas wait for it to end);
+        `counters`: where malformed messages are counted (the daemon's `malformed`)."""
         self.store = store
         self.replicas = replicas
         self.links = links
@@ -99,7 +102,7 @@ class CheckpointPeers:
         self._workers: dict[str, asyncio.Task[None]] = {}
         #: Per job, held while an open asks the peers and pulls.
         self._opening: dict[str, asyncio.Lock] = {}
-        self.malformed = 0
+        self.counters = counters or ClusterCounters()
 
     @property
     def endpoint(self) -> str:
@@ -141,11 +144,11 @@ class CheckpointPeers:
             else:
                 self._on_ask(peer, message)
         except ProtocolError as exc:
-            self.malformed += 1
+            self.counters.malformed += 1
             log.warning("dropped a bad %r message from peer %s: %s", header.get("kind"), peer,
                         exc)
         except Exception:  # a bug: say so, drop the message, keep serving
-            self.malformed += 1
+            self.counters.malformed += 1
             log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
     def peer_lost(self, peer: str, why: str) -> None:

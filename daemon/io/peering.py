@@ -111,7 +111,7 @@ class Peering:
         self.cluster.connect(self.links, service.runs)
         self.checkpoints = events.checkpoints = CheckpointPeers(
             service.checkpoints, service.replicas, self.links, config.checkpoint_replicas,
-            busy=self._busy)
+            busy=self._busy, counters=self.cluster.counters)
         service.checkpoint_peers = self.checkpoints
         runner = CrossDaemonRunner(
             self.cluster, service.loop, service.run_call, service.stats, service.trace,
