@@ -3,6 +3,7 @@ a daemon process: segments from a real pool, time from a fake clock."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import os
@@ -30,6 +31,7 @@ from gradsync.daemon.checkpoint_manifest import (
 )
 from gradsync.daemon.checkpoint_replicas import ReplicaBusy, ReplicaDropped, ReplicaStore
 from gradsync.daemon.checkpoints import CheckpointStore
+from gradsync.daemon.io import checkpoint_peers as checkpoint_peers_module
 from gradsync.daemon.io.checkpoint_peers import CheckpointPeers, choose_step
 from gradsync.protocol import messages
 from gradsync.protocol.errors import CheckpointError, InvalidArgumentError, ShmExhaustedError
@@ -385,3 +387,58 @@ def test_a_malformed_or_unasked_checkpoint_message_is_counted_and_dropped(
         peers.message("b", header, payloads)
     assert peers.counters.malformed == 4 and not replicas.replicas
     assert "we did not ask for" in caplog.text and "one payload" in caplog.text
+
+
+class SendingLinks(FakeLinks):
+    """Fake links that note when each message went out (loop time)."""
+
+    def __init__(self) -> None:
+        super().__init__("a", ("b",), set())
+        self.sent: list[tuple[float, dict[str, Any]]] = []
+
+    async def send(self, peer: str, header: dict[str, Any], payloads: Any = ()) -> None:
+        self.sent.append((asyncio.get_running_loop().time(), header))
+
+
+def test_chunks_wait_for_the_collectives_on_the_link_but_not_for_ever(
+    store: CheckpointStore, replicas: ReplicaStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint_peers_module, "CHUNK_BYTES", PAGE // 4)
+    store.put("j", 1, 0, "data", PAGE)
+    store.commit("j", 1, ((0, "data"),))
+    busy = {"b": True}
+
+    async def send_while_busy_for(busy_s: float, always: bool = False) -> list[float]:
+        links = SendingLinks()
+        peers = CheckpointPeers(store, replicas, links, 1,  # type: ignore[arg-type]
+                                busy=lambda peer: busy[peer])
+        loop = asyncio.get_running_loop()
+        busy["b"], started = True, loop.time()
+        if not always:
+            loop.call_later(busy_s, busy.update, {"b": False})
+        await peers._send_part("b", 1, False, "j", 1, ("a", 0, "data"))
+        return [when - started for when, _ in links.sent]
+
+    sent = asyncio.run(send_while_busy_for(0.2))
+    assert len(sent) == 4 and min(sent) >= 0.2  # nothing while the collective ran
+    monkeypatch.setattr(checkpoint_peers_module, "YIELD_AT_MOST_S", 0.05)
+    sent = asyncio.run(send_while_busy_for(0.0, always=True))
+    # A link never idle still gets its replicas: each chunk waits 0.05 s at most.
+    assert len(sent) == 4 and 0.2 <= max(sent) < 2.0
+
+
+def test_gradsync_stats_shows_where_the_replicas_are() -> None:
+    from gradsync.client.cli.stats import render_table
+
+    snapshot = {"version": "0", "pid": 1, "uptime_s": 1.0,
+                "shm": {"in_use": 0, "segments": 0}, "jobs": {}, "peers": {},
+                "checkpoints": {"j": [{"step": 3, "bytes": PAGE, "age_s": 1.0,
+                                       "complete": True, "ranks": [0],
+                                       "replicas": ["tcp://b:7000"]}]},
+                "checkpoint_replicas": {"j": [
+                    {"step": 3, "origin": "tcp://b:7000", "rank": 1, "item": "data",
+                     "bytes": 2 * PAGE, "complete": False, "got": PAGE}]}}
+    table = render_table(snapshot)
+    assert "step 3 (complete): 4.0 KiB, age 1.0s, ranks 1, replicas on tcp://b:7000" in table
+    assert ("replica of job 'j' step 3 rank 1 item 'data' from tcp://b:7000: 8.0 KiB "
+            "(arriving: 4.0 KiB)") in table
