@@ -309,20 +309,50 @@ def records_by_scenario(
     return grouped
 
 
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """What a test (or a framework it ran in-process: torchrun's launcher, Lightning)
+    put in os.environ leaves with it: later tests, and their rank processes, start
+    from the session's environment (a changed PYTHON*/OMP_* variable also made the
+    zygote start ranks fresh)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's clock
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     with ROOM.hold(item.get_closest_marker("alone") is not None, item.nodeid):
         yield
 
 
+#: Each xdist worker's zygote summary, as the controller got it.
+WORKER_ZYGOTES: list[str] = []
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     RANK_ZYGOTE.stop()
     ROOM.remove()
+    worker_output = getattr(session.config, "workeroutput", None)  # on an xdist worker
+    if worker_output is not None and (RANK_ZYGOTE.forked or RANK_ZYGOTE.fallbacks):
+        worker_output["zygote"] = RANK_ZYGOTE.summary()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: a worker ended; keep its zygote summary for the report."""
+    summary = getattr(node, "workeroutput", {}).get("zygote")
+    if summary:
+        WORKER_ZYGOTES.append(f"{node.gateway.id}: {summary}")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if RANK_ZYGOTE.forked or RANK_ZYGOTE.fallbacks:
         terminalreporter.write_line(RANK_ZYGOTE.summary())
+    for line in WORKER_ZYGOTES:
+        terminalreporter.write_line(line)
 
 
 def spawn_rank(
