@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from benchmarks.private_daemon import daemon_cluster
 from benchmarks.processes import clean_env
 
 MIB = 1 << 20
+#: The CPU features the codec variants use (wire_codec.variants()).
+SIMD_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"})
 MODES = ("none", "bf16", "fp8", "auto")
 
 
@@ -83,10 +85,10 @@ def _best(step: object, repeats: int = 15) -> float:
 
 
 @contextlib.contextmanager
-def cluster(topo: topology.Topology) -> Iterator[list[str]]:
-    """Two --insecure daemons on `topo`; yields their client endpoints."""
+def cluster(topo: topology.Topology, extra: Sequence[str] = ()) -> Iterator[list[str]]:
+    """Two --insecure daemons on `topo` (plus `extra` flags); yields their client endpoints."""
     endpoints = topo.endpoints()[0]
-    flags = [["--listen", endpoints[i], "--peers", ",".join(endpoints), "--insecure"]
+    flags = [["--listen", endpoints[i], "--peers", ",".join(endpoints), "--insecure", *extra]
              for i in range(topo.size)]
     with daemon_cluster(flags, [topo.prefix(i) for i in range(topo.size)]) as runs:
         yield [run.endpoint for run in runs]
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", default="2gbit")
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--codec-lanes", type=int, default=None,
+                        help="the daemons' --codec-lanes (a tuned flag; default: theirs)")
     parser.add_argument("--as-rank", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.as_rank is not None:
@@ -183,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         result = allreduce_rank(int(count)) if kind == "allreduce" else ddp_rank(int(count))
         print(json.dumps(result), flush=True)
         return 0
-    print(f"Wire codecs on one core of {machine.cpu_model()}:\n")
+    from gradsync.daemon.backends import wire_codec
+
+    flags = set(machine.cpu_flags())
+    print(f"Wire codecs on one core of {machine.cpu_model()} (flags: "
+          f"{' '.join(sorted(flags & SIMD_FLAGS)) or 'none of ' + ' '.join(sorted(SIMD_FLAGS))}; "
+          f"run-time choice: {wire_codec.variant()}):\n")
     print("| format | codec | encode GB/s | decode+add GB/s | wire bytes per byte |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(codec_rows()))
@@ -193,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, make in (("127.0.0.1", lambda: topology.loopback(2)),
                        (f"veth, tbf {args.rate}", lambda: topology.namespaces(2, args.rate))):
-        with make() as topo, cluster(topo) as daemons:
+        lanes = () if args.codec_lanes is None else ("--codec-lanes", str(args.codec_lanes))
+        with make() as topo, cluster(topo, lanes) as daemons:
             (medians, _) = run_ranks(topo, daemons, ["allreduce", str(args.iterations)],
                                      topo.hosts[0])
             for mode in MODES:

@@ -42,6 +42,18 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
 def memory_gib() -> float | None:
     try:
         with open("/proc/meminfo") as meminfo:
