@@ -135,6 +135,7 @@ def test_lightning_ddp_strategy_trains_like_gloo(
 
 
 @pytest.mark.frameworks
+@pytest.mark.alone  # Ray's dozen of processes took 4x as long beside another worker's test
 @pytest.mark.timeout(300)
 def test_ray_train_torch_trainer_on_gradsync_with_no_daemon_set_up(
     tmp_path: Path, short_tmp: str
