@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from gradsync.client.checkpoints import DaemonCheckpoints, checkpoint_client
 from gradsync.client.torch import state_codec
@@ -85,10 +87,12 @@ class StateCheckpoints:
         self.store.commit(step, [(0, ITEM)])
         return layout.size
 
-    def load(self, step: int) -> StoredState:
+    def load(self, step: int,
+             meshes: Callable[[state_codec.MeshSpec], DeviceMesh] | None = None) -> StoredState:
         """Complete checkpoint `step`, decoded into fresh memory (never a view of the
-        daemon's segment).  Raises the daemon's error when there is none of that step,
-        `StateCodecError` when the part is not a state of that step."""
+        daemon's segment; DTensors onto `meshes`, as `state_codec.decode`).  Raises
+        the daemon's error when there is none of that step, `StateCodecError` when
+        the part is not a state of that step."""
         opened = self.store.open(step)
         mappings = list(opened.parts.values())
         try:
@@ -100,7 +104,7 @@ class StateCheckpoints:
         finally:
             for mapping in mappings:
                 mapping.close()
-        got, state = state_codec.decode(header, payload)
+        got, state = state_codec.decode(header, payload, meshes)
         if got != step:
             raise state_codec.StateCodecError(
                 f"checkpoint step {step} of {self.name!r} holds the state of step {got}")

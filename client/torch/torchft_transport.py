@@ -187,6 +187,7 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
         started = time.perf_counter()
         local = self._offer(src_rank, step, timeout) if metadata.endswith(_OFFERS) else None
         if local is not None:
+            self._saved_step = step  # kept already
             return self._healed(Heal(src_rank, step, local.payload_bytes,
                                      time.perf_counter() - started, "local"), local.state)
         payload_bytes, state = self._receive(src_rank, step, timeout)
@@ -210,7 +211,7 @@ class GradsyncTransport(CheckpointTransport[T]):  # type: ignore[misc]
         if self.local is None:
             return None
         try:
-            return self.local.load(step)
+            return self.local.load(step, self._meshes)
         except (GradsyncError, state_codec.StateCodecError) as exc:
             _LOG.info("gradsync: no local checkpoint of step %d to heal from: %s", step, exc)
             return None
