@@ -11,6 +11,10 @@ tests/test_conformance_torchft.py loads it into a pytest subprocess
   `GradsyncTransport`: a `Manager` built without one gets it (over the Manager's own
   process group) instead of torchft's default HTTPTransport, and `PGTransport` is
   replaced by it.  `torchft` changes nothing.
+- Always (gloo too): a `Manager` asked for a fixed server port (torchft's DiLoCo test
+  trainer asks for 19530 + replica id) binds a port the kernel chooses instead, as
+  torchft's manager tests do: a fixed port still held by an earlier test's server,
+  or by another suite on the machine, failed a test with "Address already in use".
 - `GRADSYNC_TORCHFT_SELECT`: a JSON list of node-id prefixes; other collected tests are
   deselected (torchft's parametrized names are generated, so prefixes, not ids).
 - `GRADSYNC_TORCHFT_REPORT=PATH`: at the end, a JSON object there gives every test's
@@ -96,8 +100,28 @@ def _substitute_transport() -> None:
     torchft.checkpointing.pg_transport.PGTransport = PGTransportStandIn
 
 
+def _kernel_chosen_manager_ports() -> None:
+    """A Manager's server binds port 0 where the test asked for a fixed one (it tells the
+    Lighthouse the port it got, so nothing else needs the number)."""
+    import torchft.manager
+
+    manager_class = torchft.manager.Manager
+    original_init = manager_class.__init__
+    signature = inspect.signature(original_init)
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("port"):
+            bound.arguments["port"] = 0
+        original_init(*bound.args, **bound.kwargs)
+
+    manager_class.__init__ = init
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Substitute before collection imports the test modules (they bind the names then)."""
+    _kernel_chosen_manager_ports()
     group = os.environ.get(GROUP_VARIABLE, "gloo")
     transport = os.environ.get(TRANSPORT_VARIABLE, "torchft")
     if group not in ("gloo", "gradsync") or transport not in ("torchft", "gradsync"):
