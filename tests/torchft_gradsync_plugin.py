@@ -33,6 +33,7 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -68,7 +69,6 @@ def _substitute_transport() -> None:
     """A Manager built without a checkpoint transport gets GradsyncTransport over its own
     process group; PGTransport (pg, timeout, device, state_dict) becomes GradsyncTransport."""
     import torchft.checkpointing.pg_transport
-    import torchft.manager
 
     from gradsync.client.torch.torchft_transport import GradsyncTransport
 
@@ -81,28 +81,23 @@ def _substitute_transport() -> None:
             super().__init__(pg, timeout)
             _TRANSPORTS.append(self)
 
-    manager_class = torchft.manager.Manager
-    original_init = manager_class.__init__
-    signature = inspect.signature(original_init)
-
-    @functools.wraps(original_init)
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
+    def default_transport(bound: inspect.BoundArguments,
+                          signature: inspect.Signature) -> None:
         if bound.arguments.get("checkpoint_transport") is None:
             timeout = bound.arguments.get("timeout", signature.parameters["timeout"].default)
             transport = GradsyncTransport[Any](bound.arguments["pg"], timeout)
             _TRANSPORTS.append(transport)
             bound.arguments["checkpoint_transport"] = transport
-        original_init(*bound.args, **bound.kwargs)
 
     _ORIGINALS["PGTransport"] = torchft.checkpointing.pg_transport.PGTransport
-    manager_class.__init__ = init
+    _change_manager_arguments(default_transport)
     torchft.checkpointing.pg_transport.PGTransport = PGTransportStandIn
 
 
-def _kernel_chosen_manager_ports() -> None:
-    """A Manager's server binds port 0 where the test asked for a fixed one (it tells the
-    Lighthouse the port it got, so nothing else needs the number)."""
+def _change_manager_arguments(
+    change: Callable[[inspect.BoundArguments, inspect.Signature], None],
+) -> None:
+    """Every torchft Manager built from now on gets its arguments through `change`."""
     import torchft.manager
 
     manager_class = torchft.manager.Manager
@@ -112,11 +107,20 @@ def _kernel_chosen_manager_ports() -> None:
     @functools.wraps(original_init)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("port"):
-            bound.arguments["port"] = 0
+        change(bound, signature)
         original_init(*bound.args, **bound.kwargs)
 
     manager_class.__init__ = init
+
+
+def _kernel_chosen_manager_ports() -> None:
+    """A Manager's server binds port 0 where the test asked for a fixed one (it tells the
+    Lighthouse the port it got, so nothing else needs the number)."""
+    def any_port(bound: inspect.BoundArguments, signature: inspect.Signature) -> None:
+        if bound.arguments.get("port"):
+            bound.arguments["port"] = 0
+
+    _change_manager_arguments(any_port)
 
 
 def pytest_configure(config: pytest.Config) -> None:
