@@ -177,3 +177,29 @@ def test_fsdp2_on_two_nodes_resumes_bitwise_on_a_fresh_node_from_the_replicas(
         assert resumed[rank]["resumed_from"] == 2, resumed[rank]
         assert resumed[rank]["digests"] == truth[rank]["digests"], (
             f"rank {rank}: resumed training differs from the uninterrupted one")
+
+
+@pytest.mark.timeout(400)
+def test_on_three_nodes_each_daemons_parts_go_to_its_ring_successor(
+    start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    endpoints = sorted(f"tcp://127.0.0.1:{port}" for port in free_ports(3))
+    flags = [peer_args(i, endpoints, *curve)
+             for i, curve in enumerate(curve_args(tmp_path / "keys", endpoints))]
+    daemons = [start_daemon(*flag) for flag in flags]
+    job = "ring"
+    saved = records(run_spread(daemons, [1, 1, 1], PROGRAM, [job, "save", "4"],
+                               timeout_s=150, job="torch-ring", env=rank_env()))
+    for index, daemon in enumerate(daemons):
+        successor = endpoints[(index + 1) % 3]
+        poll_until(lambda d=daemon, s=successor: replicated_on(d, job) == [s], 30,  # type: ignore[misc]
+                   f"{daemon.endpoint}'s parts confirmed on {successor} alone")
+    # The middle node is lost: its parts live on the third alone; the replacement
+    # pulls them from there, and the other ranks' parts from their own daemons.
+    lose_node(daemons[1])
+    daemons[1] = start_daemon(*flags[1])
+    loaded = records(run_spread(daemons, [1, 1, 1], PROGRAM, [job, "load", "0"],
+                                timeout_s=150, job="torch-ring-2", env=rank_env()))
+    for rank in range(3):
+        assert loaded[rank]["step"] == 4
+        assert loaded[rank]["digests"] == saved[rank]["digests"], f"rank {rank} differs"
