@@ -224,10 +224,11 @@ def restart_mid_training(
     endpoints: list[str], restart: Callable[[], DaemonProcess], lighthouse: LighthouseServer,
     folder: Path, logs: Sequence[Callable[[], str]] = (),
 ) -> None:
-    """Replica r on endpoints[r]; `restart()` at step 4; all finish, equal."""
+    """Replica r on endpoints[r]; `restart()` once all three train and one is at step 4
+    or later; all finish, equal."""
     markers = folder / "markers"
     markers.mkdir()
-    steps = 12
+    steps = 16
     # REPLICA_LAG: two replicas cannot finish while the third retries the failed step.
     replicas = [spawn_replica(r, endpoints[r], lighthouse.address(), markers, victim=False,
                               kill_at=-1, steps=steps, REPLICA_LAG="2") for r in range(3)]
@@ -236,9 +237,15 @@ def restart_mid_training(
         def at_step_4() -> bool:
             assert all(p.poll() is None for p in replicas), [finish(p, 1, "a replica")
                                                               for p in replicas]
-            return any(int(m.name.rsplit("-", 1)[1]) >= 4 for m in markers.glob("*-step-*"))
+            # A replica slow to start joins a later quorum (the others go on as two):
+            # the restart must hit a step all three are in, or nothing fails.
+            steps_of: dict[str, int] = {}
+            for marker in markers.glob("*-step-*"):
+                name, step = marker.name.rsplit("-step-", 1)
+                steps_of[name] = max(steps_of.get(name, -1), int(step))
+            return len(steps_of) == 3 and max(steps_of.values()) >= 4
 
-        poll_until(at_step_4, 90, "a replica at step 4")
+        poll_until(at_step_4, 90, "all three replicas training, one at step 4")
         restarted = restart()
         every_log = [*logs, restarted.log]
         records = [finish(p, 120, f"replica {r}", every_log) for r, p in enumerate(replicas)]
