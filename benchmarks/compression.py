@@ -75,6 +75,22 @@ def codec_rows() -> list[str]:
     return rows
 
 
+def lane_rows(slice_bytes: int = 4 * MIB) -> list[str]:
+    """Markdown rows: the daemon's own codec-rate measurement (run/codec_rates.py, what
+    `auto` weighs: encode plus decode-and-add, every lane at once) at 1, 2 and 4 lanes."""
+    import concurrent.futures
+
+    from gradsync.daemon.run.codec_rates import measure_codec_rates
+
+    rows = []
+    for lanes in (1, 2, 4):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=lanes) as pool:
+            rates = measure_codec_rates(pool, lanes, slice_bytes)
+        rows.append(f"| {lanes} | {rates.get('bf16', 0) / 1e9:.2f} | "
+                    f"{rates.get('fp8', 0) / 1e9:.2f} |")
+    return rows
+
+
 def _best(step: object, repeats: int = 15) -> float:
     times = []
     for _ in range(repeats):
@@ -133,7 +149,8 @@ def allreduce_rank(iterations: int) -> dict[str, object]:
                 client.all_reduce(array, compression=mode)
                 if turn:  # the first round warms up
                     times[mode].append(time.perf_counter() - start)
-        return {mode: statistics.median(values) for mode, values in times.items()}
+        return {mode: statistics.median(values) for mode, values in times.items()} | {
+            f"{mode} spread": max(values) - min(values) for mode, values in times.items()}
 
 
 def ddp_rank(steps: int) -> dict[str, object]:
@@ -196,10 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| format | codec | encode GB/s | decode+add GB/s | wire bytes per byte |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(codec_rows()))
+    print(f"\nThe daemon's codec rate (encode + decode-and-add, GB/s of float32 input, "
+          f"every lane at once) by lanes, on {os.cpu_count()} cores:\n")
+    print("| lanes | bf16 | fp8 |")
+    print("| --- | --- | --- |")
+    print("\n".join(lane_rows()))
     rate_bps = float(args.rate[:-4]) * {"g": 1e9, "m": 1e6, "k": 1e3}[args.rate[-4]] / 8
     nbytes = 64 * MIB
-    print("\n| link | format | time (ms) | busbw (GB/s) | of link rate | speed-up |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| link | format | time (ms) | max - min (ms) | busbw (GB/s) | of link rate "
+          "| speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, make in (("127.0.0.1", lambda: topology.loopback(2)),
                        (f"veth, tbf {args.rate}", lambda: topology.namespaces(2, args.rate))):
         lanes = () if args.codec_lanes is None else ("--codec-lanes", str(args.codec_lanes))
@@ -210,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = float(medians[mode])  # type: ignore[arg-type]
                 busbw = nbytes / seconds  # 2(M-1)/M = 1 for M = 2
                 share = f"{busbw / rate_bps:.2f}" if topo.kind == "netns" else "-"
-                print(f"| {name} | {mode} | {seconds * 1e3:.1f} | {busbw / 1e9:.3f} | {share} "
+                spread = float(medians[f"{mode} spread"])  # type: ignore[arg-type]
+                print(f"| {name} | {mode} | {seconds * 1e3:.1f} | {spread * 1e3:.1f} "
+                      f"| {busbw / 1e9:.3f} | {share} "
                       f"| {float(medians['none']) / seconds:.2f}x |")  # type: ignore[arg-type]
             if topo.kind == "netns":
                 (steps, _) = run_ranks(topo, daemons, ["ddp", str(args.steps)], topo.hosts[0])
