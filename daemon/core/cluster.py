@@ -10,9 +10,10 @@ tell it what happened through its methods.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.core.cluster_job import payload_bytes
@@ -80,6 +81,22 @@ class ClusterCounters:
     slices_placed: int = 0
     #: Jobs ended because a peer sent more early slices than max_shm_bytes.
     early_refused: int = 0
+
+    @contextlib.contextmanager
+    def dropping_bad(self, header: Mapping[str, Any], peer: str,
+                     logger: logging.Logger) -> Iterator[None]:
+        """Handle one peer message: one that fails the protocol's checks, or whose
+        handling hits a bug, is counted as malformed, logged and dropped; the daemon
+        keeps serving."""
+        try:
+            yield
+        except ProtocolError as exc:
+            self.malformed += 1
+            logger.warning("dropped a bad %r message from peer %s: %s", header.get("kind"),
+                           peer, exc)
+        except Exception:  # a bug: say so, drop the message, keep serving
+            self.malformed += 1
+            logger.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
 
 class ClusterJobs:
@@ -238,7 +255,7 @@ class ClusterJobs:
         self, peer: str, header: dict[str, Any], frames: Sequence[Frame]
     ) -> None:
         """Dispatch one peer message; malformed content is counted and dropped."""
-        try:
+        with self.counters.dropping_bad(header, peer, log):
             message = peer_wire.from_wire(header)
             job = self.jobs.get(message.job)
             if isinstance(message, Announce):
@@ -258,13 +275,6 @@ class ClusterJobs:
                     self._break(job, error)
             else:
                 self._on_costs(peer, message, job)
-        except ProtocolError as exc:
-            self.counters.malformed += 1
-            log.warning("dropped a bad %r message from peer %s: %s", header.get("kind"), peer,
-                        exc)
-        except Exception:  # a bug: say so, drop the message, keep serving
-            self.counters.malformed += 1
-            log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
     def _on_announce(self, peer: str, message: Announce, job: Job | None) -> None:
         if self.withdrawn.overtook(message.job, peer, message.boot, message.incarnation):

@@ -135,7 +135,7 @@ class CheckpointPeers:
 
     def message(self, peer: str, header: Mapping[str, Any], payloads: Sequence[Any]) -> None:
         """One checkpoint message from `peer`; a malformed one is counted and logged."""
-        try:
+        with self.counters.dropping_bad(header, peer, log):
             message = ckpt_from_wire(header)
             if isinstance(message, CkptChunk):
                 self._on_chunk(peer, message, payloads)
@@ -143,13 +143,6 @@ class CheckpointPeers:
                 self._on_answer(peer, message)
             else:
                 self._on_ask(peer, message)
-        except ProtocolError as exc:
-            self.counters.malformed += 1
-            log.warning("dropped a bad %r message from peer %s: %s", header.get("kind"), peer,
-                        exc)
-        except Exception:  # a bug: say so, drop the message, keep serving
-            self.counters.malformed += 1
-            log.exception("failed to handle a %r message from %s", header.get("kind"), peer)
 
     def peer_lost(self, peer: str, why: str) -> None:
         """Drop the replicas `peer` had not finished; fail what waits on it."""
