@@ -6,9 +6,9 @@ One process, a private daemon: `dcp.save` of a state of MIB MiB into daemon
 memory, SAVES times with GAP_S of "training" (a sleep) between saves, with
 `DaemonStorageWriter(persist_dir=...)` persisting every step and without,
 alternately (without, with, without).  Prints the median time each save
-blocked, and how long `wait_persisted` then waited.  The directory D (default:
-a temporary folder under the current one, so on its disk, not a tmpfs) is
-removed afterwards.
+blocked, and how long `wait_persisted` then waited.  The checkpoints go to a
+temporary folder under D (default: the current folder, so on its disk, not a
+tmpfs), removed afterwards; D itself is left alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gradsync.client.daemon_process import start_daemon
+from benchmarks.private_daemon import private_daemon
 from gradsync.client.torch.checkpoint import DaemonStorageWriter
 
 
@@ -53,24 +53,18 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # DCP's "no process group: one process" warning
-    folder = tempfile.mkdtemp(prefix="gs-bench-", dir="/tmp")
-    target = args.dir or tempfile.mkdtemp(prefix="persisted-", dir=".")
-    endpoint = f"ipc://{folder}/d.sock"
-    daemon = start_daemon(endpoint, ["--max-shm-bytes", f"{12 * args.mib + 256}MiB"],
-                          log_path=f"{folder}/daemon.log")
-    daemon.wait_ready(30)
-    os.environ["GRADSYNC_DAEMON"] = endpoint
+    target = tempfile.mkdtemp(prefix="persisted-", dir=args.dir or ".")
+    count = args.mib * 2**18 // 10
+    state = {f"t{i}": torch.randn(count) for i in range(10)}
     try:
-        count = args.mib * 2**18 // 10
-        state = {f"t{i}": torch.randn(count) for i in range(10)}
-        for run, persist in enumerate([None, target, None]):
-            blocked, waited = _run(state, f"bench-{run}", args.saves, args.gap_s, persist)
-            label = "persist every step" if persist else "daemon memory only"
-            print(f"{label:20s} save blocked {blocked * 1e3:7.1f} ms (median of {args.saves}),"
-                  f" wait_persisted {waited * 1e3:6.0f} ms", flush=True)
+        with private_daemon("--max-shm-bytes", f"{12 * args.mib + 256}MiB") as daemon:
+            os.environ["GRADSYNC_DAEMON"] = daemon.endpoint
+            for run, persist in enumerate([None, target, None]):
+                blocked, waited = _run(state, f"bench-{run}", args.saves, args.gap_s, persist)
+                label = "persist every step" if persist else "daemon memory only"
+                print(f"{label:20s} save blocked {blocked * 1e3:7.1f} ms (median of "
+                      f"{args.saves}), wait_persisted {waited * 1e3:6.0f} ms", flush=True)
     finally:
-        daemon.stop(10)
-        shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(target, ignore_errors=True)
 
 

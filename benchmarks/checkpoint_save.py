@@ -2,10 +2,11 @@
 
     python -m benchmarks.checkpoint_save [--mib 100,1024] [--saves 5] [--dir D]
 
-One process, a private daemon with its defaults (bar a `--max-shm-bytes` that
-holds the kept checkpoints).  For a state of each size (10 float32 tensors),
-the seconds each way of saving keeps the caller from its next step, the ways
-taking turns save by save (A B C ..., then again), median of `--saves`:
+One process, a private daemon (benchmarks/private_daemon.py) with its defaults
+(bar a `--max-shm-bytes` that holds the kept checkpoints).  For a state of each
+size (10 float32 tensors), the seconds each way of saving keeps the caller from
+its next step, the ways taking turns save by save (A B C ..., then again),
+median of `--saves`:
 
 * memory copy: `t.clone()` of every tensor (the floor: one read, one write);
 * daemon: `dcp.save` with `DaemonStorageWriter` (tensors copied once into
@@ -34,7 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from benchmarks import machine
-from gradsync.client.daemon_process import start_daemon
+from benchmarks.private_daemon import private_daemon
 from gradsync.client.torch.checkpoint import DaemonStorageWriter
 
 Save = Callable[[dict[str, torch.Tensor], int], float]
@@ -105,28 +106,28 @@ def main() -> None:
     sizes = [int(size) for size in args.mib.split(",")]
     warnings.simplefilter("ignore")  # DCP's "no process group: one process" warnings
     torch.set_num_threads(1)
-    private = tempfile.mkdtemp(prefix="gs-bench-", dir="/tmp")
     folder = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or ".")
-    endpoint = f"ipc://{private}/d.sock"
     budget = f"{3 * 2 * max(sizes) + 256}MiB"  # two ways x two kept checkpoints, and room
-    daemon = start_daemon(endpoint, ["--max-shm-bytes", budget], log_path=f"{private}/d.log")
-    daemon.wait_ready(30)
-    os.environ["GRADSYNC_DAEMON"] = endpoint
     try:
-        print(f"{machine.cpu_model()}, {os.cpu_count()} cores; median of {args.saves} saves "
-              "per way, ways in turns; seconds the caller is blocked per save\n")
-        print("| state | way | blocked (ms) | against the memory copy |")
-        print("| --- | --- | ---: | ---: |")
-        for mib in sizes:
-            medians = measure(mib, args.saves, folder)
-            floor = medians["memory copy"]
-            for name, seconds in medians.items():
-                print(f"| {mib} MiB | {name} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |",
-                      flush=True)
+        with private_daemon("--max-shm-bytes", budget) as daemon:
+            os.environ["GRADSYNC_DAEMON"] = daemon.endpoint
+            _report(sizes, args.saves, folder)
     finally:
-        daemon.stop(10)
-        shutil.rmtree(private, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _report(sizes: list[int], saves: int, folder: str) -> None:
+    """The markdown table: every way at every size, against the memory copy."""
+    print(f"{machine.cpu_model()}, {os.cpu_count()} cores; median of {saves} saves "
+          "per way, ways in turns; seconds the caller is blocked per save\n")
+    print("| state | way | blocked (ms) | against the memory copy |")
+    print("| --- | --- | ---: | ---: |")
+    for mib in sizes:
+        medians = measure(mib, saves, folder)
+        floor = medians["memory copy"]
+        for name, seconds in medians.items():
+            print(f"| {mib} MiB | {name} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |",
+                  flush=True)
 
 
 if __name__ == "__main__":
