@@ -430,8 +430,12 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
                         np.full(count, value, np.float32).tobytes())
 
         def runs_wait_for() -> list[list[str]]:
-            entries = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"][job]["in_flight"]
-            return [entry["waiting_for_peers"] for entry in entries if "steps" in entry]
+            # The ghosts answer the daemon's probes while the test waits here too: a
+            # ghost that stops answering is (rightly) suspected, and the job ends.
+            ghosts.pump()
+            entry = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["jobs"][job]
+            assert entry["active"], f"job {job!r} ended early:\n{daemon.log()[-3000:]}"
+            return [run["waiting_for_peers"] for run in entry["in_flight"] if "steps" in run]
 
         # Each rank r contributes r: the sum is 0 + 1 + 2.
         contribute(leaving, 1.0)
