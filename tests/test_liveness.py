@@ -119,7 +119,7 @@ def skip_without_namespaces(shaped: bool = False) -> None:
         pytest.skip(reason)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(SOAK_S + 210)
 def test_a_node_starved_of_cpu_is_not_declared_lost(
     start_daemon: StartDaemon, short_tmp: str,
 ) -> None:
@@ -133,7 +133,7 @@ def test_a_node_starved_of_cpu_is_not_declared_lost(
         stop_daemons(daemons)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(SOAK_S + 210)
 def test_a_daemon_paused_for_a_second_every_twenty_is_not_declared_lost(
     start_daemon: StartDaemon, short_tmp: str,
 ) -> None:
@@ -160,7 +160,7 @@ def test_a_daemon_paused_for_a_second_every_twenty_is_not_declared_lost(
         stop_daemons(daemons)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(SOAK_S + 210)
 def test_a_saturated_shaped_link_does_not_cost_a_peer(
     start_daemon: StartDaemon, short_tmp: str,
 ) -> None:
