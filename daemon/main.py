@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="upper bound: a peer silent this long is lost whatever the "
                        "failure detector says (default 10; it declares a vanished peer "
                        "in about 2 s)")
+    peers.add_argument("--failure-detector", metavar="{adaptive,timeout}",
+                       help="adaptive (default): heartbeats every 0.1 s, suspicion checked "
+                       "with other peers, a vanished peer declared in about 2 s; timeout: "
+                       "heartbeats once a second, no suspicion, a silent peer declared "
+                       "at about --peer-timeout-s")
     peers.add_argument("--pipeline-slice-bytes", metavar="SIZE",
                        help="inter-daemon transfers are cut into slices this big (4MiB)")
     peers.add_argument("--algorithm", metavar="NAME",

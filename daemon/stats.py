@@ -193,6 +193,8 @@ class StatsRecorder:
                 "max_shm_bytes": config.max_shm_bytes, "listen": config.listen,
                 "peers": list(config.all_peers()), "algorithm": config.algorithm,
                 "codec_lanes": config.codec_lanes,
+                "peer_timeout_s": config.peer_timeout_s,
+                "failure_detector": config.failure_detector,
             },
             "codec": self.codec,
             "shm": {"in_use": service.buffers.in_use, "attached": service.buffers.attached,

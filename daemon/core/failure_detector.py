@@ -28,6 +28,11 @@ with a fake clock.  The rules, and where they come from:
   meanwhile (they also say so, where their words get through: peers/health.py).
 - **An upper bound.**  A peer silent for `upper_s` (`peer_timeout_s`) is
   declared whatever the rest says.
+
+`--failure-detector timeout` keeps the upper bound alone (`adaptive` false):
+heartbeats once a second, no suspicion, no witnesses; a silent peer is declared
+at `peer_timeout_s`, not sooner.  For those who want only a fixed timeout, and
+to measure what the adaptive detector costs.
 """
 
 from __future__ import annotations
@@ -54,7 +59,13 @@ _GAP_MIN_PART = 0.5
 #: Comparisons of durations allow this much (the clock's sums are not exact).
 _EPS = 1e-6
 
+#: Heartbeats of the `timeout` detector go this often at most.
+TIMEOUT_PING_IVL_S = 1.0
+
 VerdictKind = Literal["lost", "unreachable"]
+#: The detectors a daemon may run (`failure_detector`, `--failure-detector`).
+DetectorKind = Literal["adaptive", "timeout"]
+DETECTORS: tuple[DetectorKind, ...] = ("adaptive", "timeout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +83,19 @@ class DetectorTimings:
     min_std_s: float = 0.05
     #: Gaps remembered per peer.
     window: int = 600
+    #: False: the upper bound alone (`timeout`), no suspicion and no witnesses.
+    adaptive: bool = True
 
     @classmethod
-    def for_timeout(cls, peer_timeout_s: float) -> DetectorTimings:
+    def for_timeout(cls, peer_timeout_s: float,
+                    detector: DetectorKind = "adaptive") -> DetectorTimings:
         """The default timings under the upper bound `peer_timeout_s` (scaled down
-        when it is below `DECLARE_S`)."""
+        when it is below `DECLARE_S`); for `detector="timeout"`, the bound alone,
+        with heartbeats once a second (four per `peer_timeout_s` at least)."""
+        if detector == "timeout":
+            return cls(ping_ivl_s=min(TIMEOUT_PING_IVL_S, peer_timeout_s / 4),
+                       suspect_s=peer_timeout_s, confirm_s=0.0, upper_s=peer_timeout_s,
+                       adaptive=False)
         declare = min(DECLARE_S, peer_timeout_s)
         return cls(ping_ivl_s=min(PING_IVL_S, declare / 10), suspect_s=0.75 * declare,
                    confirm_s=0.25 * declare, upper_s=peer_timeout_s)
@@ -332,6 +351,10 @@ class FailureDetector:
     def _judge(self, peer: str, state: _Peer, now: float, lag_s: float) -> Action | None:
         timings = self.timings
         silent = now - state.last_heard + _EPS
+        if not timings.adaptive:
+            if silent < timings.upper_s:
+                return None
+            return self._verdict(peer, state, silent, (), bound=True)
         after = self._suspect_after(state, lag_s)
         if state.suspected_at is None:
             if silent < after:

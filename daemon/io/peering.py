@@ -103,6 +103,7 @@ class Peering:
             # Checkpoint parts, and the answer that follows a pulled part, too.
             stream_kinds=(*STREAM_KINDS, CkptChunk.kind, CkptAnswer.kind),
             peer_timeout_s=config.peer_timeout_s,
+            failure_detector=config.failure_detector,
             data_port=config.data_port,
             data_advertise=config.data_advertise,
         )

@@ -16,7 +16,9 @@ ask for low delay (IP TOS).  The peer's ROUTER answers on the same
 connection.  Anything from the peer counts as heard: its answers on either
 DEALER, anything on our ROUTER (its own heartbeats included), data stream
 messages.  The DEALER still pings once a second (its answers carry the
-peer's data stream offers).
+peer's data stream offers).  With `--failure-detector timeout` the heartbeats
+go once a second and no one is suspected or asked about: a silent peer is
+declared at `peer_timeout_s`.
 
 ZeroMQ's own heartbeats (ZMTP) and TCP keepalive and `TCP_USER_TIMEOUT` run
 on every connection with the upper bound, `peer_timeout_s`: the kernel and
@@ -45,6 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gradsync.daemon.core.failure_detector import (
     Action,
     Ask,
+    DetectorKind,
     DetectorTimings,
     FailureDetector,
     Refuted,
@@ -159,17 +162,19 @@ class LinkHealth:
         on_up: Callable[[Link], None],
         on_lost: Callable[[Link], None],
         closed: Callable[[], bool],
+        detector: DetectorKind = "adaptive",
     ) -> None:
         """`endpoint`: this daemon's name on the pings; `peer_timeout_s`: the upper
-        bound; `heartbeat_ivl_s`: ZeroMQ's own heartbeats; `counters`: the links'
+        bound; `heartbeat_ivl_s`: ZeroMQ's own heartbeats; `detector`: `adaptive`,
+        or `timeout` (the upper bound alone: DetectorTimings); `counters`: the links'
         (`handshake_failed`, `peer_lost`, `peer_suspected` and `peer_unreachable`
         are counted here); `on_up(link)` and `on_lost(link)` follow each change of
         state; `closed()` says whether the links are closing (no reconnecting then)."""
         self._endpoint = endpoint
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_ivl_s = heartbeat_ivl_s
-        self.detector = FailureDetector(DetectorTimings.for_timeout(peer_timeout_s),
-                                        time.monotonic)
+        self.detector = FailureDetector(
+            DetectorTimings.for_timeout(peer_timeout_s, detector), time.monotonic)
         self._counters = counters
         self._warn_once = warn_once
         self._on_up = on_up

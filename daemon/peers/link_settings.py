@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
+from gradsync.daemon.core.failure_detector import DETECTORS, DetectorKind
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.endpoints import TcpEndpoint, parse_tcp_endpoint
 from gradsync.daemon.peers.keys import CurveConfig
@@ -40,6 +41,8 @@ class LinkSettings:
     #: The failure detector's upper bound: a peer silent this long is lost whatever
     #: else (it declares a vanished peer sooner: daemon/core/failure_detector.py).
     peer_timeout_s: float = 10.0
+    #: `adaptive`, or `timeout`: the upper bound alone (DetectorTimings.for_timeout).
+    failure_detector: DetectorKind = "adaptive"
     #: ZeroMQ's own heartbeats (ZMTP); None: a quarter of `peer_timeout_s`.
     heartbeat_ivl_s: float | None = None
     probe_rounds: int = 5
@@ -65,6 +68,9 @@ class LinkSettings:
                 f"heartbeat_ivl_s must be positive and below peer_timeout_s "
                 f"({self.peer_timeout_s}), got {self.heartbeat_ivl_s!r}"
             )
+        if self.failure_detector not in DETECTORS:
+            raise ConfigError(f"failure_detector must be one of {', '.join(DETECTORS)}, "
+                              f"got {self.failure_detector!r}")
         if self.max_payload_bytes < 1024 * 1024:
             raise ConfigError("max_payload_bytes must be at least 1 MiB")
         if self.probe_rounds < 1 or self.probe_bytes < 0 or self.io_threads < 1:

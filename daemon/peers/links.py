@@ -131,7 +131,7 @@ class PeerLinks:
         self._health = LinkHealth(
             self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self._counters,
             warn_once=self._counters.warn_once, on_up=self._link_up, on_lost=self._link_lost,
-            closed=lambda: self._closed,
+            closed=lambda: self._closed, detector=settings.failure_detector,
         )
         self._sockets = LinkSockets(
             self._listen, self.endpoint, self._links, keys, self._health, self._counters,
@@ -181,13 +181,16 @@ class PeerLinks:
         self._liveness = loop.create_task(self._health.liveness(self._links),
                                           name="peer-liveness")
         timings = self._health.detector.timings
-        log.info(
-            "peer links of %s: %d peers, %s; a silent peer is suspected after %gs or "
-            "more, declared %gs later at the earliest, after %gs at most (heartbeats "
-            "every %gs)", self.endpoint, len(self._links),
-            "insecure" if self.insecure else "CURVE", timings.suspect_s, timings.confirm_s,
-            self._peer_timeout_s, timings.ping_ivl_s,
-        )
+        if timings.adaptive:
+            declares = (f"a silent peer is suspected after {timings.suspect_s:g}s or more, "
+                        f"declared {timings.confirm_s:g}s later at the earliest, after "
+                        f"{self._peer_timeout_s:g}s at most")
+        else:
+            declares = (f"failure detector 'timeout': a silent peer is declared after "
+                        f"{self._peer_timeout_s:g}s")
+        log.info("peer links of %s: %d peers, %s; %s (heartbeats every %gs)", self.endpoint,
+                 len(self._links), "insecure" if self.insecure else "CURVE", declares,
+                 timings.ping_ivl_s)
 
     def _start_data_plane(self, loop: asyncio.AbstractEventLoop) -> None:
         """Listen for data streams; without them the slices stay on ZeroMQ."""
