@@ -372,15 +372,20 @@ class CheckpointPeers:
 
     async def _send_part(self, peer: str, req: int, pull: bool, job: str, step: int,
                          where: CkptWhere, stop: asyncio.Future[Any] | None = None) -> None:
-        """Send one part as chunks, each once the link is idle (or waited long enough);
-        stops early when `stop` is done (the receiver answered: dropped)."""
+        """Send one part as chunks, each once the link is idle (or waited long enough),
+        a pulled one at once; stops early when `stop` is done (the receiver answered:
+        dropped)."""
         slab = self._part(job, step, where)
         if slab is None:
             raise CheckpointError(f"part {where} of step {step} of job {job!r} is not held "
                                   f"on {self.endpoint}")
         nbytes, off = slab.nbytes, 0
         while off < nbytes and not (stop is not None and stop.done()):
-            await self._idle(peer)
+            if not pull:
+                # A pull never yields: a rank's load waits for it, and that rank's job
+                # often waits in a collective for the load (DCP gathers the plans),
+                # which would hold every chunk back for YIELD_AT_MOST_S.
+                await self._idle(peer)
             slab = self._part(job, step, where)
             if slab is None or slab.nbytes != nbytes:
                 raise CheckpointError(f"part {where} of step {step} of job {job!r} was "
