@@ -7,17 +7,85 @@ own mapping, and one rank commits the step once every rank's parts are in.
 Only committed checkpoints can be opened; the daemon keeps each job's newest
 few (`--checkpoints-kept`).  Only sessions of the job itself may use them:
 a `Client` of the checkpoints' job, or one from `checkpoint_client(job, rank)`.
+
+A part is written through a mapping made with MAP_POPULATE (page tables filled
+in one go, not page by page on first touch).  The daemon's reply to a put names
+the segment it set aside for the same part's next save (daemon/checkpoints.py,
+"spares"); once this save's copy is done (`premap_next`, also after a commit),
+that segment is mapped, and so its pages faulted in, on a background thread
+while training goes on, and the next put of the same size gets it mapped.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import mmap
+import os
+import threading
 from typing import Any
 
 from gradsync.client.client import Client
 from gradsync.protocol.requests import checkpoint_session_job, parse_checkpoint_session_job
-from gradsync.protocol.shm import map_segment
+from gradsync.protocol.shm import segment_path
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on use
+_premapper: concurrent.futures.ThreadPoolExecutor | None = None
+_premapper_lock = threading.Lock()
+
+
+def map_populated(name: str, nbytes: int) -> mmap.mmap:
+    """Map a daemon segment read-write with its pages faulted in and mapped now."""
+    fd = os.open(segment_path(name), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"segment {name} holds {size} bytes, expected {nbytes}")
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | _MAP_POPULATE,
+                         mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _premap(name: str, nbytes: int) -> concurrent.futures.Future[mmap.mmap]:
+    """`map_populated` on the one background thread (mmap drops the GIL meanwhile)."""
+    global _premapper
+    with _premapper_lock:
+        if _premapper is None:
+            _premapper = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="gradsync-checkpoint-premap")
+        return _premapper.submit(map_populated, name, nbytes)
+
+
+@dataclasses.dataclass
+class _Spare:
+    """The segment the daemon set aside for a part's next save, and its mapping here
+    (None until `premap_next` starts it)."""
+
+    name: str
+    nbytes: int
+    mapping: concurrent.futures.Future[mmap.mmap] | None = None
+
+    def take(self) -> mmap.mmap | None:
+        """The mapping (waiting for it if need be); None if it was never started or
+        failed (the daemon released the spare meanwhile: its room was wanted)."""
+        if self.mapping is None:
+            return None
+        try:
+            return self.mapping.result()
+        except (OSError, ValueError):
+            return None
+
+    def drop(self) -> None:
+        if self.mapping is not None:
+            self.mapping.add_done_callback(_close_mapping)
+
+
+def _close_mapping(future: concurrent.futures.Future[mmap.mmap]) -> None:
+    if future.exception() is None:
+        with contextlib.suppress(BufferError):
+            future.result().close()
 
 
 def checkpoint_client(job: str, rank: int, daemon: str | None = None) -> Client:
@@ -45,18 +113,45 @@ class DaemonCheckpoints:
         #: this client puts.  The daemon refuses a job that is not the client's.
         self.job, self.rank = scope if scope is not None else (client.job, client.rank)
         self.job = job or self.job
+        #: Per item: the daemon's spare for its next put, mapped in the background.
+        self._spares: dict[str, _Spare] = {}
 
     def put(self, step: int, item: str, nbytes: int) -> mmap.mmap:
         """A daemon-owned segment of at least `nbytes` for this rank's `item` of `step`,
         mapped here to be written.  Over the daemon's budget: `ShmExhaustedError`."""
-        reply = self.client.call("ckpt_put", job=self.job, step=step, item=item,
-                                 nbytes=max(1, nbytes))
-        return map_segment(reply["name"], reply["nbytes"])
+        spare = self._spares.pop(item, None)
+        try:
+            reply = self.client.call("ckpt_put", job=self.job, step=step, item=item,
+                                     nbytes=max(1, nbytes))
+        except BaseException:
+            if spare is not None:
+                spare.drop()
+            raise
+        name, size = reply["name"], reply["nbytes"]
+        mapping = None
+        if spare is not None and (spare.name, spare.nbytes) == (name, size):
+            mapping = spare.take()
+        elif spare is not None:
+            spare.drop()
+        if mapping is None:
+            mapping = map_populated(name, size)
+        if reply.get("spare"):
+            self._spares[item] = _Spare(*reply["spare"])
+        return mapping
+
+    def premap_next(self) -> None:
+        """Start mapping, in the background, the segments the next puts will get (call
+        it once the copies of this save are done: the mapping faults pages in)."""
+        for spare in self._spares.values():
+            if spare.mapping is None:
+                spare.mapping = _premap(spare.name, spare.nbytes)
 
     def commit(self, step: int, parts: list[tuple[int, str]]) -> dict[str, Any]:
         """Mark `step` complete: every (rank, item) in `parts` was put and written."""
-        return self.client.call("ckpt_commit", job=self.job, step=step,
-                                parts=[[rank, item] for rank, item in parts])
+        reply = self.client.call("ckpt_commit", job=self.job, step=step,
+                                 parts=[[rank, item] for rank, item in parts])
+        self.premap_next()
+        return reply
 
     def list(self) -> list[dict[str, Any]]:
         """The complete checkpoints (step, bytes, age_s, ranks), newest first."""
@@ -66,6 +161,6 @@ class DaemonCheckpoints:
         """Map complete checkpoint `step` (None: the newest) for reading.  The mappings
         stay valid even if the daemon drops the checkpoint meanwhile."""
         reply = self.client.call("ckpt_open", job=self.job, step=step)
-        parts = {(rank, item): map_segment(name, nbytes)
+        parts = {(rank, item): map_populated(name, nbytes)
                  for rank, item, name, nbytes in reply["parts"]}
         return OpenedCheckpoint(int(reply["step"]), parts)

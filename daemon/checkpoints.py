@@ -9,6 +9,20 @@ the last `kept` complete checkpoints stay; a commit drops older ones and the
 unfinished saves they supersede.  The bytes count against `max_shm_bytes` like
 every other segment: a part that does not fit is an error for that save only.
 
+Spares: writing a save into fresh pages costs the kernel allocating and zeroing
+them, several times the copy itself, and freeing the pruned checkpoint's pages
+costs as much again.  So neither happens while a save waits: a commit's pruning
+and the making of spares run once it has been answered (`settle`).  A spare is a
+segment set aside for a (job, rank, item)'s next save, sized as its part in the
+newest commit; up to two wait per part, so that the reply to each `put` can name
+the segment the *next* put will get: the client maps that one (MAP_POPULATE,
+which also faults its pages in) in the background once its copy is done, and its
+next save of the same size is written into pages that already exist and are
+mapped.  A spare is made only where the budget has room for it beside
+everything else, and spares are released first when anything does not fit:
+they never make a save fail.  They are no checkpoints: not listed, not in the
+manifest, released when the session of their rank ends and at every exit.
+
 Complete checkpoints also outlive the daemon (part 4): every commit rewrites
 the manifest (checkpoint_manifest.py) that a daemon restarted on the same
 socket reads at start-up (`take_over`) to adopt their segments.  At a clean
@@ -23,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +56,9 @@ from gradsync.daemon.checkpoint_manifest import (
 from gradsync.protocol.errors import CheckpointError, GradsyncError, ShmExhaustedError
 
 log = logging.getLogger("gradsync.daemon.checkpoints")
+
+#: Spares set aside per part: the one the next put gets, and the one its reply names.
+_SPARES = 2
 
 
 @dataclasses.dataclass
@@ -91,10 +109,19 @@ class CheckpointStore:
         self.jobs: dict[str, dict[int, Checkpoint]] = {}
         #: Where the complete checkpoints are listed for a successor (None: nowhere).
         self.manifest = manifest
+        #: Per (job, rank, item): segments set aside for that part's next saves.
+        self.spares: dict[tuple[str, int, str], list[Slab]] = {}
+        #: Work a commit leaves to `settle`: segments to release, spares to make.
+        self._unused: list[Slab] = []
+        self._to_spare: dict[tuple[str, int, str], int] = {}
+        # Any allocation that does not fit (a checkpoint's, a replica's, a gradient
+        # slot's) first takes the spares' room.
+        buffers.host.pool.on_exhausted(self._give_way)
 
     def put(self, job: str, step: int, rank: int, item: str, nbytes: int) -> Slab:
-        """A fresh segment for `item` of `rank` in (job, step); a part put again
-        (a save retried after a crash) replaces the old one."""
+        """A segment for `item` of `rank` in (job, step): the part's spare where it
+        has the size, else a fresh one; a part put again (a save retried after a
+        crash) replaces the old one.  Sets aside the next spare (`spare_for`)."""
         steps = self.jobs.setdefault(job, {})
         checkpoint = steps.get(step)
         if checkpoint is not None and checkpoint.committed_at is not None:
@@ -107,6 +134,16 @@ class CheckpointStore:
         if old is not None:
             self.buffers.release(old.segment_id)
         owner = f"{checkpoint.describe()}, rank {rank}, item {item!r}"
+        spares = self.spares.pop((job, rank, item), [])
+        if spares and spares[0].nbytes == _pages(nbytes):
+            slab = spares.pop(0)
+            slab.owner = owner
+            checkpoint.parts[(rank, item)] = slab
+            if spares:
+                self.spares[(job, rank, item)] = spares
+            return slab
+        for spare in spares:  # sized for another save: give their room to this one
+            self.buffers.release(spare.segment_id)
         try:
             slab = self._allocate(job, step, nbytes, owner)
         except ShmExhaustedError as exc:
@@ -119,9 +156,67 @@ class CheckpointStore:
         checkpoint.parts[(rank, item)] = slab
         return slab
 
+    def spare_for(self, job: str, rank: int, item: str) -> Slab | None:
+        """The segment the part's next save will get, if one is set aside."""
+        spares = self.spares.get((job, rank, item))
+        return spares[0] if spares else None
+
+    def settle(self) -> None:
+        """What commits left for after their reply: release the pruned checkpoints'
+        segments, then top up the spares of the parts just committed."""
+        unused, self._unused = self._unused, []
+        for slab in unused:
+            self.buffers.release(slab.segment_id)
+        to_spare, self._to_spare = self._to_spare, {}
+        for key, nbytes in to_spare.items():
+            spares = self.spares.setdefault(key, [])
+            while len(spares) < _SPARES and self._set_aside(key, nbytes, spares):
+                pass
+            if not spares:
+                del self.spares[key]
+
+    def _set_aside(self, key: tuple[str, int, str], nbytes: int, spares: list[Slab]) -> bool:
+        """One more spare of `nbytes` for the part, where the budget has room for it
+        without releasing anything (a spare is worth less than any other segment)."""
+        if spares and spares[0].nbytes != nbytes:
+            for spare in spares:
+                self.buffers.release(spare.segment_id)
+            spares.clear()
+        if self.buffers.in_use + nbytes > self.buffers.max_bytes:
+            return False
+        job, rank, item = key
+        owner = f"a spare for the next checkpoint of job {job!r}, rank {rank}, item {item!r}"
+        try:
+            spares.append(self.buffers.allocate(nbytes, owner, {}))
+        except ShmExhaustedError as exc:  # /dev/shm itself is full: no spare, no error
+            log.debug("no spare segment: %s", exc)
+            return False
+        return True
+
+    def _give_way(self) -> bool:
+        """Release what is only nice to have: pruned segments not yet released, the
+        spares; whether there was any."""
+        unused, self._unused = self._unused, []
+        for slab in unused:
+            self.buffers.release(slab.segment_id)
+        return self.release_spares() or bool(unused)
+
+    def release_spares(self, job: str | None = None, rank: int | None = None) -> bool:
+        """Release the spares (their room is wanted), or those of `rank` of `job` (its
+        session ended: no next save is coming soon); whether there were any."""
+        keys = [key for key in self.spares
+                if job is None or (key[0] == job and (rank is None or key[1] == rank))]
+        for key in keys:
+            for slab in self.spares.pop(key):
+                self.buffers.release(slab.segment_id)
+        if job is None:  # nothing more to make for now either
+            self._to_spare.clear()
+        return bool(keys)
+
     def _allocate(self, job: str, step: int, nbytes: int, owner: str) -> Slab:
-        """Allocate; when out of room, first drop the job's unfinished saves older than
-        `step` (saves a crash abandoned: they can never complete) and try again."""
+        """Allocate (the spares give way first: `release_spares`); when still out of
+        room, drop the job's unfinished saves older than `step` (saves a crash
+        abandoned: they can never complete) and try again."""
         try:
             return self.buffers.allocate(nbytes, owner, {})
         except ShmExhaustedError:
@@ -134,9 +229,12 @@ class CheckpointStore:
             return self.buffers.allocate(nbytes, owner, {})
 
     def commit(self, job: str, step: int, parts: tuple[tuple[int, str], ...],
-               elsewhere: frozenset[tuple[int, str]] = frozenset()) -> Checkpoint:
+               elsewhere: frozenset[tuple[int, str]] = frozenset(),
+               settle: bool = True) -> Checkpoint:
         """Mark (job, step) complete once every part in `parts` is in (but those
-        `elsewhere`: held by peer daemons, as the committer checked); prune the job."""
+        `elsewhere`: held by peer daemons, as the committer checked); prune the job.
+        With `settle` False, freeing the pruned segments and making spares wait for
+        `settle()` (the caller answers first)."""
         checkpoint = self.jobs.get(job, {}).get(step)
         if checkpoint is None:
             raise CheckpointError(f"no parts of checkpoint step {step} of job {job!r} were put "
@@ -154,11 +252,15 @@ class CheckpointStore:
             checkpoint.committed_at = self.clock()
             checkpoint.committed_unix = time.time()
         checkpoint.all_parts = frozenset(parts)
-        self._prune(job)
+        self._prune(job, later=True)
         self._publish()
+        for (rank, item), slab in checkpoint.parts.items():
+            self._to_spare[(job, rank, item)] = slab.nbytes
+        if settle:
+            self.settle()
         return checkpoint
 
-    def _prune(self, job: str) -> None:
+    def _prune(self, job: str, later: bool = False) -> None:
         steps = self.jobs.get(job, {})
         complete = sorted((s for s, c in steps.items() if c.committed_at is not None),
                           reverse=True)
@@ -167,11 +269,16 @@ class CheckpointStore:
         doomed += [c for s, c in steps.items()
                    if c.committed_at is None and newest is not None and s < newest]
         for checkpoint in doomed:
-            self._drop(checkpoint)
+            self._drop(checkpoint, later)
 
-    def _drop(self, checkpoint: Checkpoint) -> None:
+    def _drop(self, checkpoint: Checkpoint, later: bool = False) -> None:
+        """Forget a checkpoint; its segments are released now, or with `later` at the
+        next `settle`."""
         for slab in checkpoint.parts.values():
-            self.buffers.release(slab.segment_id)
+            if later:
+                self._unused.append(slab)
+            else:
+                self.buffers.release(slab.segment_id)
         checkpoint.parts.clear()
         steps = self.jobs.get(checkpoint.job, {})
         steps.pop(checkpoint.step, None)
@@ -224,6 +331,8 @@ class CheckpointStore:
         }
 
     def release_all(self) -> None:
+        self.settle()
+        self.release_spares()
         for steps in list(self.jobs.values()):
             for checkpoint in list(steps.values()):
                 self._drop(checkpoint)
@@ -236,6 +345,8 @@ class CheckpointStore:
             if self.manifest is not None:
                 self.manifest.remove()
             return
+        self.settle()
+        self.release_spares()
         for steps in list(self.jobs.values()):
             for checkpoint in [c for c in steps.values() if c.committed_at is None]:
                 self._drop(checkpoint)
@@ -305,6 +416,11 @@ class CheckpointStore:
                 remove_segments(p.name for p in saved.parts)
                 return False
         return True
+
+
+def _pages(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages, as the segments are sized."""
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _saved(checkpoint: Checkpoint) -> SavedCheckpoint:

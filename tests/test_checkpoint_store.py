@@ -73,7 +73,10 @@ def test_only_committed_checkpoints_open_and_the_newest_k_stay(store: Checkpoint
     save(store, 5)
     assert [c.step for c in store.complete("j")] == [5, 4]
     assert sorted(store.jobs["j"]) == [4, 5]  # step 3 was superseded, 1 and 2 pruned
-    assert store.buffers.in_use == 4 * PAGE
+    # Two complete checkpoints of two pages, and each rank's two spares for its next saves.
+    assert store.buffers.in_use == 4 * PAGE + 4 * PAGE
+    assert {key: len(spares) for key, spares in store.spares.items()} == {
+        ("j", 0, "data"): 2, ("j", 1, "data"): 2}
     with pytest.raises(CheckpointError, match="complete: \\[5, 4\\]"):
         store.open("j", 2)
     with pytest.raises(CheckpointError, match="already complete"):
@@ -442,3 +445,50 @@ def test_gradsync_stats_shows_where_the_replicas_are() -> None:
     assert "step 3 (complete): 4.0 KiB, age 1.0s, ranks 1, replicas on tcp://b:7000" in table
     assert ("replica of job 'j' step 3 rank 1 item 'data' from tcp://b:7000: 8.0 KiB "
             "(arriving: 4.0 KiB)") in table
+
+
+def test_a_save_of_the_same_size_goes_into_the_spare_its_last_put_named(
+    store: CheckpointStore
+) -> None:
+    store.put("j", 1, 0, "data", PAGE)
+    assert store.spare_for("j", 0, "data") is None  # spares come with commits
+    store.commit("j", 1, ((0, "data"),), settle=False)
+    assert store.spare_for("j", 0, "data") is None and store.buffers.in_use == PAGE
+    store.settle()  # after the commit's reply: two spares of the part's size
+    first, second = store.spares[("j", 0, "data")]
+    assert store.spare_for("j", 0, "data") is first and first.nbytes == PAGE
+    assert store.put("j", 2, 0, "data", 100) is first  # the same pages: the spare
+    assert store.spare_for("j", 0, "data") is second  # what this put's reply names
+    store.commit("j", 2, ((0, "data"),))
+    assert store.put("j", 3, 0, "data", PAGE) is second
+    store.commit("j", 3, ((0, "data"),))  # prunes step 1
+    bigger = store.put("j", 4, 0, "data", 2 * PAGE)  # another size: fresh pages
+    assert bigger.nbytes == 2 * PAGE and "j" not in {key[0] for key in store.spares}
+    store.commit("j", 4, ((0, "data"),))
+    assert [s.nbytes for s in store.spares[("j", 0, "data")]] == [2 * PAGE, 2 * PAGE]
+    # Spares are no checkpoints: neither listed nor counted in one.
+    assert [(c["step"], c["bytes"]) for c in store.snapshot()["j"]] == [(4, 2 * PAGE),
+                                                                         (3, PAGE)]
+    assert store.buffers.in_use == 3 * PAGE + 4 * PAGE
+    assert store.release_spares("j", 0) and not store.spares
+    assert store.buffers.in_use == 3 * PAGE
+
+
+def test_spares_and_pruned_segments_give_way_to_any_allocation(store: CheckpointStore) -> None:
+    save(store, 1, nbytes=2 * PAGE)  # 4 pages, and two spares of 2 pages per rank: 8 more
+    assert store.buffers.in_use == 10 * PAGE
+    slot = store.buffers.allocate(6 * PAGE, "a gradient slot", {})  # fits without spares
+    assert not store.spares and store.buffers.in_use == 10 * PAGE
+    with pytest.raises(ShmExhaustedError, match="max_shm_bytes"):
+        store.buffers.allocate(PAGE, "another slot", {})  # nothing left to give way
+    store.buffers.release(slot.segment_id)
+    for step in (2, 3):  # step 3 prunes step 1: its 4 pages are released at `settle`
+        for rank in (0, 1):
+            store.put("j", step, rank, "data", PAGE)
+        store.commit("j", step, ((0, "data"), (1, "data")), settle=False)
+    assert sorted(store.jobs["j"]) == [2, 3] and store.buffers.in_use == 8 * PAGE
+    slot = store.buffers.allocate(6 * PAGE, "a gradient slot", {})  # fits once they go
+    assert store.buffers.in_use == 10 * PAGE
+    store.buffers.release(slot.segment_id)
+    store.settle()  # spares would wait for the next commit: room was wanted
+    assert store.buffers.in_use == 4 * PAGE and not store.spares

@@ -18,15 +18,25 @@ rank from the default process group), or the `client` given.
 With `persist_dir=DIR`, the checkpoints of steps that are multiples of
 `persist_every` are also written, in the background, to `DIR/<step>/` as
 ordinary DCP checkpoints (checkpoint_persist.py).
+
+What a save blocks: the copy into the daemon's segment, which is a spare the
+daemon set aside after an earlier commit and named in the previous save's reply,
+and which this process mapped (pages faulted in) in the background since
+(client/checkpoints.py); a big copy is cut in two, the halves copied on two
+cores.  `dcp.async_save` stages the state into process
+memory first, as torch's FileSystemWriter does (`BlockingAsyncStager`); the
+copy into the daemon then runs on DCP's background thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import mmap
 import os
 import struct
+import threading
 from typing import Any
 
 import torch
@@ -39,6 +49,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -62,6 +73,10 @@ METADATA_ITEM = "metadata"
 _ALIGN = 64
 #: The metadata part: the record's length, then the record (segments are page-sized).
 _LENGTH = struct.Struct("<Q")
+#: Below this many bytes a save's copy stays on one thread (a thread hop costs more).
+_PARALLEL_COPY_BYTES = 4 * 1024**2
+_copy_helper: concurrent.futures.ThreadPoolExecutor | None = None
+_copy_helper_lock = threading.Lock()
 
 
 def _step(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
@@ -128,17 +143,64 @@ def _copy_in(mapping: mmap.mmap, payloads: list[_Payload], rank: int) -> list[Wr
     """Copy the payloads into the mapped part; DCP's write results for them."""
     results = []
     target = torch.frombuffer(mapping, dtype=torch.uint8, count=len(mapping))
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for item, raw, at, dtype, shape in payloads:
         size = len(raw)
         if isinstance(raw, bytes):
             mapping[at:at + size] = raw
         elif size:
-            target[at:at + size].copy_(raw)
+            copies.append((target[at:at + size], raw))
         results.append(WriteResult(index=item.index, size_in_bytes=size,
                                    storage_data=StoredItem(rank, DATA_ITEM, at, size, dtype,
                                                            shape)))
-    del target
+    _copy(copies)
+    del target, copies
     return results
+
+
+def _copy(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each (destination, source) pair of flat uint8 tensors; host sources of more
+    than `_PARALLEL_COPY_BYTES` in all are cut into two halves of equal bytes, one
+    copied on a helper thread (torch's copy lets go of the GIL), one here."""
+    total = sum(source.numel() for _, source in copies)
+    helper = _helper() if total > _PARALLEL_COPY_BYTES and all(
+        source.device.type == "cpu" for _, source in copies) else None
+    if helper is None:
+        _copy_all(copies)
+        return
+    first: list[tuple[torch.Tensor, torch.Tensor]] = []
+    second: list[tuple[torch.Tensor, torch.Tensor]] = []
+    half, seen = total // 2, 0
+    for target, source in copies:
+        count = source.numel()
+        cut = max(0, min(count, half - seen))
+        if cut:
+            first.append((target[:cut], source[:cut]))
+        if cut < count:
+            second.append((target[cut:], source[cut:]))
+        seen += count
+    done = helper.submit(_copy_all, first)
+    try:
+        _copy_all(second)
+    finally:
+        done.result()
+
+
+def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for target, source in copies:
+        target.copy_(source)
+
+
+def _helper() -> concurrent.futures.ThreadPoolExecutor | None:
+    """The copy's helper thread, where this process may run on two cores or more."""
+    global _copy_helper
+    if len(os.sched_getaffinity(0)) < 2:
+        return None
+    with _copy_helper_lock:
+        if _copy_helper is None:
+            _copy_helper = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="gradsync-checkpoint-copy")
+        return _copy_helper
 
 
 class _DaemonStorage:
@@ -162,8 +224,12 @@ class _DaemonStorage:
             self.step = step
 
 
-class DaemonStorageWriter(_DaemonStorage, StorageWriter):
+class DaemonStorageWriter(_DaemonStorage, StorageWriter, BlockingAsyncStager):
     """Saves DCP checkpoints (`checkpoint_id` = step) into daemon memory.
+
+    `dcp.async_save` stages the state in process memory first (torch's
+    `BlockingAsyncStager`, as its FileSystemWriter does), then writes it here on
+    DCP's background thread.
 
     `persist_dir`: also write the checkpoint of every step that is a multiple of
     `persist_every` to `persist_dir/<step>/` as a plain DCP checkpoint, in the
@@ -176,6 +242,7 @@ class DaemonStorageWriter(_DaemonStorage, StorageWriter):
                  persist_dir: str | os.PathLike[str] | None = None, persist_every: int = 1,
                  persist_timeout_s: float = 600.0) -> None:
         StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self)
         _DaemonStorage.__init__(self, job, step, client)
         self.is_coordinator = False
         self.dcp_rank = 0
@@ -230,6 +297,7 @@ class DaemonStorageWriter(_DaemonStorage, StorageWriter):
             if mapping is not None:
                 with contextlib.suppress(BufferError):  # a view survived an error: GC frees it
                     mapping.close()
+        store.premap_next()  # the copy is done: map the next save's segment meanwhile
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -71,6 +71,13 @@ class ShmPool:
         self._ids = itertools.count(1)
         self._segments: dict[int, Segment] = {}
         self._pid = os.getpid()
+        self._reclaim: Callable[[], bool] | None = None
+
+    def on_exhausted(self, reclaim: Callable[[], bool]) -> None:
+        """Have `reclaim` called when an allocation does not fit (the budget, or
+        /dev/shm): it releases segments that are only nice to have (the checkpoints'
+        spares) and says whether it released any; then the allocation is checked again."""
+        self._reclaim = reclaim
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -92,6 +99,8 @@ class ShmPool:
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
         size = -(-nbytes // _PAGE) * _PAGE
+        if self.in_use + size > self.max_bytes and self._reclaim is not None:
+            self._reclaim()
         if self.in_use + size > self.max_bytes and self._lingering:
             gc.collect()  # released segments held only by garbage cycles: unmap them
         if self.in_use + size > self.max_bytes:
@@ -101,6 +110,8 @@ class ShmPool:
                 {"requested": size, "in_use": self.in_use, "limit": self.max_bytes},
             )
         free = self._free_bytes()
+        if size > free and self._reclaim is not None and self._reclaim():
+            free = self._free_bytes()
         if size > free:
             raise ShmExhaustedError(
                 f"allocating {size} bytes for {owner}: only {free} bytes free in "

@@ -135,6 +135,11 @@ class GradsyncService:
         for segment_id in session.segments:
             self.buffers.release(segment_id)
         session.segments.clear()
+        scope = parse_checkpoint_session_job(session.job_name or "")
+        if scope is not None:  # its checkpoints stay; the spares for its next save go
+            self.checkpoints.release_spares(*scope)
+        elif session.job_name and session.rank is not None:
+            self.checkpoints.release_spares(session.job_name, session.rank)
         job = self.jobs.get(session.job_name) if session.job_name else None
         if job is None or session.rank is None:
             return
@@ -342,8 +347,13 @@ class GradsyncService:
         store = self.checkpoints
         if isinstance(request, CheckpointPut):
             slab = store.put(request.job, request.step, rank, request.item, request.nbytes)
-            session.reply(messages.ok_reply(request_id, nbytes=slab.nbytes,
-                                            **slab.backend.export(slab)))
+            # The part's next save goes into `spare`: the client maps it ahead of time.
+            # (Set aside by an earlier commit's `settle`: nothing here waits for pages.)
+            spare = store.spare_for(request.job, rank, request.item)
+            session.reply(messages.ok_reply(
+                request_id, nbytes=slab.nbytes, **slab.backend.export(slab),
+                **({} if spare is None else {
+                    "spare": [spare.backend.export(spare)["name"], spare.nbytes]})))
         elif isinstance(request, CheckpointCommit):
             self._commit(session, request, request_id)
         elif isinstance(request, CheckpointList):
@@ -366,12 +376,14 @@ class GradsyncService:
             self._reply_later(session, request_id, self._commit_across(
                 self.checkpoint_peers, request, request_id))
             return
-        checkpoint = store.commit(job, step, request.parts)
+        checkpoint = store.commit(job, step, request.parts, settle=False)
         log.debug("%s complete: %d bytes in %d parts", checkpoint.describe(),
                   checkpoint.nbytes, len(checkpoint.parts))
         if self.checkpoint_peers is not None:
             self.checkpoint_peers.replicate(checkpoint)
         session.reply(messages.ok_reply(request_id, **store.describe(checkpoint)))
+        # Freeing the pruned checkpoint and making spares: once the saver goes on.
+        self.loop.call_soon(store.settle)
 
     async def _commit_across(self, peers: CheckpointPeers, request: CheckpointCommit,
                              request_id: int) -> Message:
