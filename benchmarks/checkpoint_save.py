@@ -3,7 +3,7 @@
     python -m benchmarks.checkpoint_save [--mib 100,1024] [--saves 5] [--dir D]
 
 One process, a private daemon (benchmarks/private_daemon.py) with its defaults
-(bar a `--max-shm-bytes` that holds the kept checkpoints).  For a state of each
+(bar a `--max-shm-bytes` that holds the kept checkpoints and the spares).  For a state of each
 size (10 float32 tensors), the seconds each way of saving keeps the caller from
 its next step, the ways taking turns save by save (A B C ..., then again),
 median of `--saves`:
@@ -107,7 +107,9 @@ def main() -> None:
     warnings.simplefilter("ignore")  # DCP's "no process group: one process" warnings
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or ".")
-    budget = f"{3 * 2 * max(sizes) + 256}MiB"  # two ways x two kept checkpoints, and room
+    # Per size, two ways x (two kept checkpoints, the save under way, the spare for the
+    # next), and room: a budget too tight for the spare would measure fresh pages.
+    budget = f"{2 * 4 * sum(sizes) + 256}MiB"
     try:
         with private_daemon("--max-shm-bytes", budget) as daemon:
             os.environ["GRADSYNC_DAEMON"] = daemon.endpoint
