@@ -48,14 +48,31 @@ def map_populated(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _premap(name: str, nbytes: int) -> concurrent.futures.Future[mmap.mmap]:
-    """`map_populated` on the one background thread (mmap drops the GIL meanwhile)."""
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that maps and unmaps checkpoint parts (mmap and munmap drop the
+    GIL; one thread, so that they never contend for the process's memory map)."""
     global _premapper
     with _premapper_lock:
         if _premapper is None:
             _premapper = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="gradsync-checkpoint-premap")
-        return _premapper.submit(map_populated, name, nbytes)
+                1, thread_name_prefix="gradsync-checkpoint-mapper")
+        return _premapper
+
+
+def _premap(name: str, nbytes: int) -> concurrent.futures.Future[mmap.mmap]:
+    """`map_populated` in the background."""
+    return _background().submit(map_populated, name, nbytes)
+
+
+def close_later(mapping: mmap.mmap) -> None:
+    """Unmap a written part in the background: tearing down a big mapping's page
+    tables takes as long as filling them in."""
+    _background().submit(_close, mapping)
+
+
+def _close(mapping: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a view survived an error: GC frees it
+        mapping.close()
 
 
 @dataclasses.dataclass
@@ -84,8 +101,7 @@ class _Spare:
 
 def _close_mapping(future: concurrent.futures.Future[mmap.mmap]) -> None:
     if future.exception() is None:
-        with contextlib.suppress(BufferError):
-            future.result().close()
+        _close(future.result())
 
 
 def checkpoint_client(job: str, rank: int, daemon: str | None = None) -> Client:

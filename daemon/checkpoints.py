@@ -114,6 +114,7 @@ class CheckpointStore:
         #: Work a commit leaves to `settle`: segments to release, spares to make.
         self._unused: list[Slab] = []
         self._to_spare: dict[tuple[str, int, str], int] = {}
+        self._setting_aside = False
         # Any allocation that does not fit (a checkpoint's, a replica's, a gradient
         # slot's) first takes the spares' room.
         buffers.host.pool.on_exhausted(self._give_way)
@@ -121,7 +122,7 @@ class CheckpointStore:
     def put(self, job: str, step: int, rank: int, item: str, nbytes: int) -> Slab:
         """A segment for `item` of `rank` in (job, step): the part's spare where it
         has the size, else a fresh one; a part put again (a save retried after a
-        crash) replaces the old one.  Sets aside the next spare (`spare_for`)."""
+        crash) replaces the old one.  The spare the next put gets: `spare_for`."""
         steps = self.jobs.setdefault(job, {})
         checkpoint = steps.get(step)
         if checkpoint is not None and checkpoint.committed_at is not None:
@@ -186,16 +187,21 @@ class CheckpointStore:
             return False
         job, rank, item = key
         owner = f"a spare for the next checkpoint of job {job!r}, rank {rank}, item {item!r}"
+        self._setting_aside = True  # a spare takes no one's room, not even a spare's
         try:
             spares.append(self.buffers.allocate(nbytes, owner, {}))
         except ShmExhaustedError as exc:  # /dev/shm itself is full: no spare, no error
             log.debug("no spare segment: %s", exc)
             return False
+        finally:
+            self._setting_aside = False
         return True
 
     def _give_way(self) -> bool:
         """Release what is only nice to have: pruned segments not yet released, the
         spares; whether there was any."""
+        if self._setting_aside:
+            return False
         unused, self._unused = self._unused, []
         for slab in unused:
             self.buffers.release(slab.segment_id)
@@ -214,7 +220,7 @@ class CheckpointStore:
         return bool(keys)
 
     def _allocate(self, job: str, step: int, nbytes: int, owner: str) -> Slab:
-        """Allocate (the spares give way first: `release_spares`); when still out of
+        """Allocate (the spares give way first: `_give_way`); when still out of
         room, drop the job's unfinished saves older than `step` (saves a crash
         abandoned: they can never complete) and try again."""
         try:
@@ -331,8 +337,7 @@ class CheckpointStore:
         }
 
     def release_all(self) -> None:
-        self.settle()
-        self.release_spares()
+        self._give_way()
         for steps in list(self.jobs.values()):
             for checkpoint in list(steps.values()):
                 self._drop(checkpoint)
@@ -345,8 +350,7 @@ class CheckpointStore:
             if self.manifest is not None:
                 self.manifest.remove()
             return
-        self.settle()
-        self.release_spares()
+        self._give_way()
         for steps in list(self.jobs.values()):
             for checkpoint in [c for c in steps.values() if c.committed_at is None]:
                 self._drop(checkpoint)

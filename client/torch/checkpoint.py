@@ -31,7 +31,6 @@ copy into the daemon then runs on DCP's background thread.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import io
 import mmap
 import os
@@ -53,7 +52,12 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from gradsync.client.checkpoints import DaemonCheckpoints, OpenedCheckpoint, checkpoint_client
+from gradsync.client.checkpoints import (
+    DaemonCheckpoints,
+    OpenedCheckpoint,
+    checkpoint_client,
+    close_later,
+)
 from gradsync.client.client import Client
 from gradsync.client.torch.checkpoint_metadata import (
     StoredItem,
@@ -295,8 +299,7 @@ class DaemonStorageWriter(_DaemonStorage, StorageWriter, BlockingAsyncStager):
                 mapping = None  # the persister closes it
         finally:
             if mapping is not None:
-                with contextlib.suppress(BufferError):  # a view survived an error: GC frees it
-                    mapping.close()
+                close_later(mapping)
         store.premap_next()  # the copy is done: map the next save's segment meanwhile
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
