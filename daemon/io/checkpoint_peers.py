@@ -145,8 +145,13 @@ class CheckpointPeers:
                 self._on_ask(peer, message)
 
     def peer_lost(self, peer: str, why: str) -> None:
-        """Drop the replicas `peer` had not finished; fail what waits on it."""
+        """Drop the replicas `peer` had not finished; forget the ones it confirmed (a
+        lost node's memory is gone: the daemon that comes up at its address gets our
+        newest checkpoints again, `peer_up`); fail what waits on it."""
         self.replicas.drop_from(peer, f"was lost ({why})")
+        for checkpoints in self.store.jobs.values():
+            for checkpoint in checkpoints.values():
+                checkpoint.replicas.pop(peer, None)
         for asked, waiter in list(self._pending.values()):
             if asked == peer and not waiter.done():
                 waiter.set_exception(CheckpointError(
