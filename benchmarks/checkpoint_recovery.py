@@ -22,8 +22,8 @@
    (benchmarks/topology.py), shaped to RATE each way with tbf, then unshaped;
    one daemon per node with CURVE keys (sealed data streams) and the default
    `--checkpoint-replicas 1`; one rank per node, each saving a shard of its own
-   (NODE_MIB / 2 MiB each, as FSDP would) into its daemon.  Once node 1's part
-   is confirmed on node 0, node 1 is lost: its daemon SIGKILLed, its segments
+   (NODE_MIB / 2 MiB each, as FSDP would) into its daemon.  Once each node's
+   part is confirmed on the other, node 1 is lost: its daemon SIGKILLed, its segments
    and its checkpoint manifest removed.  A fresh daemon starts on node 1 and
    node 0 pushes it the parts of its own newest checkpoint (awaited); then both
    ranks `dcp.load`, and node 1's daemon pulls what it still lacks from node 0.
@@ -571,11 +571,14 @@ def lose_node_once(rate: str | None, mib: int, folder: Path) -> dict[str, Any]:
             ):
                 pass
 
-            def replicated() -> bool:
-                held = _stats(runs[1])["checkpoints"].get(job, [])
-                return bool(held) and endpoints[0] in held[0].get("replicas", [])
+            def replicated() -> bool:  # each node's parts confirmed on the other
+                held = [_stats(run)["checkpoints"].get(job, []) for run in runs]
+                return all(
+                    h and other in h[0].get("replicas", [])
+                    for h, other in zip(held, reversed(endpoints), strict=True)
+                )
 
-            _poll("node 1's part confirmed on node 0", replicated, 300)
+            _poll("each node's part confirmed on the other", replicated, 300)
             _lose(runs[1])
             with daemon_cluster([flags[1]], [prefixes[1]], logs_to=str(logs / "fresh")) as (fresh,):
                 _poll(
