@@ -183,6 +183,11 @@ class Client:
 
     # -- lifecycle ----------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has ended this client's session."""
+        return self._closed
+
     def close(self) -> None:
         """Leave the job and disconnect; arrays from `empty()` stay usable as memory.
 

@@ -100,19 +100,33 @@ def _is_step(checkpoint_id: Any) -> bool:
         return False
 
 
+#: The checkpoint sessions of this process by (job, rank, daemon): a writer and a
+#: reader of one job and rank share one (the daemon admits one session per rank of
+#: `checkpoint:<job>#<rank>`: a second would be refused as "already connected").
+_SESSIONS: dict[tuple[str, int, str | None], DaemonCheckpoints] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
 def _connect(job: str | None, client: Client | None) -> DaemonCheckpoints:
     if client is not None:
         return DaemonCheckpoints(client, job)
     if job is None:
         raise ValueError("name the checkpoints' job (job=...) or pass a gradsync client")
-    if not dist.is_initialized():
-        return DaemonCheckpoints(checkpoint_client(job, 0))
-    from gradsync.client.torch.backend import ProcessGroupGradsync
+    rank, daemon = 0, None
+    if dist.is_initialized():
+        from gradsync.client.torch.backend import ProcessGroupGradsync
 
-    group = dist.group.WORLD
-    # A gradsync group's daemon (perhaps one it started for the job), else the environment's.
-    daemon = group.client.daemon if isinstance(group, ProcessGroupGradsync) else None
-    return DaemonCheckpoints(checkpoint_client(job, dist.get_rank(), daemon))
+        group = dist.group.WORLD
+        # A gradsync group's daemon (perhaps one it started for the job), else the
+        # environment's.
+        daemon = group.client.daemon if isinstance(group, ProcessGroupGradsync) else None
+        rank = dist.get_rank()
+    with _SESSIONS_LOCK:
+        store = _SESSIONS.get((job, rank, daemon))
+        if store is None or store.client.closed:
+            store = _SESSIONS[(job, rank, daemon)] = DaemonCheckpoints(
+                checkpoint_client(job, rank, daemon))
+        return store
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
