@@ -13,7 +13,14 @@ the optimizer state matters).  Options:
   (to overflow the daemon's budget): its save fails, training goes on;
 - `--async`: save with `dcp.async_save`, over a gloo group: torch's async_save
   accepts only groups that list a CPU backend in `pg._device_types`, which a
-  Python process group such as gradsync's leaves empty.
+  Python process group such as gradsync's leaves empty;
+- `--resume-if-any`: resume where the daemon holds a complete checkpoint of the
+  job (what a trainer restarted by `torchrun --max-restarts` does), else start;
+- `--all-die-mid-step K`: every rank SIGKILLs itself in step K, after backward;
+- `--die-attempt A`, `--all-die-attempt A`: under torchrun the two kinds of death
+  happen only in attempt A (`TORCHELASTIC_RESTART_COUNT`; default 0);
+- `--out DIR`: each rank marks its start in DIR (attempt-A-rank-R.started) and
+  writes its JSON record to DIR/rank-R.json too (torchrun's ranks share a stdout).
 
 Prints one JSON line per rank at the end: the final parameters (hex of their
 bytes), the step resumed from, the save errors seen.
@@ -43,10 +50,22 @@ parser.add_argument("--die-in-save", type=int, default=-1)
 parser.add_argument("--blob-mib", type=int, default=0)
 parser.add_argument("--blob-step", type=int, default=-1)
 parser.add_argument("--async", dest="use_async", action="store_true")
+parser.add_argument("--resume-if-any", action="store_true")
+parser.add_argument("--all-die-mid-step", type=int, default=-1)
+parser.add_argument("--die-attempt", type=int, default=0)
+parser.add_argument("--all-die-attempt", type=int, default=0)
+parser.add_argument("--out", default=None)
 args = parser.parse_args()
+ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+if ATTEMPT is not None and int(ATTEMPT) != args.die_attempt:
+    args.die_mid_step = args.die_in_save = -1
+if ATTEMPT is not None and int(ATTEMPT) != args.all_die_attempt:
+    args.all_die_mid_step = -1
 
 dist.init_process_group("gradsync", timeout=datetime.timedelta(seconds=20))
 RANK = dist.get_rank()
+if args.out is not None:
+    open(os.path.join(args.out, f"attempt-{ATTEMPT or 0}-rank-{RANK}.started"), "w").close()
 
 
 class DyingWriter(DaemonStorageWriter):
@@ -77,14 +96,14 @@ def train_step(step: int) -> None:
     targets = torch.randn(8, 4, generator=generator)
     optimizer.zero_grad()
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
-    if RANK == 1 and step == args.die_mid_step:
+    if (RANK == 1 and step == args.die_mid_step) or step == args.all_die_mid_step:
         os.kill(os.getpid(), signal.SIGKILL)
     optimizer.step()
 
 
 resumed_from = None
 start = 0
-if args.resume:
+if args.resume or (args.resume_if_any and writer.store.list()):
     # Every rank's model and optimizer hold their state after one step, so that the
     # optimizer's state dict has the entries the checkpoint fills.
     train_step(0)
@@ -117,6 +136,10 @@ if pending is not None:
     pending.result()
 
 params = {name: p.detach().numpy().tobytes().hex() for name, p in net.named_parameters()}
-print(json.dumps({"rank": RANK, "params": params, "resumed_from": resumed_from,
-                  "errors": errors, "checkpoints": writer.store.list()}), flush=True)
+record = json.dumps({"rank": RANK, "params": params, "resumed_from": resumed_from,
+                     "errors": errors, "checkpoints": writer.store.list()})
+print(record, flush=True)
+if args.out is not None:
+    with open(os.path.join(args.out, f"rank-{RANK}.json"), "w") as out:
+        out.write(record)
 dist.destroy_process_group()
