@@ -13,7 +13,8 @@ in one go, not page by page on first touch).  The daemon's reply to a put names
 the segment it set aside for the same part's next save (daemon/checkpoints.py,
 "spares"); once this save's copy is done (`premap_next`, also after a commit),
 that segment is mapped, and so its pages faulted in, on a background thread
-while training goes on, and the next put of the same size gets it mapped.
+while training goes on, and the next put of the same size gets it mapped.  The
+written part is unmapped on that thread too (`close_later`).
 """
 
 from __future__ import annotations
@@ -62,12 +63,6 @@ def _background() -> concurrent.futures.ThreadPoolExecutor:
 def _premap(name: str, nbytes: int) -> concurrent.futures.Future[mmap.mmap]:
     """`map_populated` in the background."""
     return _background().submit(map_populated, name, nbytes)
-
-
-def close_later(mapping: mmap.mmap) -> None:
-    """Unmap a written part in the background: tearing down a big mapping's page
-    tables takes as long as filling them in."""
-    _background().submit(_close, mapping)
 
 
 def _close(mapping: mmap.mmap) -> None:
@@ -131,6 +126,8 @@ class DaemonCheckpoints:
         self.job = job or self.job
         #: Per item: the daemon's spare for its next put, mapped in the background.
         self._spares: dict[str, _Spare] = {}
+        #: Written parts to unmap in the background (`close_later`).
+        self._written: list[mmap.mmap] = []
 
     def put(self, step: int, item: str, nbytes: int) -> mmap.mmap:
         """A daemon-owned segment of at least `nbytes` for this rank's `item` of `step`,
@@ -155,9 +152,19 @@ class DaemonCheckpoints:
             self._spares[item] = _Spare(*reply["spare"])
         return mapping
 
+    def close_later(self, mapping: mmap.mmap) -> None:
+        """Unmap a written part in the background, at `premap_next`: tearing down a big
+        mapping's page tables takes as long as filling them in."""
+        self._written.append(mapping)
+
     def premap_next(self) -> None:
-        """Start mapping, in the background, the segments the next puts will get (call
-        it once the copies of this save are done: the mapping faults pages in)."""
+        """In the background: unmap the parts written (`close_later`), then map the
+        segments the next puts will get.  Call it once the save no longer waits (after
+        the commit): while the kernel fills or clears page tables, this process's
+        other calls that touch its memory map (mmap, faults on new memory) wait."""
+        written, self._written = self._written, []
+        for mapping in written:
+            _background().submit(_close, mapping)
         for spare in self._spares.values():
             if spare.mapping is None:
                 spare.mapping = _premap(spare.name, spare.nbytes)

@@ -52,12 +52,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from gradsync.client.checkpoints import (
-    DaemonCheckpoints,
-    OpenedCheckpoint,
-    checkpoint_client,
-    close_later,
-)
+from gradsync.client.checkpoints import DaemonCheckpoints, OpenedCheckpoint, checkpoint_client
 from gradsync.client.client import Client
 from gradsync.client.torch.checkpoint_metadata import (
     StoredItem,
@@ -313,8 +308,9 @@ class DaemonStorageWriter(_DaemonStorage, StorageWriter, BlockingAsyncStager):
                 mapping = None  # the persister closes it
         finally:
             if mapping is not None:
-                close_later(mapping)
-        store.premap_next()  # the copy is done: map the next save's segment meanwhile
+                store.close_later(mapping)
+        if not self.is_coordinator:  # done here (the coordinator's commit starts it)
+            store.premap_next()
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
