@@ -81,8 +81,11 @@ def ways(folder: str, job: str) -> dict[str, Save]:
             "disk, dcp.async_save": disk_async}
 
 
-def measure(mib: int, saves: int, folder: str) -> dict[str, float]:
-    """Median blocked seconds per way for a state of `mib` MiB, ways in turns."""
+def measure(mib: int, saves: int, folder: str, gap_s: float) -> dict[str, float]:
+    """Median blocked seconds per way for a state of `mib` MiB, ways in turns, `gap_s`
+    between saves (a training step's room: what a save leaves to the background,
+    unmapping, the next spare, an async save's copy, lands there and not on the next
+    way's clock)."""
     count = mib * 2**18 // 10
     state = {f"t{i}": torch.randn(count) for i in range(10)}
     chosen = ways(folder, f"bench-save-{mib}")
@@ -92,6 +95,7 @@ def measure(mib: int, saves: int, folder: str) -> dict[str, float]:
             seconds = save(state, step)
             if step:
                 blocked[name].append(seconds)
+            time.sleep(gap_s)
         for entry in os.listdir(folder):  # keep one disk checkpoint at a time
             shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
     return {name: statistics.median(values) for name, values in blocked.items()}
@@ -102,6 +106,8 @@ def main() -> None:
     parser.add_argument("--mib", default="100,1024", help="state sizes, comma-separated")
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the disk checkpoints go")
+    parser.add_argument("--gap-s", type=float, default=1.0,
+                        help="seconds between saves, as a training step would leave")
     args = parser.parse_args()
     sizes = [int(size) for size in args.mib.split(",")]
     warnings.simplefilter("ignore")  # DCP's "no process group: one process" warnings
@@ -113,19 +119,20 @@ def main() -> None:
     try:
         with private_daemon("--max-shm-bytes", budget) as daemon:
             os.environ["GRADSYNC_DAEMON"] = daemon.endpoint
-            _report(sizes, args.saves, folder)
+            _report(sizes, args.saves, folder, args.gap_s)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _report(sizes: list[int], saves: int, folder: str) -> None:
+def _report(sizes: list[int], saves: int, folder: str, gap_s: float) -> None:
     """The markdown table: every way at every size, against the memory copy."""
     print(f"{machine.cpu_model()}, {os.cpu_count()} cores; median of {saves} saves "
-          "per way, ways in turns; seconds the caller is blocked per save\n")
+          f"per way, ways in turns, {gap_s:g} s between saves; seconds the caller is "
+          "blocked per save\n")
     print("| state | way | blocked (ms) | against the memory copy |")
     print("| --- | --- | ---: | ---: |")
     for mib in sizes:
-        medians = measure(mib, saves, folder)
+        medians = measure(mib, saves, folder, gap_s)
         floor = medians["memory copy"]
         for name, seconds in medians.items():
             print(f"| {mib} MiB | {name} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |",
