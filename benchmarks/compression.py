@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -138,20 +139,21 @@ def run_ranks(topo: topology.Topology, daemons: list[str], args: list[str],
 def allreduce_rank(iterations: int) -> dict[str, object]:
     """Median seconds of a 64 MiB allreduce per mode.
 
-    The modes take turns, each turn in an order rotated by one, and every timed
-    call starts from a barrier: identical calls timed back to back differ by up
-    to 10 % by their place in the turn alone (the rank that returns first from
-    the call before waits for the other inside the next one), so a fixed order
-    would charge one mode for its neighbour's end (measured 2026-12-05:
-    `none` twice in a fixed order, 38.8 against 35.3 ms)."""
+    The modes take turns, each turn in its own order (shuffled alike on every
+    rank), and every timed call starts from a barrier: identical calls timed
+    back to back differ by up to 10 % by their place in the turn alone (the rank
+    that returns first from the call before waits for the other inside the next
+    one; what a compressed call leaves behind is freed in the next), so a fixed
+    order would charge one mode for its neighbour (measured 2026-12-05: `none`
+    twice in a fixed order, 38.8 against 35.3 ms)."""
     from gradsync.client import Client
 
+    order = random.Random(0)  # the same orders on every rank: the calls must match
     with Client() as client:
         array = client.empty(16 * MIB, np.float32)
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for turn in range(iterations + 1):
-            shift = turn % len(MODES)
-            for mode in MODES[shift:] + MODES[:shift]:
+            for mode in order.sample(MODES, len(MODES)):
                 array[:] = 1.0
                 client.barrier()
                 start = time.perf_counter()
