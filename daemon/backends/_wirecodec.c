@@ -28,8 +28,15 @@
  * rounds once where the C rounds twice (tests/test_wire_codec.py compares each
  * variant with numpy).
  */
+#ifdef GRADSYNC_KERNELS_ONLY
+/* The kernels and variants alone, without the module: for a check built and run
+ * on another architecture with no Python there (tests/native/wirecodec_check.c). */
+#include <stddef.h>
+typedef ptrdiff_t Py_ssize_t;
+#else
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -295,6 +302,7 @@ static const char *runnable_names(void)
     return names;
 }
 
+#ifndef GRADSYNC_KERNELS_ONLY
 /* The format code and two buffers: float32 values (writable) and bytes of the
  * size the format gives them.  `values_at`: the argument holding the values. */
 static int take(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int values_at,
@@ -471,3 +479,4 @@ PyMODINIT_FUNC PyInit__wirecodec(void)
     }
     return PyModule_Create(&module);
 }
+#endif /* GRADSYNC_KERNELS_ONLY */
