@@ -62,6 +62,7 @@ from gradsync.client.torch.checkpoint_metadata import (
     parse_dtype,
 )
 from gradsync.client.torch.checkpoint_persist import Persister
+from gradsync.protocol.endpoint import default_endpoint
 
 __all__ = ["DaemonStorageReader", "DaemonStorageWriter"]
 
@@ -98,7 +99,7 @@ def _is_step(checkpoint_id: Any) -> bool:
 #: The checkpoint sessions of this process by (job, rank, daemon): a writer and a
 #: reader of one job and rank share one (the daemon admits one session per rank of
 #: `checkpoint:<job>#<rank>`: a second would be refused as "already connected").
-_SESSIONS: dict[tuple[str, int, str | None], DaemonCheckpoints] = {}
+_SESSIONS: dict[tuple[str, int, str], DaemonCheckpoints] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
@@ -116,11 +117,14 @@ def _connect(job: str | None, client: Client | None) -> DaemonCheckpoints:
         # environment's.
         daemon = group.client.daemon if isinstance(group, ProcessGroupGradsync) else None
         rank = dist.get_rank()
+    # Keyed by the daemon the session would reach now: the environment may name
+    # another one later in the process (a new daemon, a test's private one).
+    where = daemon or os.environ.get("GRADSYNC_DAEMON") or default_endpoint()
     with _SESSIONS_LOCK:
-        store = _SESSIONS.get((job, rank, daemon))
+        store = _SESSIONS.get((job, rank, where))
         if store is None or store.client.closed:
-            store = _SESSIONS[(job, rank, daemon)] = DaemonCheckpoints(
-                checkpoint_client(job, rank, daemon))
+            store = _SESSIONS[(job, rank, where)] = DaemonCheckpoints(
+                checkpoint_client(job, rank, where))
         return store
 
 
