@@ -151,6 +151,9 @@ def test_a_killed_daemons_dcp_checkpoint_loads_bitwise_from_its_successor(
 
 
 @pytest.mark.timeout(120)
+# Alone: another worker's daemon starting meanwhile sweeps the planted manifest (a dead
+# daemon's, as far as it can tell) before this one reads it (seen in a suite run).
+@pytest.mark.alone
 def test_a_corrupt_manifest_is_ignored_with_a_warning_and_all_is_swept(start: Start) -> None:
     first = start()
     save(first, "j", 1, b"one")
