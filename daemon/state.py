@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from gradsync.daemon.core.cluster import ClusterCounters
+from gradsync.daemon.core.cluster_context import ClusterCounters
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig

@@ -2,8 +2,9 @@
 
 Kept apart from `Job` so that matching stays about the local ranks: this is
 the state of a job whose world is larger than this daemon's ranks.  Its one
-writer is `ClusterJobs` (cluster.py): the inter-daemon phase (run/multi_node.py)
-and the request handlers (io/service.py) tell it what happened, and read.
+writer is the cluster core (`ClusterJobs` in cluster.py, and its parts): the
+inter-daemon phase (run/multi_node.py) and the request handlers (io/service.py)
+tell it what happened, and read.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class ClusterJob:
         self.incarnation = 0
         self.announcement: Announcement | None = None
         self.withdrawn = False
-        #: Why this daemon withdraws once its running collectives end (`ClusterJobs._break`).
+        #: Why this daemon withdraws once its running collectives end (`JobFailures.break_job`).
         self.withdrawal: GradsyncError | None = None
         #: The job ended normally: its ranks left after their last collective (a rank
         #: said `bye`, here or on a peer).  Its end is then news, not a warning.
