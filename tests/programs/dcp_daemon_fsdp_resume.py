@@ -1,5 +1,5 @@
 """FSDP2 training with a DCP checkpoint in daemon memory after every step, on ranks
-spread over daemons (tests/test_checkpoint_replicas.py).
+spread over daemons (tests/test_checkpoint_netns.py).
 
 argv: JOB STEPS [--stop-after K] [--resume]; ranks from env:// (RANK, WORLD_SIZE,
 MASTER_ADDR/PORT).  Fixed data order (each step's batch depends on step and rank
