@@ -151,6 +151,12 @@ class ReplicaStore:
                         replica.got, replica.nbytes, sender, why)
             self._release(replica)
 
+    def drop_unfinished(self, key: ReplicaKey, transfer: Transfer) -> None:
+        """Release the replica `transfer` left unfinished, if any (a pull given up)."""
+        replica = self.replicas.get(key)
+        if replica is not None and replica.transfer == transfer and not replica.complete:
+            self._release(replica)
+
     def expire(self, idle_s: float) -> None:
         """Drop replicas whose chunks stopped coming for `idle_s` (every wait has a
         deadline)."""

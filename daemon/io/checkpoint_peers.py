@@ -21,10 +21,19 @@
   step whose every part is held somewhere, pulls the parts it lacks ("pull":
   the holder sends them back as chunks) and serves them like its own.  That
   is how a replacement node's ranks load what the lost node's ranks saved.
+- The pull is pipelined: the opening daemon asks for up to `PULL_PARTS` parts
+  at once, and a holder queues a pulled part's chunks on the data stream
+  without waiting for each to reach the kernel, up to `PULL_WINDOW_BYTES` per
+  peer (shared by that peer's pulls: the copies queued stay bounded), so that
+  the stream never runs dry between chunks or parts.  Chunks of one part
+  arrive in order on one stream (the receiver places them in order); a pull
+  never yields to collectives (a rank's load waits for it).  Without a data
+  stream (ZeroMQ only) a pulled part goes a chunk at a time, as pushes do.
 
 Every wait has a deadline (`ANSWER_TIMEOUT_S`); a peer lost fails what waits
-on it at once.  Nothing here ever fails the job's training: a replica not made
-is a log line.
+on it at once, and so does a data stream from it that breaks mid-pull (its
+chunks are lost), dropping what it left half-pulled.  Nothing here ever fails
+the job's training: a replica not made is a log line.
 """
 
 from __future__ import annotations
@@ -33,13 +42,18 @@ import asyncio
 import collections
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from gradsync.daemon.backends import Slab
-from gradsync.daemon.checkpoint_replicas import ReplicaBusy, ReplicaDropped, ReplicaStore
+from gradsync.daemon.checkpoint_replicas import (
+    ReplicaBusy,
+    ReplicaDropped,
+    ReplicaKey,
+    ReplicaStore,
+)
 from gradsync.daemon.checkpoints import Checkpoint, CheckpointStore
 from gradsync.daemon.core.cluster import ClusterCounters
 from gradsync.daemon.peers.links import PeerLinks
@@ -47,6 +61,7 @@ from gradsync.protocol.errors import (
     CheckpointError,
     GradsyncError,
     InvalidArgumentError,
+    PeerLostError,
     ProtocolError,
 )
 from gradsync.protocol.peer import (
@@ -63,6 +78,12 @@ log = logging.getLogger("gradsync.daemon.checkpoints")
 
 #: Bytes of a part per chunk: a collective waits behind at most one of them.
 CHUNK_BYTES = 1 << 20
+#: Chunks of pulled parts queued for one peer beyond what the kernel took, at most
+#: (`PULL_WINDOW_BYTES`): enough that the stream never runs dry between chunks.
+PULL_WINDOW_CHUNKS = 8
+PULL_WINDOW_BYTES = PULL_WINDOW_CHUNKS * CHUNK_BYTES
+#: Parts one open pulls at once.
+PULL_PARTS = 4
 #: How long a chunk yields to running collectives, at most.
 YIELD_AT_MOST_S = 2.0
 #: How often a waiting chunk looks again whether the collectives are done.
@@ -94,7 +115,7 @@ class CheckpointPeers:
         #: What we wait for an answer to, by req: (peer, future).
         self._pending: dict[int, tuple[str, asyncio.Future[CkptAnswer]]] = {}
         #: Our pulls under way: req -> the replica key they fill.
-        self._pulls: dict[int, tuple[str, int, str, int, str]] = {}
+        self._pulls: dict[int, ReplicaKey] = {}
         #: Pushes we dropped (peer, req): their later chunks are ignored quietly.
         self._refused: set[tuple[str, int]] = set()
         self._queues: dict[str, collections.deque[tuple[str, int]]] = {}
@@ -102,6 +123,10 @@ class CheckpointPeers:
         self._workers: dict[str, asyncio.Task[None]] = {}
         #: Per job, held while an open asks the peers and pulls.
         self._opening: dict[str, asyncio.Lock] = {}
+        #: Per peer, the chunks of pulls by it we may still queue (`_stream_pulled`).
+        self._windows: dict[str, asyncio.Semaphore] = {}
+        #: Pulls we gave up: their later chunks are ignored quietly.
+        self._abandoned: set[int] = set()
         self.counters = counters or ClusterCounters()
 
     @property
@@ -168,8 +193,15 @@ class CheckpointPeers:
                 self.replicate(newest, only=peer)
 
     def stream_broken(self, peer: str, why: str) -> None:
-        """Chunks from `peer` may be lost: what it had not finished is dropped."""
+        """Chunks from `peer` may be lost: what it had not finished is dropped, and our
+        pulls from it fail at once (their replicas are among the dropped)."""
         self.replicas.drop_from(peer, f"broke the data stream ({why})")
+        for req in list(self._pulls):
+            asked, waiter = self._pending.get(req, (None, None))
+            if asked == peer and waiter is not None and not waiter.done():
+                waiter.set_exception(CheckpointError(
+                    f"the data stream with peer daemon {peer} broke mid-pull ({why})",
+                    {"peer": peer}))
 
     # -- asking and answering -------------------------------------------------
 
@@ -377,31 +409,74 @@ class CheckpointPeers:
 
     async def _send_part(self, peer: str, req: int, pull: bool, job: str, step: int,
                          where: CkptWhere, stop: asyncio.Future[Any] | None = None) -> None:
-        """Send one part as chunks, each once the link is idle (or waited long enough),
-        a pulled one at once; stops early when `stop` is done (the receiver answered:
-        dropped)."""
-        slab = self._part(job, step, where)
-        if slab is None:
-            raise CheckpointError(f"part {where} of step {step} of job {job!r} is not held "
-                                  f"on {self.endpoint}")
-        nbytes, off = slab.nbytes, 0
-        while off < nbytes and not (stop is not None and stop.done()):
+        """Send one part as chunks: a pushed one a chunk at a time, each once the link
+        is idle (or waited long enough); a pulled one at once, pipelined over the data
+        stream (`_stream_pulled`).  Stops early when `stop` is done (the receiver
+        answered: dropped)."""
+        nbytes = self._held(job, step, where).nbytes
+        if pull and self.links.stream_open(peer):
+            await self._stream_pulled(peer, req, job, step, where, nbytes)
+            return
+        for off in range(0, nbytes, CHUNK_BYTES):
+            if stop is not None and stop.done():
+                return
             if not pull:
                 # A pull never yields: a rank's load waits for it, and that rank's job
                 # often waits in a collective for the load (DCP gathers the plans),
                 # which would hold every chunk back for YIELD_AT_MOST_S.
                 await self._idle(peer)
-            slab = self._part(job, step, where)
-            if slab is None or slab.nbytes != nbytes:
-                raise CheckpointError(f"part {where} of step {step} of job {job!r} was "
-                                      "dropped here while being sent (a newer one pruned it)")
-            count = min(CHUNK_BYTES, nbytes - off)
-            view = slab.view(off, count, _BYTE)
-            data = view.tobytes()  # a copy: the segment may be released while it is sent
-            del view
-            chunk = CkptChunk(job, req, pull, step, *where, nbytes, off)
-            await self.links.send(peer, chunk.to_wire(), [data])
-            off += count
+            await self.links.send(peer, *self._chunk(req, pull, job, step, where, nbytes, off))
+
+    def _held(self, job: str, step: int, where: CkptWhere) -> Slab:
+        """The segment of a part held here (`CheckpointError` if not held)."""
+        slab = self._part(job, step, where)
+        if slab is None:
+            raise CheckpointError(f"part {where} of step {step} of job {job!r} is not held "
+                                  f"on {self.endpoint}")
+        return slab
+
+    def _chunk(self, req: int, pull: bool, job: str, step: int, where: CkptWhere,
+               nbytes: int, off: int) -> tuple[dict[str, Any], list[bytes]]:
+        """The chunk of a part at `off`: its header and a copy of its bytes (the
+        segment may be released while the chunk is on its way)."""
+        slab = self._part(job, step, where)
+        if slab is None or slab.nbytes != nbytes:
+            raise CheckpointError(f"part {where} of step {step} of job {job!r} was "
+                                  "dropped here while being sent (a newer one pruned it)")
+        view = slab.view(off, min(CHUNK_BYTES, nbytes - off), _BYTE)
+        data = view.tobytes()
+        del view
+        return CkptChunk(job, req, pull, step, *where, nbytes, off).to_wire(), [data]
+
+    async def _stream_pulled(self, peer: str, req: int, job: str, step: int,
+                             where: CkptWhere, nbytes: int) -> None:
+        """Queue a pulled part's chunks on the data stream to `peer` without waiting
+        for each: up to `PULL_WINDOW_BYTES` (shared by the peer's pulls) beyond what
+        the kernel took, so that the stream never runs dry between chunks and the
+        copies stay bounded.  Returns once the kernel has them all."""
+        window = self._windows.setdefault(peer, asyncio.Semaphore(PULL_WINDOW_CHUNKS))
+        queued: list[asyncio.Future[Any]] = []
+        for off in range(0, nbytes, CHUNK_BYTES):
+            await _within(window.acquire(), f"room to send a pulled chunk to {peer}")
+            try:
+                if not self.links.stream_open(peer):  # it broke: the pull fails there
+                    raise PeerLostError(f"the data stream to peer daemon {peer} closed "
+                                        "mid-pull", {"peer": peer})
+                sent = self.links.send_nowait(
+                    peer, *self._chunk(req, True, job, step, where, nbytes, off))
+            except BaseException:
+                window.release()
+                raise
+            sent.add_done_callback(lambda _: window.release())
+            queued.append(sent)
+            while queued and queued[0].done():
+                _check_sent(peer, queued.pop(0))
+        if queued:
+            done, _ = await asyncio.wait(queued, timeout=ANSWER_TIMEOUT_S,
+                                         return_when=asyncio.FIRST_EXCEPTION)
+            for sent in queued:
+                if sent not in done or sent.exception() is not None:
+                    _check_sent(peer, sent)
 
     async def _idle(self, peer: str) -> None:
         """Wait while a collective spanning `peer` runs here, `YIELD_AT_MOST_S` at most."""
@@ -417,6 +492,8 @@ class CheckpointPeers:
             raise ProtocolError("ckpt_chunk: one payload of bytes expected")
         data = memoryview(payloads[0]).cast("B")
         key = (chunk.job, chunk.step, chunk.origin, chunk.rank, chunk.item)
+        if chunk.pull and chunk.req in self._abandoned:
+            return
         if chunk.pull and self._pulls.get(chunk.req) != key:
             raise ProtocolError(f"ckpt_chunk: a pull (req {chunk.req}) we did not ask for")
         if not chunk.pull and (peer, chunk.req) in self._refused:
@@ -483,12 +560,30 @@ class CheckpointPeers:
         entries += [(peer, held) for peer, answer in answers.items()
                     if isinstance(answer, CkptAnswer) for held in answer.held]
         chosen, sources = choose_step(job, step, entries)
-        parts: dict[CkptPart, Slab] = {}
-        for part, where in sorted(sources.items()):
-            parts[part] = await self._fetch(job, chosen, part, where)
+        parts = await self._fetch_all(job, chosen, sources)
         log.info("checkpoint step %d of job %r opened from the peers' parts and replicas",
                  chosen, job)
         return chosen, parts
+
+    async def _fetch_all(self, job: str, step: int, sources: Mapping[CkptPart, list[Source]]
+                         ) -> dict[CkptPart, Slab]:
+        """Every part here, `PULL_PARTS` pulled at once; the first that cannot be
+        fetched fails the open at once, and the others' pulls stop."""
+        room = asyncio.Semaphore(PULL_PARTS)
+
+        async def fetch(part: CkptPart, where: list[Source]) -> Slab:
+            async with room:
+                return await self._fetch(job, step, part, where)
+
+        loop = asyncio.get_running_loop()
+        tasks = {part: loop.create_task(fetch(part, where), name=f"pull of part {part}")
+                 for part, where in sorted(sources.items())}
+        try:
+            await asyncio.gather(*tasks.values())
+        finally:
+            for task in tasks.values():
+                task.cancel()
+        return {part: task.result() for part, task in tasks.items()}
 
     async def _fetch(self, job: str, step: int, part: CkptPart,
                      sources: list[Source]) -> Slab:
@@ -502,14 +597,14 @@ class CheckpointPeers:
             if holder == self.endpoint:
                 continue
             req = next(self._reqs)
-            self._pulls[req] = (job, step, origin, *part)
+            key = self._pulls[req] = (job, step, origin, *part)
             try:
                 answer = await self.ask(holder, job, "pull", step, part=(origin, *part), req=req)
             except CheckpointError as exc:
                 errors.append(exc.message)
                 continue
             finally:
-                self._pulls.pop(req, None)
+                self._end_pull(req, key, holder)
             slab = self._part(job, step, (origin, *part))
             if answer.ok and slab is not None:
                 return slab
@@ -517,6 +612,37 @@ class CheckpointPeers:
         raise CheckpointError(f"part {part} (rank, item) of checkpoint step {step} of job "
                               f"{job!r} could not be fetched: {'; '.join(errors)}",
                               {"job": job, "step": step})
+
+    def _end_pull(self, req: int, key: ReplicaKey, holder: str) -> None:
+        """A pull is over: a replica it left unfinished is released now (not at its
+        expiry), and chunks still on their way are ignored."""
+        self._pulls.pop(req, None)
+        self.replicas.drop_unfinished(key, (holder, req, True))
+        if len(self._abandoned) > 1024:
+            self._abandoned.clear()
+        self._abandoned.add(req)
+
+
+async def _within(waited: Awaitable[Any], what: str) -> Any:
+    """What `waited` gives, or `CheckpointError` after `ANSWER_TIMEOUT_S`."""
+    try:
+        return await asyncio.wait_for(waited, ANSWER_TIMEOUT_S)
+    except TimeoutError:
+        raise CheckpointError(f"no {what} within {ANSWER_TIMEOUT_S:g}s") from None
+
+
+def _check_sent(peer: str, sent: asyncio.Future[Any]) -> None:
+    """Raise why a queued chunk is not with the kernel: not within the deadline
+    (`CheckpointError`), or the stream broke or the peer was lost (`GradsyncError`)."""
+    if not sent.done():
+        raise CheckpointError(f"chunks pulled by peer daemon {peer} were not sent within "
+                              f"{ANSWER_TIMEOUT_S:g}s", {"peer": peer})
+    exc = sent.exception()
+    if isinstance(exc, GradsyncError):
+        raise exc
+    if exc is not None:
+        raise PeerLostError(f"the data stream to peer daemon {peer} broke: {exc}",
+                            {"peer": peer})
 
 
 def choose_step(job: str, step: int | None, entries: Iterable[tuple[str, CkptHeld]]
