@@ -115,7 +115,7 @@ class Peering:
             busy=self._busy, counters=self.cluster.counters)
         service.checkpoint_peers = self.checkpoints
         runner = CrossDaemonRunner(
-            self.cluster, service.loop, service.run_call, service.stats, service.trace,
+            self.cluster, service.loop, service.offload.run, service.stats, service.trace,
             alive=lambda segment: service.buffers.get(segment) is not None,
         )
         service.join_cluster(self.cluster, runner)

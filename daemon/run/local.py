@@ -27,6 +27,7 @@ from gradsync.daemon.core.collectives import MatchedCollective, run_local
 from gradsync.daemon.core.deadlines import Deadlines
 from gradsync.daemon.core.matching import Job, PendingCollective
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
+from gradsync.daemon.run.offload import Offload
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -53,6 +54,7 @@ class LocalRuns:
         executor: concurrent.futures.ThreadPoolExecutor,
         stats: StatsRecorder,
         trace: TraceRecorder,
+        offload: Offload,
     ) -> None:
         self.state = state
         self.config = state.config
@@ -61,6 +63,7 @@ class LocalRuns:
         self.executor = executor
         self.stats = stats
         self.trace = trace
+        self.offload = offload
         #: Tasks of running collectives, and the collectives themselves (by id).
         self.running: set[asyncio.Task[None]] = set()
         self.in_flight: dict[int, PendingCollective] = {}
@@ -103,7 +106,7 @@ class LocalRuns:
 
         async def here(arrays: list[Any]) -> None:
             ins, outs = by_rank(arrays)
-            await self.run_call(
+            await self.offload.run(
                 lambda: run_local(kind, ins, outs, job.world_size, chunk, op, root), nbytes
             )
 
@@ -246,18 +249,12 @@ class LocalRuns:
             error = GradsyncError(f"key {ready.key!r} of {job.describe()} failed in the "
                                   f"daemon: {exc}")
         if job.multi_node and self.cluster is not None:
-            # Tell the other daemons, so their clients do not wait for the deadline.
-            self.cluster.abort(job, ready.key, as_collective_error(error))
+            if ready.key not in job.failed:  # else aborted where it failed (run/multi_node.py)
+                # Tell the other daemons, so their clients do not wait for the deadline.
+                self.cluster.abort(job, ready.key, as_collective_error(error))
         else:
             job.remember_failure(ready.key, error)
         self.fail(ready, error)
-
-    async def run_call(self, work: Callable[[], None], nbytes: int) -> None:
-        """Run `work` inline when it touches little memory, else on the thread pool."""
-        if nbytes <= self.config.inline_reduce_bytes:
-            work()
-        else:
-            await self.loop.run_in_executor(self.executor, work)
 
     def _succeed(self, job: Job, ready: PendingCollective) -> None:
         if self.state.shutting_down:

@@ -66,7 +66,7 @@ class CrossDaemonRunner:
         self,
         cluster: ClusterJobs,
         loop: asyncio.AbstractEventLoop,
-        run_call: Callable[[Callable[[], None], int], Awaitable[None]],
+        offload: Callable[[Callable[[], None], int], Awaitable[None]],
         stats: StatsRecorder | None = None,
         trace: TraceRecorder | None = None,
         alive: Callable[[int], bool] = lambda segment: True,
@@ -75,7 +75,7 @@ class CrossDaemonRunner:
         self.config: DaemonConfig = cluster.config
         self.transport: PeerTransport = cluster.transport
         self.loop = loop
-        self.run_call = run_call
+        self.offload = offload
         self.stats = stats
         self.trace = trace
         #: Timings of this daemon's allreduces, from which it fits `auto`'s figures.
@@ -124,7 +124,7 @@ class CrossDaemonRunner:
         await self._drive_run(job, ready, collective, formation, me, plan, run, deadline)
         phase_start = time.monotonic()
         if plan.after is not None:
-            await self.run_call(plan.after, plan.work.nbytes)
+            await self.offload(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
 
     async def _formation(self, job: Job, ready: PendingCollective, deadline: float) -> Formation:
@@ -228,10 +228,10 @@ class CrossDaemonRunner:
         """Fill the work buffer from the local ranks (and fold the residual in)."""
         phase_start = time.monotonic()
         if plan.before is not None:
-            await self.run_call(plan.before, plan.work.nbytes)
+            await self.offload(plan.before, plan.work.nbytes)
         if residual is not None:
             work = plan.work
-            await self.run_call(lambda: fold_in(work, residual), work.nbytes)
+            await self.offload(lambda: fold_in(work, residual), work.nbytes)
         self._trace(job, "local phase", phase_start, ready.key)
 
     def _schedule_run(
