@@ -59,6 +59,8 @@ class DaemonState:
         self.fast_counters: Callable[[], Mapping[str, int]] = dict
         #: Error feedback's residuals held (run/residuals.py), once this daemon has peers.
         self.error_feedback: Callable[[], Mapping[str, int]] = dict
+        #: Deadline timers armed and not yet fired or cancelled (io/loop_clock.py).
+        self.deadline_timers: Callable[[], int] = lambda: 0
         #: Set once the daemon begins to stop: no new requests, no results.
         self.shutting_down = False
 
@@ -76,6 +78,7 @@ class DaemonState:
             "stats_rejected_keys": stats.stats_rejected_keys,
             "slices_placed": cluster.slices_placed,
             "early_refused": cluster.early_refused,
+            "deadline_timers": self.deadline_timers(),
             **self.fast_counters(),
             **{f"links_{name}": value for name, value in self.link_counters().items()},
         }

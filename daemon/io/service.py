@@ -31,6 +31,7 @@ from gradsync.daemon.io.loop_clock import LoopClock
 from gradsync.daemon.run.fast_path import FastPages
 from gradsync.daemon.run.local import LocalRuns
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
+from gradsync.daemon.run.offload import Offload
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -106,15 +107,17 @@ class GradsyncService:
         self.cluster: ClusterJobs | None = None
         self.stats = StatsRecorder()
         self.trace = TraceRecorder()
-        #: Where matched collectives run and are answered.
-        self.runs = LocalRuns(state, loop, self.buffers, self.executor, self.stats, self.trace)
         #: Reduction work inline or on the pool (the inter-daemon phase uses it too).
-        self.run_call = self.runs.run_call
+        self.offload = Offload(loop, self.executor, config.inline_reduce_bytes)
+        #: Where matched collectives run and are answered.
+        self.runs = LocalRuns(state, loop, self.buffers, self.executor, self.stats, self.trace,
+                              self.offload)
         #: The single-node jobs' shared-memory fast path.
         self.fast = FastPages(self.buffers, config.fast_path_bytes, loop)
         state.fast_counters = self.fast.counters
         #: Time as the core sees it: the event loop's clock and timers.
         self.clock = LoopClock(loop)
+        state.deadline_timers = lambda: self.clock.armed
         #: Every waiting key's deadline (the core decides; the loop only calls back).
         self.deadlines = Deadlines(self.jobs, self.clock, self.fast.fast_ranks, self.runs.fail)
 
