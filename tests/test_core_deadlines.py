@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from gradsync.daemon.core.deadlines import FAST_FOLLOW_S, Deadlines
-from gradsync.daemon.core.matching import Job, Key, Member, PendingCollective, Submission
+from gradsync.daemon.core.matching import CollectiveCall, Job, Key, Member, Submission
 from gradsync.protocol.errors import CollectiveTimeoutError, GradsyncError
 from gradsync.protocol.peer import Fingerprint
 
@@ -65,7 +65,7 @@ class Harness:
         self.job = Job("train", ranks, ranks, self.clock.now)
         for rank in range(ranks):
             self.job.add_member(Member(rank, rank, 100 + rank, rank))
-        self.failed: list[tuple[PendingCollective, CollectiveTimeoutError]] = []
+        self.failed: list[tuple[CollectiveCall, CollectiveTimeoutError]] = []
         self.answers: dict[int, GradsyncError | None] = {}
         #: Ranks "on the fast page" for every key (they come to the socket).
         self.fast = fast or set()
@@ -75,14 +75,14 @@ class Harness:
     def _fast_ranks(self, job_name: str, key: Key) -> set[int]:
         return set(self.fast)
 
-    def _expired(self, pending: PendingCollective, error: CollectiveTimeoutError) -> None:
+    def _expired(self, pending: CollectiveCall, error: CollectiveTimeoutError) -> None:
         self.failed.append((pending, error))
         for rank, submission in pending.submissions.items():
             submission.respond(error)
             self.answers[rank] = error
 
     def submit(self, rank: int, key: Key, timeout_s: float, waited_s: float = 0.0
-               ) -> PendingCollective | None:
+               ) -> CollectiveCall | None:
         submission = Submission(rank, Fingerprint("allreduce", "float32", 4, "sum"), None,
                                 lambda error, timing=None: None, timeout_s)
         ready = self.job.submit(key, submission)

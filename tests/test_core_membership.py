@@ -19,7 +19,7 @@ import pytest
 from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
-from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
+from gradsync.daemon.core.matching import CollectiveCall, Job, Member, Submission
 from gradsync.daemon.core.membership import Announcement, form
 from gradsync.daemon.run.executor import ScheduleRun
 from gradsync.protocol import peer as wire
@@ -66,13 +66,13 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 class RecordedFailures:
-    """The daemon's failure path as the core sees it (run/local.py's LocalRuns.fail):
-    what the core failed, answered once, as LocalRuns answers."""
+    """The daemon's failure path as the core sees it (run/runs.py's CollectiveRuns.fail):
+    what the core failed, answered once, as CollectiveRuns answers."""
 
     def __init__(self) -> None:
         self.failed: list[tuple[Any, GradsyncError]] = []
 
-    def fail(self, pending: PendingCollective, error: GradsyncError) -> None:
+    def fail(self, pending: CollectiveCall, error: GradsyncError) -> None:
         self.failed.append((pending.key, error))
         for submission in pending.submissions.values():
             submission.respond(error)
@@ -129,7 +129,7 @@ def test_a_lost_peer_fails_a_pending_collective_through_the_one_failure_path(
 ) -> None:
     """Rank 0 of two local ranks submitted key 0 (rank 1 has not): the peer holding
     rank 2 is lost, and the pending key goes to the failure path, which answers it
-    once (LocalRuns.fail: counted in the statistics, its deadline cancelled)."""
+    once (CollectiveRuns.fail: counted in the statistics, its deadline cancelled)."""
     cluster, _, jobs = core(loop)
     job = Job("three", 3, 2, still_clock)
     for rank in (0, 1):

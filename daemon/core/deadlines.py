@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from gradsync.protocol.errors import CollectiveTimeoutError
 
 if TYPE_CHECKING:
-    from gradsync.daemon.core.matching import Job, Key, PendingCollective, Submission
+    from gradsync.daemon.core.matching import CollectiveCall, Job, Key, Submission
 
 log = logging.getLogger("gradsync.daemon")
 
@@ -49,7 +49,7 @@ class Deadlines:
         jobs: dict[str, Job],
         clock: Clock,
         fast_ranks: Callable[[str, Key], set[int]],
-        expired: Callable[[PendingCollective, CollectiveTimeoutError], None],
+        expired: Callable[[CollectiveCall, CollectiveTimeoutError], None],
     ) -> None:
         self.jobs = jobs
         self.clock = clock
@@ -58,7 +58,7 @@ class Deadlines:
         #: Told of a key that timed out (it answers every submitter).
         self._expired = expired
 
-    def waiting(self, job: Job, pending: PendingCollective, submission: Submission,
+    def waiting(self, job: Job, pending: CollectiveCall, submission: Submission,
                 waited_s: float = 0.0) -> None:
         """`submission` joined `pending`, which still waits for other local ranks.
 
@@ -82,7 +82,7 @@ class Deadlines:
             pending.timer = self.clock.call_later(remaining_s, lambda: self.expire(name, key))
 
     @staticmethod
-    def settled(pending: PendingCollective) -> None:
+    def settled(pending: CollectiveCall) -> None:
         """`pending` matched, or failed: its deadline no longer counts."""
         if pending.timer is not None:
             pending.timer.cancel()
@@ -108,11 +108,11 @@ class Deadlines:
             log.warning("%s", error.message)
             self._expired(pending, error)
 
-    def report_stalls(self, limit_s: float, running: Iterable[PendingCollective]) -> None:
+    def report_stalls(self, limit_s: float, running: Iterable[CollectiveCall]) -> None:
         """Log, once per collective, one waiting longer than `limit_s` and for whom:
         for local ranks (pending), or for peer daemons (`running`, multi-node)."""
         now = self.clock.now()
-        running_by_key: dict[tuple[str, Key], PendingCollective] = {}
+        running_by_key: dict[tuple[str, Key], CollectiveCall] = {}
         for pending in running:
             running_by_key.setdefault((pending.job_name, pending.key), pending)
         for job in list(self.jobs.values()):

@@ -14,7 +14,7 @@ from gradsync.protocol.errors import GradsyncError
 from gradsync.protocol.peer import Fingerprint
 
 if TYPE_CHECKING:
-    from gradsync.daemon.core.matching import PendingCollective
+    from gradsync.daemon.core.matching import CollectiveCall
 
 
 class PlacedPayload:
@@ -117,9 +117,9 @@ class PeerTransport(Protocol):
 class FailedCollectives(Protocol):
     """Where the core sends a collective it fails before it ran: the one failure path,
     which answers its ranks once, counts it and cancels its deadline
-    (`run.local.LocalRuns` is the one)."""
+    (`run.runs.CollectiveRuns` is the one)."""
 
-    def fail(self, pending: PendingCollective, error: GradsyncError) -> None: ...
+    def fail(self, pending: CollectiveCall, error: GradsyncError) -> None: ...
 
 
 class _NotConnected:

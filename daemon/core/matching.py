@@ -55,8 +55,10 @@ class Submission:
 
 
 @dataclasses.dataclass
-class PendingCollective:
-    """A key for which some, not yet all, members have submitted."""
+class CollectiveCall:
+    """One key's collective on this daemon, from its first local submission to
+    its answer: waiting for the other local ranks (in `Job.pending`), then,
+    once every one has submitted, running (`run/runs.py`)."""
 
     key: Key
     first_seen: float
@@ -94,7 +96,7 @@ class Job:
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.members: dict[int, Member] = {}
-        self.pending: dict[Key, PendingCollective] = {}
+        self.pending: dict[Key, CollectiveCall] = {}
         self.failed: OrderedDict[Key, GradsyncError] = OrderedDict()
         self.broken: GradsyncError | None = None
         self.completed = 0
@@ -138,7 +140,7 @@ class Job:
                 )
         self.members[member.rank] = member
 
-    def remove_member(self, rank: int, reason: str) -> list[PendingCollective]:
+    def remove_member(self, rank: int, reason: str) -> list[CollectiveCall]:
         """Drop a member; the job is broken for everyone else. Returns failed pendings."""
         member = self.members.pop(rank, None)
         if member is None:
@@ -154,7 +156,7 @@ class Job:
 
     # -- matching -----------------------------------------------------------
 
-    def submit(self, key: Key, submission: Submission) -> PendingCollective | None:
+    def submit(self, key: Key, submission: Submission) -> CollectiveCall | None:
         """Record a submission; return the collective once every member is in.
 
         Raises the error the submitter should get at once (job broken, key
@@ -173,7 +175,7 @@ class Job:
         pending = self.pending.get(key)
         if pending is None:
             now = self.clock()
-            pending = PendingCollective(key, now, submission.timeout_s, job_name=self.name)
+            pending = CollectiveCall(key, now, submission.timeout_s, job_name=self.name)
             self.pending[key] = pending
         if submission.rank in pending.submissions:
             raise InvalidArgumentError(
@@ -187,7 +189,7 @@ class Job:
         pending.matched_at = submission.submitted_at
         return pending
 
-    def mismatch(self, pending: PendingCollective) -> MismatchError | None:
+    def mismatch(self, pending: CollectiveCall) -> MismatchError | None:
         """A `MismatchError` naming every rank's fingerprint, if they disagree."""
         prints = {sub.fingerprint for sub in pending.submissions.values()}
         if len(prints) == 1:
@@ -210,7 +212,7 @@ class Job:
         self.remember_failure(pending.key, error)
         return error
 
-    def expire(self, key: Key) -> tuple[PendingCollective, CollectiveTimeoutError] | None:
+    def expire(self, key: Key) -> tuple[CollectiveCall, CollectiveTimeoutError] | None:
         """Time out a pending collective; the error names the missing ranks."""
         pending = self.pending.pop(key, None)
         if pending is None:

@@ -3,7 +3,7 @@
 `GradsyncService` checks each decoded request (`session.py` feeds them in),
 keeps the sessions' jobs and segments, and matches what the local ranks
 submit, with each collective's deadline; a matched collective runs in
-`run/local.py`.  `server.py` runs the lifecycle.  Everything here runs on the
+`run/runs.py`.  `server.py` runs the lifecycle.  Everything here runs on the
 event loop.
 """
 
@@ -26,12 +26,12 @@ from gradsync.daemon.checkpoints import CheckpointStore
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
 from gradsync.daemon.core.deadlines import Deadlines
-from gradsync.daemon.core.matching import Job, Member, PendingCollective, Submission
+from gradsync.daemon.core.matching import CollectiveCall, Job, Member, Submission
 from gradsync.daemon.io.loop_clock import LoopClock
 from gradsync.daemon.run.fast_path import FastPages
-from gradsync.daemon.run.local import LocalRuns
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.run.offload import Offload
+from gradsync.daemon.run.runs import CollectiveRuns
 from gradsync.daemon.state import DaemonState
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.daemon.trace import TraceRecorder
@@ -110,7 +110,7 @@ class GradsyncService:
         #: Reduction work inline or on the pool (the inter-daemon phase uses it too).
         self.offload = Offload(loop, self.executor, config.inline_reduce_bytes)
         #: Where matched collectives run and are answered.
-        self.runs = LocalRuns(state, loop, self.buffers, self.executor, self.stats, self.trace,
+        self.runs = CollectiveRuns(state, loop, self.buffers, self.executor, self.stats, self.trace,
                               self.offload)
         #: The single-node jobs' shared-memory fast path.
         self.fast = FastPages(self.buffers, config.fast_path_bytes, loop)
@@ -453,7 +453,7 @@ class GradsyncService:
 
     def _submit(
         self, job: Job, key: Any, submission: Submission, waited_s: float = 0.0
-    ) -> PendingCollective | None:
+    ) -> CollectiveCall | None:
         """Match a submission; the collective once all local ranks are in and agree.
 
         `waited_s`: how long the submitter already waited for this key on the

@@ -51,7 +51,7 @@ from gradsync.protocol.peer import Slice
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
-    from gradsync.daemon.core.matching import Job, PendingCollective
+    from gradsync.daemon.core.matching import CollectiveCall, Job
 
 log = logging.getLogger("gradsync.daemon.cluster")
 
@@ -100,7 +100,7 @@ class CrossDaemonRunner:
     async def run_plan(
         self,
         job: Job,
-        ready: PendingCollective,
+        ready: CollectiveCall,
         collective: MatchedCollective,
         ins: Views,
         outs: Views,
@@ -127,7 +127,7 @@ class CrossDaemonRunner:
             await self.offload(plan.after, plan.work.nbytes)
         self._trace(job, "write-back", phase_start, ready.key)
 
-    async def _formation(self, job: Job, ready: PendingCollective, deadline: float) -> Formation:
+    async def _formation(self, job: Job, ready: CollectiveCall, deadline: float) -> Formation:
         """The job's formation across daemons, once every rank has joined somewhere."""
         formation = job.across.formation
         if formation is not None:
@@ -145,7 +145,7 @@ class CrossDaemonRunner:
             ) from None
 
     async def _algorithm(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective,
         formation: Formation, deadline: float,
     ) -> tuple[Formation, str | None]:
         """Offer this daemon's link costs; for a kind whose algorithm is chosen per call,
@@ -164,7 +164,7 @@ class CrossDaemonRunner:
         return formation, choice.algorithm
 
     def _compression(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective,
         formation: Formation,
     ) -> MatchedCollective:
         """The collective with `auto` compression settled: the format (or none) every
@@ -210,7 +210,7 @@ class CrossDaemonRunner:
             log.debug("codec rates not measured: %s", exc)
 
     def _codec(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective, plan: Plan
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective, plan: Plan
     ) -> tuple[WireCodec | None, np.ndarray | None]:
         """The wire codec of a compressed collective and its error-feedback residual."""
         codec = CODECS[collective.compression] if collective.compression else None
@@ -223,7 +223,7 @@ class CrossDaemonRunner:
         return codec, self._residual(job, ready, collective)
 
     async def _local_phase(
-        self, job: Job, ready: PendingCollective, plan: Plan, residual: np.ndarray | None
+        self, job: Job, ready: CollectiveCall, plan: Plan, residual: np.ndarray | None
     ) -> None:
         """Fill the work buffer from the local ranks (and fold the residual in)."""
         phase_start = time.monotonic()
@@ -235,7 +235,7 @@ class CrossDaemonRunner:
         self._trace(job, "local phase", phase_start, ready.key)
 
     def _schedule_run(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective,
         formation: Formation, me: int, plan: Plan, codec: WireCodec | None,
         residual: np.ndarray | None,
     ) -> ScheduleRun:
@@ -274,7 +274,7 @@ class CrossDaemonRunner:
         )
 
     async def _drive_run(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective,
         formation: Formation, me: int, plan: Plan, run: ScheduleRun, deadline: float,
     ) -> None:
         """Drive the schedule to its end, then meter and trace it."""
@@ -295,7 +295,7 @@ class CrossDaemonRunner:
             self._trace_run(job, ready, collective, formation, me, run, data_phase)
 
     def _trace_run(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective,
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective,
         formation: Formation, me: int, run: ScheduleRun, data_phase: float,
     ) -> None:
         assert self.trace is not None
@@ -320,7 +320,7 @@ class CrossDaemonRunner:
             return self._codec_pool
 
     def _residual(
-        self, job: Job, ready: PendingCollective, collective: MatchedCollective
+        self, job: Job, ready: CollectiveCall, collective: MatchedCollective
     ) -> np.ndarray | None:
         """The error-feedback residual of this collective's buffer (the lowest local
         rank's input slot: the work buffer's size), or None without error feedback
@@ -347,7 +347,7 @@ class CrossDaemonRunner:
                 self.transport.post(peer, message)
 
     async def _with_agreed_costs(
-        self, job: Job, formation: Formation, ready: PendingCollective, deadline: float,
+        self, job: Job, formation: Formation, ready: CollectiveCall, deadline: float,
     ) -> Formation:
         """The formation with the figures every member sent for this key's epoch."""
         epoch = epoch_of(ready.key)
@@ -394,7 +394,7 @@ class CrossDaemonRunner:
             ) from None
 
     async def _drive(
-        self, job: Job, ready: PendingCollective, run: ScheduleRun, formation: Formation,
+        self, job: Job, ready: CollectiveCall, run: ScheduleRun, formation: Formation,
         algorithm: str, deadline: float,
     ) -> None:
         """Start the schedule, feed it what came early, wait until done and sent."""

@@ -1,6 +1,6 @@
 """Reduction work inline or on the daemon's thread pool, by the memory it touches.
 
-Both the local runs (local.py) and the inter-daemon phase (multi_node.py) use
+Both the collective runs (runs.py) and the inter-daemon phase (multi_node.py) use
 one `Offload`: a thread hand-off costs more than reducing a few hundred KiB on
 the event loop, and large work must not stall it.
 """

@@ -1,6 +1,6 @@
 """allreduce: every rank's c elements reduced, the result in place on every rank.
 
-On one daemon the backend reduces the slots in place (run/local.py), so there is
+On one daemon the backend reduces the slots in place (run/runs.py), so there is
 no local run here; across daemons its algorithm is chosen per call (ring, tree,
 rhd, star, or `auto`'s pick), and an empty one still runs (its ranks meet).
 """
@@ -36,7 +36,7 @@ class AllReduce(InPlace):
 
     def run_local(self, ins: Views, outs: Views, world: int, c: int, op: ReduceOp | None,
                   root: int | None) -> None:
-        raise AssertionError("a one-daemon allreduce is reduced by the backend (run/local.py)")
+        raise AssertionError("a one-daemon allreduce is reduced by the backend (run/runs.py)")
 
     def plan(self, layout: Layout, algorithm: str | None) -> Plan:
         collective = layout.collective

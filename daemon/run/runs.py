@@ -25,7 +25,7 @@ from gradsync.daemon.backends.reduce import split_ranges
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.collectives import MatchedCollective, run_local
 from gradsync.daemon.core.deadlines import Deadlines
-from gradsync.daemon.core.matching import Job, PendingCollective
+from gradsync.daemon.core.matching import CollectiveCall, Job
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.daemon.run.offload import Offload
 from gradsync.daemon.state import DaemonState
@@ -43,7 +43,7 @@ from gradsync.protocol.requests import ALLREDUCE
 log = logging.getLogger("gradsync.daemon")
 
 
-class LocalRuns:
+class CollectiveRuns:
     """The collectives this daemon runs, from matched to answered."""
 
     def __init__(
@@ -66,7 +66,7 @@ class LocalRuns:
         self.offload = offload
         #: Tasks of running collectives, and the collectives themselves (by id).
         self.running: set[asyncio.Task[None]] = set()
-        self.in_flight: dict[int, PendingCollective] = {}
+        self.in_flight: dict[int, CollectiveCall] = {}
         #: The multi-node side, when this daemon has peers (`join_cluster`).
         self.cluster: ClusterJobs | None = None
         self.runner: CrossDaemonRunner | None = None
@@ -74,7 +74,7 @@ class LocalRuns:
     def join_cluster(self, cluster: ClusterJobs, runner: CrossDaemonRunner) -> None:
         self.cluster, self.runner = cluster, runner
 
-    def start(self, job: Job, ready: PendingCollective, collective: MatchedCollective) -> None:
+    def start(self, job: Job, ready: CollectiveCall, collective: MatchedCollective) -> None:
         """Run a matched collective: a single-node allreduce straight on its
         backend, every other one (and every multi-node one) through its plan."""
         if collective.kind == ALLREDUCE and not job.multi_node:
@@ -88,7 +88,7 @@ class LocalRuns:
         for pending in list(self.in_flight.values()):
             self.fail(pending, error)
 
-    async def _run(self, job: Job, ready: PendingCollective, collective: MatchedCollective) -> None:
+    async def _run(self, job: Job, ready: CollectiveCall, collective: MatchedCollective) -> None:
         """Run a collective here (`run_local`) or across daemons (its plan), on
         host copies where its buffers are on a device that cannot run it."""
         kind, op, root, chunk, dtype = (collective.kind, collective.op, collective.root,
@@ -138,7 +138,7 @@ class LocalRuns:
             return
         self._succeed(job, ready)
 
-    def _backend(self, ready: PendingCollective) -> tuple[list[Slab], Backend]:
+    def _backend(self, ready: CollectiveCall) -> tuple[list[Slab], Backend]:
         """The slabs of a matched collective and their one backend.
 
         Raises MismatchError when some local ranks pass host memory and others
@@ -176,7 +176,7 @@ class LocalRuns:
             copied = copy_back()  # queued, then the clients' done events after them
         await self.loop.run_in_executor(self.executor, copied)
 
-    def _reduce_here(self, job: Job, ready: PendingCollective, op: ReduceOp) -> None:
+    def _reduce_here(self, job: Job, ready: CollectiveCall, op: ReduceOp) -> None:
         """A single-node allreduce: inline when small (or only queued, on a device),
         else cut into ranges on the thread pool."""
         order = sorted(ready.submissions)
@@ -202,7 +202,7 @@ class LocalRuns:
             return
         self._succeed(job, ready)
 
-    def _spawn(self, ready: PendingCollective, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, ready: CollectiveCall, work: Coroutine[Any, Any, None]) -> None:
         """Run a collective's coroutine as a task the shutdown can find."""
         number = id(ready)
         self.in_flight[number] = ready
@@ -214,7 +214,7 @@ class LocalRuns:
         # buffers, which must not outlive the answer.
         task.add_done_callback(lambda _: self.in_flight.pop(number, None))
 
-    def _answered(self, ready: PendingCollective) -> None:
+    def _answered(self, ready: CollectiveCall) -> None:
         """Forget a collective as its members are answered: a client may free its
         segment the moment it has the answer, and the space in /dev/shm comes
         back only once no view of the daemon's maps it (a done callback of the
@@ -222,7 +222,7 @@ class LocalRuns:
         self.in_flight.pop(id(ready), None)
 
     async def _reduce_on_pool(
-        self, job: Job, ready: PendingCollective, op: ReduceOp, slots: list[np.ndarray],
+        self, job: Job, ready: CollectiveCall, op: ReduceOp, slots: list[np.ndarray],
         backend: Backend, dtype: str,
     ) -> None:
         try:
@@ -240,7 +240,7 @@ class LocalRuns:
             return
         self._succeed(job, ready)
 
-    def _collective_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
+    def _collective_failed(self, job: Job, ready: CollectiveCall, exc: Exception) -> None:
         """Answer every member with the error; tell peer daemons of a multi-node job."""
         if isinstance(exc, GradsyncError):
             error = exc
@@ -256,7 +256,7 @@ class LocalRuns:
             job.remember_failure(ready.key, error)
         self.fail(ready, error)
 
-    def _succeed(self, job: Job, ready: PendingCollective) -> None:
+    def _succeed(self, job: Job, ready: CollectiveCall) -> None:
         if self.state.shutting_down:
             # The clients were already told; the result may not be complete everywhere.
             self.fail(ready, DaemonShuttingDownError("daemon shutting down"))
@@ -284,11 +284,11 @@ class LocalRuns:
                 "completed": now,
             })
 
-    def _kernel_failed(self, job: Job, ready: PendingCollective, exc: Exception) -> None:
+    def _kernel_failed(self, job: Job, ready: CollectiveCall, exc: Exception) -> None:
         log.error("reduction of key %r of %s failed", ready.key, job.describe(), exc_info=exc)
         self.fail(ready, GradsyncError(f"reduction failed in the daemon: {exc}"))
 
-    def fail(self, pending: PendingCollective, error: GradsyncError) -> None:
+    def fail(self, pending: CollectiveCall, error: GradsyncError) -> None:
         Deadlines.settled(pending)
         self.state.requests.failed += 1
         self.stats.collective_failed(pending.job_name or None, error.code)
