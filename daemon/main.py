@@ -27,6 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Settings come from flags, then GRADSYNC_<SETTING> environment "
         "variables, then the --config TOML file, then defaults.",
     )
+    _add_node_options(parser)
+    _add_checkpoint_options(parser)
+    _add_peer_options(parser.add_argument_group(
+        "peers", "multi-node jobs: links to other daemons"))
+    return parser
+
+
+def _add_node_options(parser: argparse.ArgumentParser) -> None:
+    """The daemon on its node: its socket, memory, threads, deadlines, logging."""
     parser.add_argument("--version", action="version", version=f"gradsyncd {__version__}")
     parser.add_argument("--config", metavar="FILE", help="TOML file with settings")
     parser.add_argument("--socket", metavar="ipc://PATH", help="client endpoint")
@@ -41,20 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--inline-reduce-bytes", metavar="SIZE",
         help="reduce collectives whose slots total up to this size on the event loop "
         "instead of the thread pool (default 4MiB)",
-    )
-    parser.add_argument(
-        "--checkpoints-kept", metavar="K",
-        help="complete checkpoints kept per job in daemon memory (default 2)",
-    )
-    parser.add_argument(
-        "--checkpoints-survive-exit", action="store_true", default=None,
-        help="at a clean exit, leave the complete checkpoints in /dev/shm for the next "
-        "daemon on this socket (a crashed daemon's are taken over either way)",
-    )
-    parser.add_argument(
-        "--checkpoint-replicas", metavar="R",
-        help="peer daemons each checkpoint part is copied to, in the links' idle time "
-        "(default 1; 0: none)",
     )
     parser.add_argument(
         "--fast-path-bytes", metavar="SIZE",
@@ -85,7 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-access", action="store_true", default=None,
         help="let the daemon's group use it: socket 0660, segments 0660 (default: owner only)",
     )
-    peers = parser.add_argument_group("peers", "multi-node jobs: links to other daemons")
+
+
+def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints held in daemon memory (docs/pytorch.md, "Checkpoints")."""
+    parser.add_argument(
+        "--checkpoints-kept", metavar="K",
+        help="complete checkpoints kept per job in daemon memory (default 2)",
+    )
+    parser.add_argument(
+        "--checkpoints-survive-exit", action="store_true", default=None,
+        help="at a clean exit, leave the complete checkpoints in /dev/shm for the next "
+        "daemon on this socket (a crashed daemon's are taken over either way)",
+    )
+    parser.add_argument(
+        "--checkpoint-replicas", metavar="R",
+        help="peer daemons each checkpoint part is copied to, in the links' idle time "
+        "(default 1; 0: none)",
+    )
+
+
+def _add_peer_options(peers: argparse._ArgumentGroup) -> None:
+    """Links to other daemons, and how collectives run over them."""
     peers.add_argument("--listen", metavar="tcp://HOST:PORT", help="endpoint peers connect to")
     peers.add_argument("--peers", metavar="LIST",
                        help="comma-separated peer endpoints (may include this daemon)")
@@ -118,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "with other peers, a vanished peer declared in about 2 s; timeout: "
                        "heartbeats once a second, no suspicion, a silent peer declared "
                        "at about --peer-timeout-s")
+    _add_algorithm_options(peers)
+
+
+def _add_algorithm_options(peers: argparse._ArgumentGroup) -> None:
+    """How a multi-node collective is cut, which algorithm runs it, and its codec lanes."""
     peers.add_argument("--pipeline-slice-bytes", metavar="SIZE",
                        help="inter-daemon transfers are cut into slices this big (4MiB)")
     peers.add_argument("--algorithm", metavar="NAME",
@@ -129,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     peers.add_argument("--codec-lanes", metavar="N",
                        help="threads that encode and decode compressed slices (default: "
                             "the cores this daemon may use, at most 4)")
-    return parser
 
 
 def _run(config: DaemonConfig) -> None:

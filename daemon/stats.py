@@ -21,6 +21,7 @@ FAST_PATH_KEY = "allreduce/fast"
 
 if TYPE_CHECKING:
     from gradsync.daemon.core.compression_policy import CompressionChoice
+    from gradsync.daemon.core.matching import Job
     from gradsync.daemon.io.service import GradsyncService
 
 #: Size classes (upper bounds, bytes) for latency and bandwidth figures.
@@ -228,6 +229,14 @@ class StatsRecorder:
             "peer_bytes": {peer: dict(entry) for peer, entry in stats.peer_bytes.items()},
             "latency": {cls: _percentiles(window) for cls, window in stats.latencies.items()},
         }
+        self._choices(stats, entry)
+        if job is not None:
+            entry.update(_live_job(service, job, now))
+        return entry
+
+    @staticmethod
+    def _choices(stats: JobStats, entry: dict[str, Any]) -> None:
+        """What the job formed with, and what `auto` and `auto` compression chose."""
         if stats.formed_costs is not None:
             entry["formed_costs"] = {"alpha_s": stats.formed_costs[0],
                                      "beta_s_per_byte": stats.formed_costs[1]}
@@ -242,35 +251,38 @@ class StatsRecorder:
         if stats.compression:
             entry["compression_auto"] = {
                 asked: _compression_entry(picks) for asked, picks in stats.compression.items()}
-        if job is not None:
-            formation = job.across.formation
-            entry.update({
-                "world_size": job.world_size,
-                "local_world_size": job.local_world_size,
-                "members": {str(rank): {"pid": m.pid, "state": "connected"}
-                            for rank, m in sorted(job.members.items())},
-                "broken": job.broken.message if job.broken else None,
-                # The job's shared-memory fast page (a segment of its own), if it has one.
-                "fast_page": (service.fast.describe(name) or {}).get("name"),
-                "generation": formation.generation if formation else None,
-                "daemons": list(formation.daemons) if formation else None,
-                "in_flight": [
-                    {"key": pending.key, "age_s": now - pending.first_seen,
-                     "waiting_for_ranks": sorted(set(job.members) - set(pending.submissions))}
-                    for pending in job.pending.values()
-                ] + [
-                    {"key": key, "step": run.step + 1, "steps": run.steps,
-                     "algorithm": run.algorithm,
-                     "waiting_for_peers": [formation.daemons[i] for i in run.waiting_for()]
-                     if formation else []}
-                    for key, run in job.across.runs.items()
-                ] + [
-                    {"key": key, "age_s": age_s, "waiting_for_ranks": missing,
-                     "path": "fast"}
-                    for key, age_s, missing in service.fast.waiting(name)
-                ],
-            })
-        return entry
+
+
+def _live_job(service: GradsyncService, job: Job, now: float) -> dict[str, Any]:
+    """A job still on the daemon: its members, formation and collectives in flight."""
+    name = job.name
+    formation = job.across.formation
+    return {
+        "world_size": job.world_size,
+        "local_world_size": job.local_world_size,
+        "members": {str(rank): {"pid": m.pid, "state": "connected"}
+                    for rank, m in sorted(job.members.items())},
+        "broken": job.broken.message if job.broken else None,
+        # The job's shared-memory fast page (a segment of its own), if it has one.
+        "fast_page": (service.fast.describe(name) or {}).get("name"),
+        "generation": formation.generation if formation else None,
+        "daemons": list(formation.daemons) if formation else None,
+        "in_flight": [
+            {"key": pending.key, "age_s": now - pending.first_seen,
+             "waiting_for_ranks": sorted(set(job.members) - set(pending.submissions))}
+            for pending in job.pending.values()
+        ] + [
+            {"key": key, "step": run.step + 1, "steps": run.steps,
+             "algorithm": run.algorithm,
+             "waiting_for_peers": [formation.daemons[i] for i in run.waiting_for()]
+             if formation else []}
+            for key, run in job.across.runs.items()
+        ] + [
+            {"key": key, "age_s": age_s, "waiting_for_ranks": missing,
+             "path": "fast"}
+            for key, age_s, missing in service.fast.waiting(name)
+        ],
+    }
 
 
 def _compression_entry(entry: CompressionPicks) -> dict[str, Any]:

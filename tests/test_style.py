@@ -1,6 +1,8 @@
-"""House style: `ruff check .` and `mypy` (configured in pyproject.toml) pass.
+"""House style: `ruff check .` and `mypy` (configured in pyproject.toml) pass;
+the core imports nothing above it, no event loop and no clock; no function
+under daemon/ is longer than 60 lines.
 
-Both run as subprocesses from the repository root, exactly as a developer
+The tools run as subprocesses from the repository root, exactly as a developer
 would run them; a tool that is not installed skips its test with the reason.
 """
 
@@ -109,3 +111,32 @@ def test_the_core_has_no_event_loop_socket_or_clock() -> None:
     assert not offenders, (
         f"daemon/core imports an event loop, sockets or a clock: {offenders}; settle an "
         "Outcome (core/outcome.py) and take time from an injected clock instead")
+
+
+#: The longest a function under daemon/ may be, in lines (its def to its last line).
+LONGEST_FUNCTION = 60
+
+
+def long_functions(source: str, limit: int = LONGEST_FUNCTION) -> list[str]:
+    """`name (lines)` of every function of `source` longer than `limit` lines."""
+    return [
+        f"{node.name} ({node.end_lineno - node.lineno + 1})"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_the_length_check_sees_a_long_function() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    assert long_functions(f"def short():\n    pass\n\nasync def long():\n{body}") == [
+        "long (61)"]
+
+
+def test_no_function_under_the_daemon_is_longer_than_60_lines() -> None:
+    offenders = {
+        str(path.relative_to(REPO)): found
+        for path in sorted((REPO / "daemon").rglob("*.py"))
+        if (found := long_functions(path.read_text()))
+    }
+    assert not offenders, f"split these into named steps: {offenders}"

@@ -29,7 +29,12 @@ from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.io.peering import Peering, wants_peers
 from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.io.session import ClientSession
-from gradsync.daemon.io.stats_server import StatsServer, stats_curve, stats_endpoints
+from gradsync.daemon.io.stats_server import (
+    StatsCurve,
+    StatsServer,
+    stats_curve,
+    stats_endpoints,
+)
 from gradsync.daemon.sd_notify import Notifier
 from gradsync.daemon.state import DaemonState
 from gradsync.protocol.dtypes import DTYPES
@@ -174,20 +179,7 @@ class Daemon:
         )
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
-        if endpoints is None:
-            log.warning("statistics endpoint disabled: %s.stats.pub would exceed the Unix "
-                        "socket path limit; pass --stats", config.socket)
-        else:
-            self._stats_server = StatsServer(
-                endpoints, service, self._peering.links if self._peering is not None else None,
-                stats_keys,
-            )
-            try:
-                await self._stats_server.start(config.group_access)
-            except zmq.ZMQError as exc:
-                raise StartupError(
-                    f"cannot bind the stats endpoint {endpoints[0]}: {exc}"
-                ) from None
+        await self._start_stats(service, endpoints, stats_keys)
         # Only now, with every endpoint bound: a daemon that says it is ready must not
         # then die of one it could not bind.
         log.info(
@@ -204,6 +196,26 @@ class Daemon:
         if config.exit_when_idle_s > 0:
             self._tasks.append(loop.create_task(
                 _exit_when_idle(service, config.exit_when_idle_s, self._stop)))
+
+    async def _start_stats(self, service: GradsyncService,
+                           endpoints: tuple[str, str] | None,
+                           stats_keys: StatsCurve | None) -> None:
+        """Serve statistics on `endpoints` (None: disabled, the path is too long)."""
+        config = self.config
+        if endpoints is None:
+            log.warning("statistics endpoint disabled: %s.stats.pub would exceed the Unix "
+                        "socket path limit; pass --stats", config.socket)
+            return
+        self._stats_server = StatsServer(
+            endpoints, service, self._peering.links if self._peering is not None else None,
+            stats_keys,
+        )
+        try:
+            await self._stats_server.start(config.group_access)
+        except zmq.ZMQError as exc:
+            raise StartupError(
+                f"cannot bind the stats endpoint {endpoints[0]}: {exc}"
+            ) from None
 
     async def serve(self) -> None:
         """Run until told to stop, then stop."""
