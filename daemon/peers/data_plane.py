@@ -21,6 +21,12 @@ uses its offer up: the peer gets a new one for its next stream.  A record that
 fails authentication ends its stream, is counted, and is reported like any
 break that lost data.
 
+Our streams' sockets keep at most `NOTSENT_LOWAT_BYTES` unsent in the kernel
+(TCP_NOTSENT_LOWAT, Linux): the rest waits in the stream's own queue
+(`stream.py`, which sends again once the socket is writable), so that a
+collective's slice queued behind a checkpoint replica's chunk waits for that
+much, not for a send buffer of several MB, while the congestion window stays full.
+
 A stream that breaks is dropped and reopened on the next advertisement; sends
 that were waiting on it fail, and `on_broken(peer, why)` reports the break of
 any stream to or from a peer that may have lost data (a send, or a message
@@ -38,6 +44,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +74,14 @@ log = logging.getLogger("gradsync.daemon.peers")
 
 #: Connections that have not said hello yet, at most.
 _MAX_UNIDENTIFIED = 64
+#: Bytes a data stream's socket keeps unsent in the kernel, at most: a slice queued
+#: behind a checkpoint replica waits for this much, not for a whole send buffer
+#: (several MB), while the congestion window stays full.
+NOTSENT_LOWAT_BYTES = 128 * 1024
+#: TCP_NOTSENT_LOWAT (Linux's 25 where the socket module does not name it; None:
+#: not there).
+_TCP_NOTSENT_LOWAT: int | None = getattr(
+    socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform.startswith("linux") else None)
 
 
 class DataPlane:
@@ -208,6 +223,7 @@ class DataPlane:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             bound_dead_connection(sock, self._dead_after_s)
+            lowat = limit_unsent(sock, NOTSENT_LOWAT_BYTES)
             sealer = None
             hello = encode_hello(self._name, token)
             if sealing is not None:
@@ -219,8 +235,10 @@ class DataPlane:
             self._senders[peer] = sender  # before the hello: a failing send unregisters it
             sender.send(hello, (), plain=True)
             if not sender.closed:
-                log.info("data stream to %s open (port %d), %s", peer, port,
-                         "plaintext" if sealer is None else CIPHER_TITLES[sealer.cipher])
+                log.info("data stream to %s open (port %d), %s, %s", peer, port,
+                         "plaintext" if sealer is None else CIPHER_TITLES[sealer.cipher],
+                         "unsent bytes unbounded" if lowat is None
+                         else f"at most {lowat} bytes unsent in the kernel")
         except (OSError, TimeoutError, ValueError) as exc:
             # asyncio's text ("Connect call failed ...") hides the reason; errno says it.
             why = (os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno
@@ -387,3 +405,17 @@ def bound_dead_connection(sock: socket.socket, dead_after_s: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, round(idle / 3)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(dead_after_s * 1000)))
+
+
+def limit_unsent(sock: socket.socket, nbytes: int) -> int | None:
+    """Have the kernel keep at most about `nbytes` of the socket's data unsent
+    (TCP_NOTSENT_LOWAT): the socket reads as writable, and takes more, only once
+    fewer are left, so what is queued behind a bulk send waits for little.  The
+    value read back, or None where the option is not there (not Linux)."""
+    if _TCP_NOTSENT_LOWAT is None:
+        return None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, nbytes)
+        return sock.getsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT)
+    except (OSError, OverflowError):
+        return None
