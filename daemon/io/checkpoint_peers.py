@@ -555,14 +555,22 @@ class CheckpointPeers:
 
     async def _open_across(self, job: str, step: int | None
                            ) -> tuple[int, dict[CkptPart, Slab]]:
+        clock = asyncio.get_running_loop().time
+        started = clock()
         answers = await self.ask_all(job, -1 if step is None else step)
         entries = [(self.endpoint, held) for held in self.holdings(job, step)]
         entries += [(peer, held) for peer, answer in answers.items()
                     if isinstance(answer, CkptAnswer) for held in answer.held]
         chosen, sources = choose_step(job, step, entries)
+        asked = clock()
+        lacking = [part for part, where in sources.items()
+                   if all(self._part(job, chosen, (origin, *part)) is None
+                          for _, origin, _ in where)]
         parts = await self._fetch_all(job, chosen, sources)
-        log.info("checkpoint step %d of job %r opened from the peers' parts and replicas",
-                 chosen, job)
+        pulled = sum(parts[part].nbytes for part in lacking)
+        log.info("checkpoint step %d of job %r opened from the peers' parts and replicas: "
+                 "asked in %.3fs, %d parts (%d bytes) pulled in %.3fs", chosen, job,
+                 asked - started, len(lacking), pulled, clock() - asked)
         return chosen, parts
 
     async def _fetch_all(self, job: str, step: int, sources: Mapping[CkptPart, list[Source]]
