@@ -37,10 +37,10 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_JOB_NAME_CHARS = 128
 
 ALLREDUCE = "allreduce"
-#: The collectives a `collective` request names (allreduce has a request kind
-#: of its own, from before the others existed).
+#: The collectives a `collective` request names.
 COLLECTIVES = frozenset({
-    "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all",
+    ALLREDUCE, "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
+    "all_to_all",
 })
 #: Collectives that take a reduction.
 REDUCING = frozenset({ALLREDUCE, "reduce", "reduce_scatter"})
@@ -203,34 +203,29 @@ _COLLECTIVE_SCHEMA: Schema = {
     "op": ((str, _NONE), False),
     "root": ((int, _NONE), False),
     "timeout_s": ((float, int, _NONE), False),
-    # reduce_scatter only (protocol/compression.py); sent only when set.
+    # allreduce only: the algorithm asked for, and the seconds this rank already
+    # waited for the key on the shared-memory fast path (protocol/fast_path.py)
+    # before it came here: its deadline counts from then.
+    "algorithm": ((str, _NONE), False),
+    "waited_s": ((float, int, _NONE), False),
+    # allreduce and reduce_scatter (protocol/compression.py); sent only when set.
     "compression": ((str, _NONE), False),
     "error_feedback": ((bool,), False),
 }
 
-_ALLREDUCE_SCHEMA: Schema = {
-    "key": (_KEY_TYPES, True),
-    "segment": ((int, _NONE), True),
-    "offset": ((int,), True),
-    "count": ((int,), True),
-    "dtype": ((str,), True),
-    "op": ((str,), True),
-    "timeout_s": ((float, int, _NONE), False),
-    "algorithm": ((str, _NONE), False),
-    # Seconds this rank already waited for the key on the shared-memory fast
-    # path (protocol/fast_path.py) before it came here: its deadline counts from then.
-    "waited_s": ((float, int, _NONE), False),
-    # The inter-daemon wire format (protocol/compression.py); sent only when set.
-    "compression": ((str, _NONE), False),
-    "error_feedback": ((bool,), False),
-}
+#: Fields only an allreduce may carry.
+_ALLREDUCE_ONLY = ("algorithm", "waited_s")
+#: Fields an allreduce (in place) must not carry; a root, like any collective
+#: without one, it ignores.
+_NOT_FOR_ALLREDUCE = ("out_segment", "out_count")
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """Any collective: its kind, key, where its input (and output) lie, what
-    reduces it, and how long to wait.  On the wire an allreduce is the
-    `allreduce` request, every other collective a `collective` request."""
+    reduces it, and how long to wait.  On the wire every collective is one
+    `collective` request that names its kind (since PROTOCOL_VERSION 4; an
+    allreduce had a request kind of its own before)."""
 
     kind: ClassVar[str] = "collective"
     SCHEMA: ClassVar[Schema] = _COLLECTIVE_SCHEMA
@@ -262,15 +257,13 @@ class Collective:
         from gradsync.protocol.compression import check_compressible, parse_compression
         from gradsync.protocol.dtypes import DTYPES, check_op_for_dtype, parse_reduce_op
 
-        if message["kind"] == ALLREDUCE:
-            collective = ALLREDUCE
-        else:
-            collective = message["collective"]
-            if collective not in COLLECTIVES:
-                raise InvalidArgumentError(
-                    f"unknown collective {clip(collective)}; expected one of "
-                    f"{', '.join(COLLECTIVES)}"
-                )
+        collective = message["collective"]
+        if collective not in COLLECTIVES:
+            raise InvalidArgumentError(
+                f"unknown collective {clip(collective)}; expected one of "
+                f"{', '.join(sorted(COLLECTIVES))}"
+            )
+        _check_fields_of(collective, message)
         dtype = message["dtype"]
         if dtype not in DTYPES:
             raise InvalidArgumentError(
@@ -315,26 +308,22 @@ class Collective:
         )
 
     def to_wire(self, request_id: int) -> dict[str, Any]:
-        """The request as the client sends it (the same maps as before the types)."""
-        head = {"v": PROTOCOL_VERSION, "id": request_id}
+        """The request as the client sends it: the fields its kind uses."""
+        message: dict[str, Any] = {
+            "v": PROTOCOL_VERSION, "id": request_id, "kind": self.kind,
+            "collective": self.collective, "key": self.key, "segment": self.segment,
+            "offset": self.offset, "count": self.count, "dtype": self.dtype,
+            "op": self.op.value if self.op else None, "timeout_s": self.timeout_s,
+        }
         if self.collective == ALLREDUCE:
-            message = {
-                **head, "kind": ALLREDUCE, "key": self.key, "segment": self.segment,
-                "offset": self.offset, "count": self.count, "dtype": self.dtype,
-                "op": self.op.value if self.op else "sum", "timeout_s": self.timeout_s,
-                "algorithm": self.algorithm,
-            }
+            message["op"] = message["op"] or "sum"
+            message["algorithm"] = self.algorithm
             if self.waited_s:
                 message["waited_s"] = self.waited_s
-            return {**message, **self._compression_fields()}
-        return {**self._compression_fields(),
-            **head, "kind": "collective", "key": self.key, "collective": self.collective,
-            "segment": self.segment, "offset": self.offset, "count": self.count,
-            "out_segment": self.out_segment, "out_offset": self.out_offset,
-            "out_count": self.out_count, "dtype": self.dtype,
-            "op": self.op.value if self.op else None, "root": self.root,
-            "timeout_s": self.timeout_s,
-        }
+        else:
+            message.update(out_segment=self.out_segment, out_offset=self.out_offset,
+                           out_count=self.out_count, root=self.root)
+        return {**message, **self._compression_fields()}
 
     def _compression_fields(self) -> dict[str, Any]:
         if self.compression is None:
@@ -469,18 +458,26 @@ class CheckpointOpen:
 Request = (Hello | Ping | Bye | GroupInfo | Alloc | Free | Attach | Collective | CheckpointPut
            | CheckpointCommit | CheckpointList | CheckpointOpen)
 
-#: Every request kind's class; `allreduce` is a `Collective` too.
+#: Every request kind's class.
 REQUEST_TYPES: dict[str, type[Request]] = {
     cls.kind: cls for cls in (Hello, Ping, Bye, Alloc, Free, Attach, GroupInfo, Collective,
                               CheckpointPut, CheckpointCommit, CheckpointList, CheckpointOpen)
 }
-REQUEST_TYPES[ALLREDUCE] = Collective
 
 #: kind -> field -> (accepted types, required): what `messages.decode_request` checks.
-REQUEST_SCHEMAS: dict[str, Schema] = {
-    kind: (_ALLREDUCE_SCHEMA if kind == ALLREDUCE else cls.SCHEMA)
-    for kind, cls in REQUEST_TYPES.items()
-}
+REQUEST_SCHEMAS: dict[str, Schema] = {kind: cls.SCHEMA for kind, cls in REQUEST_TYPES.items()}
+
+
+def _check_fields_of(collective: str, message: dict[str, Any]) -> None:
+    """Refuse a field the schema allows but this kind of collective has no use for."""
+    if collective == ALLREDUCE:
+        misplaced = [f for f in _NOT_FOR_ALLREDUCE if message.get(f) is not None]
+        why = "an allreduce works in place"
+    else:
+        misplaced = [f for f in _ALLREDUCE_ONLY if message.get(f) is not None]
+        why = "only an allreduce takes them"
+    if misplaced:
+        raise InvalidArgumentError(f"{collective} request has {', '.join(misplaced)}: {why}")
 
 
 def parse_request(message: dict[str, Any]) -> Request:

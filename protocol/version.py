@@ -3,4 +3,4 @@
 __version__ = "0.1.0"
 
 #: Bumped on every incompatible change of a message kind or its fields.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

@@ -17,6 +17,7 @@ from gradsync.protocol import requests as wire
 from gradsync.protocol.codec import encode_frame
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.errors import InvalidArgumentError
+from gradsync.protocol.version import PROTOCOL_VERSION
 
 
 def through_the_wire(message: dict[str, Any]) -> wire.Request:
@@ -39,12 +40,14 @@ def test_a_collective_survives_the_wire_unchanged(request_: wire.Collective) -> 
     assert through_the_wire(request_.to_wire(11)) == request_
 
 
-def test_allreduce_and_the_other_collectives_keep_their_own_request_kinds() -> None:
+def test_every_collective_is_one_request_kind_naming_its_collective() -> None:
     allreduce = wire.Collective("allreduce", 1, 1, 0, 4, "float32", ReduceOp.SUM).to_wire(1)
     broadcast = wire.Collective("broadcast", 1, 1, 0, 4, "float32", root=0).to_wire(2)
-    assert allreduce["kind"] == "allreduce" and "collective" not in allreduce
-    assert broadcast["kind"] == "collective" and broadcast["collective"] == "broadcast"
+    assert allreduce["kind"] == broadcast["kind"] == "collective"
+    assert allreduce["collective"] == "allreduce" and broadcast["collective"] == "broadcast"
     assert "waited_s" not in allreduce  # only a rank that waited on the fast page says so
+    assert "out_segment" not in allreduce and "algorithm" not in broadcast
+    assert "allreduce" not in wire.REQUEST_TYPES  # the kind of protocol v3 and before
 
 
 def collective(**fields: Any) -> dict[str, Any]:
@@ -55,13 +58,17 @@ def collective(**fields: Any) -> dict[str, Any]:
 
 
 def allreduce(**fields: Any) -> dict[str, Any]:
-    base = {"kind": "allreduce", "key": 1, "segment": 1, "offset": 0, "count": 4,
+    base = {"kind": "collective", "collective": "allreduce", "key": 1, "segment": 1,
+            "offset": 0, "count": 4,
             "dtype": "float32", "op": "sum"}
     return {**base, **fields}
 
 
 @pytest.mark.parametrize("message, error", [
-    (collective(collective="allreduce"), "unknown collective 'allreduce'"),
+    (collective(collective="allreduce", op="sum"),
+     "allreduce request has out_segment, out_count: an allreduce works in place"),
+    (allreduce(op=None), "unknown reduce op ''"),
+    (collective(algorithm="ring"), "all_gather request has algorithm: only an allreduce"),
     (collective(collective="gossip"), "unknown collective 'gossip'"),
     (allreduce(dtype="complex64"), "unsupported dtype 'complex64'"),
     (allreduce(op="median"), "median"),
@@ -139,13 +146,14 @@ def test_a_compressed_collective_survives_the_wire(request_: wire.Collective) ->
 def test_the_daemon_refuses_compression_where_it_has_no_meaning(
     fields: dict[str, Any], says: str
 ) -> None:
-    message = {"v": 3, "id": 1, "kind": "allreduce", "key": 1, "segment": 1, "offset": 0,
+    message = {"v": PROTOCOL_VERSION, "id": 1, "kind": "collective", "collective": "allreduce",
+               "key": 1, "segment": 1, "offset": 0,
                "count": 4, "dtype": "float32", "op": "sum", **fields}
     with pytest.raises(InvalidArgumentError, match=says):
         through_the_wire(message)
-    broadcast = {"v": 3, "id": 1, "kind": "collective", "collective": "broadcast", "key": 1,
-                 "segment": 1, "offset": 0, "count": 4, "dtype": "float32", "root": 0,
-                 "compression": "bf16"}
+    broadcast = {"v": PROTOCOL_VERSION, "id": 1, "kind": "collective",
+                 "collective": "broadcast", "key": 1, "segment": 1, "offset": 0, "count": 4,
+                 "dtype": "float32", "root": 0, "compression": "bf16"}
     with pytest.raises(InvalidArgumentError, match="broadcast cannot be compressed"):
         through_the_wire(broadcast)
 

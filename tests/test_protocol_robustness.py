@@ -142,17 +142,17 @@ FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
               "local_world_size": (int,), "pid": (int,)},
     "alloc": {"nbytes": (int,)},
     "free": {"segment": (int,)},
-    "allreduce": {"key": (int, str), "segment": (int, type(None)), "offset": (int,),
-                  "count": (int,), "dtype": (str,), "op": (str,),
-                  "timeout_s": (float, int, type(None))},
+    "collective": {"collective": (str,), "key": (int, str), "segment": (int, type(None)),
+                   "offset": (int,), "count": (int,), "dtype": (str,), "op": (str, type(None)),
+                   "timeout_s": (float, int, type(None))},
 }
 TEMPLATES: dict[str, dict[str, Any]] = {
     "hello": {"job": "g", "rank": 0, "world_size": 1, "local_rank": 0,
               "local_world_size": 1, "pid": 1},
     "alloc": {"nbytes": 4096},
     "free": {"segment": 1},
-    "allreduce": {"key": 0, "segment": None, "offset": 0, "count": 0,
-                  "dtype": "float32", "op": "sum", "timeout_s": 1.0},
+    "collective": {"collective": "allreduce", "key": 0, "segment": None, "offset": 0,
+                   "count": 0, "dtype": "float32", "op": "sum", "timeout_s": 1.0},
 }
 JUNK: list[Any] = [
     True, False, "7", "", 7, 0, -1, 2**64 - 1, -(2**63), 1.5, -0.0, float("inf"),
@@ -193,8 +193,8 @@ def unframed_garbage(rng: random.Random) -> Iterator[tuple[str, bytes]]:
                                      {"v": PROTOCOL_VERSION, "id": 1}]
     for kind, template in TEMPLATES.items():
         for field in FIELD_TYPES[kind]:
-            if kind == "allreduce" and field == "timeout_s":
-                continue  # optional
+            if kind == "collective" and field in ("timeout_s", "op"):
+                continue  # optional (an allreduce without its op: from_wire refuses it)
             message = {**header, "kind": kind, **template}
             del message[field]
             missing.append(message)
@@ -223,7 +223,7 @@ def unframed_garbage(rng: random.Random) -> Iterator[tuple[str, bytes]]:
         extra = {f"extra{index}": rng.choice(JUNK[:13])}
         message = {**header, "kind": kind, **TEMPLATES.get(kind, {}), **extra}
         yield "extra field", msgpack.packb(message, use_bin_type=True)
-    long_key = {**header, "kind": "allreduce", **TEMPLATES["allreduce"], "key": "k" * 300}
+    long_key = {**header, "kind": "collective", **TEMPLATES["collective"], "key": "k" * 300}
     for _ in range(10):
         yield "key too long", msgpack.packb(long_key, use_bin_type=True)
 
@@ -241,7 +241,7 @@ def before_hello(conn: RawConnection) -> Iterator[tuple[str, dict[str, Any], set
         fields = bad_hellos[index % len(bad_hellos)]
         yield "bad hello", {"kind": "hello", **fields}, {"invalid_argument", "job"}
     for index in range(60):
-        kind = ["alloc", "free", "allreduce"][index % 3]
+        kind = ["alloc", "free", "collective"][index % 3]
         yield "before hello", {"kind": kind, **TEMPLATES[kind]}, {"protocol"}
 
 
@@ -268,7 +268,8 @@ connection.call("hello", job="garbage-owner", rank=0, world_size=1, local_rank=0
 segment = connection.call("alloc", nbytes=8192)
 print(json.dumps(segment), flush=True)
 for line in sys.stdin:  # "allreduce": reduce over its own segment, print the reply
-    reply = connection.send("allreduce", key=json.loads(line), segment=segment["segment"],
+    reply = connection.send("collective", collective="allreduce", key=json.loads(line),
+                            segment=segment["segment"],
                             offset=0, count=2048, dtype="float32", op="sum")
     print(json.dumps(connection.wait(reply, None)), flush=True)
 """
@@ -364,7 +365,7 @@ def test_a_thousand_garbage_frames_get_error_replies_and_daemon_keeps_serving(
     assert mine["kind"] == "ok" and mine["nbytes"] == 4096, mine
     own, other = mine["segment"], theirs["segment"]
     frames += 5
-    ar = TEMPLATES["allreduce"]
+    ar = TEMPLATES["collective"]
     refused: list[tuple[str, dict[str, Any], str]] = [
         ("alloc", {"nbytes": 0}, "invalid_argument"),
         ("alloc", {"nbytes": -1}, "invalid_argument"),
@@ -375,19 +376,19 @@ def test_a_thousand_garbage_frames_get_error_replies_and_daemon_keeps_serving(
         ("free", {"segment": other}, "invalid_argument"),
         ("free", {"segment": 999_999}, "invalid_argument"),
         ("free", {"segment": -1}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": other, "count": 4}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": own, "offset": 4096, "count": 1}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": own, "offset": 4092, "count": 2}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": own, "offset": -4, "count": 1}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": own, "offset": 2, "count": 1}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": own, "count": 2**62}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": own, "count": -1}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": None, "count": 3}, "invalid_argument"),
-        ("allreduce", {**ar, "segment": 999_999, "count": 1}, "invalid_argument"),
-        ("allreduce", {**ar, "dtype": "complex64"}, "invalid_argument"),
-        ("allreduce", {**ar, "op": "xor"}, "invalid_argument"),
-        ("allreduce", {**ar, "dtype": "int32", "op": "AVG"}, "invalid_argument"),
-        ("allreduce", {**ar, "timeout_s": -1}, "invalid_argument"),
+        ("collective", {**ar, "segment": other, "count": 4}, "invalid_argument"),
+        ("collective", {**ar, "segment": own, "offset": 4096, "count": 1}, "invalid_argument"),
+        ("collective", {**ar, "segment": own, "offset": 4092, "count": 2}, "invalid_argument"),
+        ("collective", {**ar, "segment": own, "offset": -4, "count": 1}, "invalid_argument"),
+        ("collective", {**ar, "segment": own, "offset": 2, "count": 1}, "invalid_argument"),
+        ("collective", {**ar, "segment": own, "count": 2**62}, "invalid_argument"),
+        ("collective", {**ar, "segment": own, "count": -1}, "invalid_argument"),
+        ("collective", {**ar, "segment": None, "count": 3}, "invalid_argument"),
+        ("collective", {**ar, "segment": 999_999, "count": 1}, "invalid_argument"),
+        ("collective", {**ar, "dtype": "complex64"}, "invalid_argument"),
+        ("collective", {**ar, "op": "xor"}, "invalid_argument"),
+        ("collective", {**ar, "dtype": "int32", "op": "AVG"}, "invalid_argument"),
+        ("collective", {**ar, "timeout_s": -1}, "invalid_argument"),
         ("hello", TEMPLATES["hello"], "protocol"),
     ]
     for kind, fields, code in refused:
@@ -404,7 +405,8 @@ def test_a_thousand_garbage_frames_get_error_replies_and_daemon_keeps_serving(
 
     # 4. Random schema-valid allreduce values; replies may come out of order.
     fuzz = list(fuzz_allreduce(rng, own, other))
-    sent = {conn.request("allreduce", **fields): fields for fields in fuzz}
+    sent = {conn.request("collective", collective="allreduce", **fields): fields
+            for fields in fuzz}
     answered: dict[int, dict[str, Any]] = {}
     while len(answered) < len(sent):
         reply = conn.recv()
@@ -492,9 +494,9 @@ def _echoing_requests() -> list[Any]:
         pytest.param(False, {"kind": filler}, "protocol", id="unknown-kind"),
         pytest.param(False, {"kind": "ping", **{f"{filler[:3300]}{i}": 1 for i in range(5)}},
                      "protocol", id="extra-fields"),
-        pytest.param(True, {"kind": "allreduce", **TEMPLATES["allreduce"], "dtype": filler},
+        pytest.param(True, {"kind": "collective", **TEMPLATES["collective"], "dtype": filler},
                      "invalid_argument", id="dtype"),
-        pytest.param(True, {"kind": "allreduce", **TEMPLATES["allreduce"], "op": filler},
+        pytest.param(True, {"kind": "collective", **TEMPLATES["collective"], "op": filler},
                      "invalid_argument", id="op"),
     ]
 
@@ -523,7 +525,7 @@ def test_nan_timeout_is_refused_with_an_error_reply(daemon: DaemonProcess) -> No
     conn = RawConnection(daemon.endpoint)
     try:
         hello(conn, "nan", world=2)
-        reply = conn.call("allreduce", **{**TEMPLATES["allreduce"], "timeout_s": math.nan})
+        reply = conn.call("collective", **{**TEMPLATES["collective"], "timeout_s": math.nan})
         assert reply["kind"] == "error" and reply["code"] == "invalid_argument", reply
     finally:
         conn.close()
@@ -540,7 +542,7 @@ def test_huge_world_is_refused_or_its_timeout_is_still_delivered(
                           local_world_size=20_000, pid=1)
         if reply["kind"] == "error":
             return  # refusing such a job outright is fine too
-        reply = conn.call("allreduce", **{**TEMPLATES["allreduce"], "timeout_s": 0.2})
+        reply = conn.call("collective", **{**TEMPLATES["collective"], "timeout_s": 0.2})
         assert reply["kind"] == "error" and reply["code"] == "timeout", reply
     finally:
         conn.close()

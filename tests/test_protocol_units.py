@@ -37,7 +37,9 @@ from gradsync.protocol.version import PROTOCOL_VERSION
 
 HELLO = {"job": "j", "rank": 0, "world_size": 2, "local_rank": 0, "local_world_size": 2,
          "pid": 99}
-ALLREDUCE = {"key": 3, "segment": 1, "offset": 0, "count": 4, "dtype": "float32", "op": "sum"}
+#: Every collective is a `collective` request (an allreduce had a kind of its own until v4).
+ALLREDUCE = {"collective": "allreduce", "key": 3, "segment": 1, "offset": 0, "count": 4,
+             "dtype": "float32", "op": "sum"}
 
 
 def body_of(message: Any) -> bytes:
@@ -54,7 +56,7 @@ def envelope(kind: str, **fields: Any) -> dict[str, Any]:
 def test_frame_reader_reassembles_any_split_of_the_stream() -> None:
     rng = random.Random(7)
     sent = [
-        messages.request("allreduce", i, **{**ALLREDUCE, "key": f"bucket-{i}" * (i % 5)})
+        messages.request("collective", i, **{**ALLREDUCE, "key": f"bucket-{i}" * (i % 5)})
         for i in range(60)
     ] + [messages.ok_reply(i, blob=b"\x00" * rng.randint(0, 3000)) for i in range(20)]
     sent.append(messages.request("ping", 0))
@@ -104,10 +106,10 @@ def test_encode_frame_refuses_oversized_messages() -> None:
 
 
 def test_valid_requests_decode_to_their_maps() -> None:
-    for kind, fields in [("hello", HELLO), ("allreduce", ALLREDUCE), ("ping", {}),
+    for kind, fields in [("hello", HELLO), ("collective", ALLREDUCE), ("ping", {}),
                          ("bye", {}), ("alloc", {"nbytes": 5}), ("free", {"segment": 2}),
-                         ("allreduce", {**ALLREDUCE, "segment": None, "timeout_s": 2.5}),
-                         ("allreduce", {**ALLREDUCE, "key": "grads.0", "timeout_s": None})]:
+                         ("collective", {**ALLREDUCE, "segment": None, "timeout_s": 2.5}),
+                         ("collective", {**ALLREDUCE, "key": "grads.0", "timeout_s": None})]:
         message = envelope(kind, **fields)
         assert messages.decode_request(body_of(message)) == message
 
@@ -134,13 +136,13 @@ def test_decode_request_refuses_non_string_map_keys(message: dict[Any, Any]) -> 
 @pytest.mark.parametrize(
     ("kind", "field", "value"),
     [("hello", "rank", True), ("hello", "world_size", False), ("hello", "pid", True),
-     ("alloc", "nbytes", True), ("free", "segment", False), ("allreduce", "count", True),
-     ("allreduce", "offset", False), ("allreduce", "key", True),
-     ("allreduce", "segment", True), ("allreduce", "timeout_s", True)],
+     ("alloc", "nbytes", True), ("free", "segment", False), ("collective", "count", True),
+     ("collective", "offset", False), ("collective", "key", True),
+     ("collective", "segment", True), ("collective", "timeout_s", True)],
 )
 def test_decode_request_refuses_bool_as_int(kind: str, field: str, value: bool) -> None:
     fields = {"hello": HELLO, "alloc": {"nbytes": 1}, "free": {"segment": 1},
-              "allreduce": ALLREDUCE}[kind]
+              "collective": ALLREDUCE}[kind]
     with pytest.raises(ProtocolError, match=repr(field)):
         messages.decode_request(body_of(envelope(kind, **{**fields, field: value})))
 
@@ -154,13 +156,13 @@ def test_decode_request_refuses_bool_in_the_envelope(field: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "field", "value"),
     [("hello", "rank", "0"), ("hello", "job", 5), ("alloc", "nbytes", 1.0),
-     ("allreduce", "count", "4"), ("allreduce", "dtype", 1), ("allreduce", "key", 1.5),
-     ("allreduce", "key", None), ("allreduce", "key", [1]), ("allreduce", "op", None),
-     ("allreduce", "timeout_s", "1"), ("allreduce", "segment", "1"),
+     ("collective", "count", "4"), ("collective", "dtype", 1), ("collective", "key", 1.5),
+     ("collective", "key", None), ("collective", "key", [1]), ("collective", "collective", 5),
+     ("collective", "timeout_s", "1"), ("collective", "segment", "1"),
      ("hello", "job", b"bytes")],
 )
 def test_decode_request_refuses_wrong_types(kind: str, field: str, value: Any) -> None:
-    fields = {"hello": HELLO, "alloc": {"nbytes": 1}, "allreduce": ALLREDUCE}[kind]
+    fields = {"hello": HELLO, "alloc": {"nbytes": 1}, "collective": ALLREDUCE}[kind]
     with pytest.raises(ProtocolError, match=repr(field)):
         messages.decode_request(body_of(envelope(kind, **{**fields, field: value})))
 
@@ -168,7 +170,7 @@ def test_decode_request_refuses_wrong_types(kind: str, field: str, value: Any) -
 @pytest.mark.parametrize(
     ("kind", "fields"),
     [("ping", {"extra": 1}), ("bye", {"reason": "done"}), ("hello", {**HELLO, "host": "x"}),
-     ("allreduce", {**ALLREDUCE, "root": 0})],
+     ("collective", {**ALLREDUCE, "host": "x"})],
 )
 def test_decode_request_refuses_extra_fields(kind: str, fields: dict[str, Any]) -> None:
     with pytest.raises(ProtocolError, match="unknown fields"):
@@ -185,13 +187,13 @@ def test_decode_request_names_a_missing_field() -> None:
     fields = dict(ALLREDUCE)
     del fields["dtype"]
     with pytest.raises(ProtocolError, match="'dtype'"):
-        messages.decode_request(body_of(envelope("allreduce", **fields)))
+        messages.decode_request(body_of(envelope("collective", **fields)))
 
 
 def test_decode_request_refuses_overlong_keys() -> None:
     with pytest.raises(ProtocolError, match="longer than"):
-        messages.decode_request(body_of(envelope("allreduce", **{**ALLREDUCE, "key": "k" * 257})))
-    long_ok = envelope("allreduce", **{**ALLREDUCE, "key": "k" * 256})
+        messages.decode_request(body_of(envelope("collective", **{**ALLREDUCE, "key": "k" * 257})))
+    long_ok = envelope("collective", **{**ALLREDUCE, "key": "k" * 256})
     assert messages.decode_request(body_of(long_ok)) == long_ok
 
 

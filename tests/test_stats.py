@@ -98,7 +98,7 @@ def test_stats_endpoint_is_read_only(daemon: DaemonProcess) -> None:
         sock.setsockopt(zmq.RCVTIMEO, 5000)
         sock.connect(daemon.endpoint + ".stats")
         for request in (messages.request("alloc", 1, nbytes=4096),
-                        messages.request("allreduce", 2), {"not": "a message"}, [1, 2]):
+                        messages.request("collective", 2), {"not": "a message"}, [1, 2]):
             sock.send(msgpack.packb(request))
             reply = msgpack.unpackb(sock.recv())
             assert reply["kind"] == "error", reply

@@ -50,7 +50,6 @@ from gradsync.protocol.errors import (
 )
 from gradsync.protocol.peer import Fingerprint
 from gradsync.protocol.requests import (
-    ALLREDUCE,
     ROOTED,
     Alloc,
     Attach,
@@ -185,7 +184,7 @@ class GradsyncService:
             elif session.job_name is None:
                 raise ProtocolError(f"{kind!r} before 'hello': introduce the client first")
             else:
-                if kind in (ALLREDUCE, Collective.kind):
+                if kind == Collective.kind:
                     # Ranks waiting for this key on the fast page follow it to the
                     # socket, whatever becomes of this request.
                     self.fast.note_socket(session.job_name, session.rank or 0, message["key"])
