@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.peers import PeerMessage
-from gradsync.daemon.peers.stream import PayloadSink
 
-Place = Callable[[str, dict[str, Any], list[int]], Sequence[PayloadSink | None] | None]
+Place = Callable[[str, dict[str, Any], list[int]], Sequence[PlacedPayload | None] | None]
 
 
 class Events:
@@ -40,7 +40,7 @@ class Events:
 
     def place(
         self, peer: str, header: dict[str, Any], sizes: list[int]
-    ) -> Sequence[PayloadSink | None] | None:
+    ) -> Sequence[PlacedPayload | None] | None:
         return None if self._place is None else self._place(peer, header, sizes)
 
     def peer_up(self, peer: str) -> None:

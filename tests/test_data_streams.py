@@ -25,6 +25,7 @@ from cluster import free_ports
 from peer_events import Events
 from test_peer_links import FAST, READY_S, TESTS, poll, run
 
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.peers import CurveConfig, LinkSettings, PeerLinks
 from gradsync.daemon.peers.stream import encode_hello, message_head
 from gradsync.protocol.errors import PeerLostError
@@ -115,7 +116,7 @@ def test_stream_kinds_take_the_streams_intact_and_in_order() -> None:
     run(main(), timeout_s=50)
 
 
-class Sink:
+class Sink(PlacedPayload):
     """A placed payload's destination, filled through small windows."""
 
     def __init__(self, size: int) -> None:

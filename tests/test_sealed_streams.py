@@ -27,10 +27,11 @@ from peer_events import Events
 from test_data_streams import KINDS, STREAM, Sink, close_all, start_streaming
 from test_peer_links import FAST, READY_S, keys, poll, run  # noqa: F401 (keys: a fixture)
 
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.peers import CurveConfig, LinkSettings, PeerLinks
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.endpoints import parse_tcp_endpoint
-from gradsync.daemon.peers.stream import SEALED_MAGIC, PayloadSink, encode_hello, message_head
+from gradsync.daemon.peers.stream import SEALED_MAGIC, encode_hello, message_head
 from gradsync.daemon.peers.stream_crypto import (
     AES_GCM,
     CHACHA,
@@ -330,7 +331,7 @@ def test_a_flipped_byte_fails_the_stream_naming_the_peer_and_writes_nothing(
     placed sink is never written; a new stream then carries data again."""
     sinks: list[Sink] = []
 
-    def place(peer: str, name: str, header: bytes, sizes: list[int]) -> list[PayloadSink]:
+    def place(peer: str, name: str, header: bytes, sizes: list[int]) -> list[PlacedPayload]:
         sink = Sink(sizes[0])
         sinks.append(sink)
         return [sink]

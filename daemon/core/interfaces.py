@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 class PlacedPayload:
     """A slice's payload received straight into its collective's buffer.
 
-    The run layer's placements derive from this (`run/executor.py`); the links
-    fill one as a `PayloadSink` and hand it on in place of a buffer, and the
-    core tells such a payload from a received one by this type alone.
+    The run layer's placements derive from this (`run/receives.py`); a data
+    stream (peers/stream.py) fills one as the payload arrives, instead of a
+    fresh buffer, and hands it on in place of a buffer; the core tells such a
+    payload from a received one by this type alone.
     """
 
     #: Bytes of the payload still to come.
@@ -32,13 +33,17 @@ class PlacedPayload:
         raise NotImplementedError
 
     def window(self) -> memoryview:
+        """Where the next bytes go: non-empty, at most `remaining` bytes."""
         raise NotImplementedError
 
     def advance(self, count: int) -> None:
+        """The first `count` bytes of the last window were written."""
         raise NotImplementedError
 
     def absorb(self, data: memoryview) -> int:
-        """None taken: the bytes go through `window` (see `PayloadSink.absorb`)."""
+        """Take the first bytes of `data` (authenticated plaintext) without a
+        window, e.g. reduce them where they lie; how many it took (0: none, write
+        them into the window instead)."""
         return 0
 
     def cancel(self) -> None:

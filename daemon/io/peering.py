@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 from gradsync.daemon.config import ConfigError, DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.io.checkpoint_peers import CheckpointPeers
 from gradsync.daemon.io.service import GradsyncService
 from gradsync.daemon.peers.events import PeerMessage
 from gradsync.daemon.peers.keys import CurveConfig
 from gradsync.daemon.peers.link_settings import LinkSettings
 from gradsync.daemon.peers.links import PeerLinks
-from gradsync.daemon.peers.stream import PayloadSink
 from gradsync.daemon.run.multi_node import CrossDaemonRunner
 from gradsync.protocol.codec import Message
 from gradsync.protocol.peer import CKPT_MESSAGES, MESSAGES, STREAM_KINDS, CkptAnswer, CkptChunk
@@ -58,7 +58,7 @@ class PeeringEvents:
         self.cluster.message(message)
 
     def place(self, peer: str, header: Message,
-              sizes: list[int]) -> Sequence[PayloadSink | None] | None:
+              sizes: list[int]) -> Sequence[PlacedPayload | None] | None:
         if header["kind"] in CKPT_MESSAGES:
             return None  # a fresh buffer, copied into the replica
         return self.cluster.place(peer, header, sizes)

@@ -48,12 +48,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.peers.endpoints import TcpEndpoint
 from gradsync.daemon.peers.link_counters import Counter
 from gradsync.daemon.peers.stream import (
     MAGIC,
     SEALED_MAGIC,
-    PayloadSink,
     StreamError,
     StreamReceiver,
     StreamSender,
@@ -94,14 +94,14 @@ class DataPlane:
         *,
         name: str,
         identify: Callable[[str], str | None],
-        on_message: Callable[[str, str, bytes, list[memoryview | PayloadSink]], None],
+        on_message: Callable[[str, str, bytes, list[memoryview | PlacedPayload]], None],
         on_event: Callable[[Counter, str, str], None],
         on_broken: Callable[[str, str], None],
         limits: tuple[int, int, int],
         connect_timeout_s: float,
         dead_after_s: float = 10.0,
         on_head: Callable[
-            [str, str, bytes, list[int]], Sequence[PayloadSink | None] | None
+            [str, str, bytes, list[int]], Sequence[PlacedPayload | None] | None
         ] | None = None,
         sealed: bool = False,
         cipher: str | None = None,
@@ -349,13 +349,13 @@ class DataPlane:
 
     def _head(
         self, receiver: StreamReceiver, header: bytes, sizes: list[int]
-    ) -> Sequence[PayloadSink | None] | None:
+    ) -> Sequence[PlacedPayload | None] | None:
         assert self._on_head is not None and receiver.peer is not None
         assert receiver.name is not None
         return self._on_head(receiver.peer, receiver.name, header, sizes)
 
     def _received(
-        self, receiver: StreamReceiver, header: bytes, payloads: list[memoryview | PayloadSink]
+        self, receiver: StreamReceiver, header: bytes, payloads: list[memoryview | PlacedPayload]
     ) -> None:
         assert receiver.peer is not None and receiver.name is not None
         self._on_message(receiver.peer, receiver.name, header, payloads)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from gradsync.daemon.peers.stream import PayloadSink
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.protocol.codec import Message
 
 
@@ -24,7 +24,7 @@ class PeerMessage:
 
     peer: str
     header: Message
-    #: ZeroMQ frames, or memoryviews (or `PayloadSink`s the payloads were
+    #: ZeroMQ frames, or memoryviews (or `PlacedPayload`s the payloads were
     #: placed in) for messages that came over a data stream.
     frames: list[Any]
 
@@ -42,10 +42,10 @@ class PeerEvents(Protocol):
 
     def place(
         self, peer: str, header: Message, sizes: list[int]
-    ) -> Sequence[PayloadSink | None] | None:
+    ) -> Sequence[PlacedPayload | None] | None:
         """Where a data stream message's payloads go, asked once its header is in.
 
-        A `PayloadSink` (or None: a fresh buffer) per payload, or None for
+        A `PlacedPayload` (or None: a fresh buffer) per payload, or None for
         fresh buffers throughout; the message then carries the sinks instead
         of memoryviews.  Only messages whose payloads add up to at least the
         links' `place_min_bytes` are offered: copying smaller ones costs less

@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.events import PeerEvents, PeerMessage
 from gradsync.daemon.peers.health import LIVE_ID_SUFFIX, Link, LinkHealth
 from gradsync.daemon.peers.link_counters import LinkCounters
 from gradsync.daemon.peers.link_table import LinkTable
 from gradsync.daemon.peers.socket_io import LoopSocket
-from gradsync.daemon.peers.stream import PayloadSink
 from gradsync.daemon.peers.wire import (
     ASK,
     BULK,
@@ -170,7 +170,7 @@ class IncomingMessages:
 
     def on_stream_head(
         self, peer: str, name: str, body: bytes, sizes: list[int]
-    ) -> Sequence[PayloadSink | None] | None:
+    ) -> Sequence[PlacedPayload | None] | None:
         """A stream message's header is in: ask the events where its payloads go."""
         if sum(sizes) < self._place_min_bytes:
             return None
@@ -183,7 +183,7 @@ class IncomingMessages:
         return self._events.place(peer, header, sizes)
 
     def on_stream_message(
-        self, peer: str, name: str, body: bytes, payloads: list[memoryview | PayloadSink]
+        self, peer: str, name: str, body: bytes, payloads: list[memoryview | PlacedPayload]
     ) -> None:
         """One message from a data stream (`name`: the sender, as its hello said)."""
         decoded = self._stream_heads.pop(peer, None)

@@ -25,7 +25,7 @@ AEAD records (AES-256-GCM or ChaCha20-Poly1305).  The sender seals
 records of at most 1 MiB from the caller's buffers into one reused buffer as
 the socket takes them; the receiver opens each record, once its tag is in, into
 a fresh payload buffer directly, or into a scratch buffer that the
-`PayloadSink` absorbs (a reduction combines it from there) or that is copied
+`PlacedPayload` absorbs (a reduction combines it from there) or that is copied
 into the sink: bytes that failed authentication never reach a sink.
 
 A stream carries data one way: the receiver never writes, the sender reads
@@ -34,7 +34,7 @@ buffers (no copy) as far as the kernel takes them; the rest waits, in order,
 until the socket is writable, and each send's future completes once its last
 byte is with the kernel.  Payloads are received into fresh buffers, or, when
 the receiver's `on_head` places them, straight where they belong (a
-`PayloadSink`: the collective's own buffer, or a small reused chunk that is
+`PlacedPayload`: the collective's own buffer, or a small reused chunk that is
 reduced into it as it fills), which saves a copy and keeps the data in cache.
 """
 
@@ -46,10 +46,10 @@ import logging
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 
+from gradsync.daemon.core.interfaces import PlacedPayload
 from gradsync.daemon.peers.stream_crypto import (
     LENGTH,
     RECORD_BYTES,
@@ -75,24 +75,6 @@ _MAX_IOV = 512
 
 class StreamError(Exception):
     """The other end broke the stream's format or limits."""
-
-
-class PayloadSink(Protocol):
-    """Where one placed payload goes as it arrives, instead of a fresh buffer."""
-
-    #: Bytes of the payload still to come.
-    remaining: int
-
-    def window(self) -> memoryview:
-        """Where the next bytes go: non-empty, at most `remaining` bytes."""
-
-    def advance(self, count: int) -> None:
-        """The first `count` bytes of the last window were written."""
-
-    def absorb(self, data: memoryview) -> int:
-        """Take the first bytes of `data` (authenticated plaintext) without a
-        window, e.g. reduce them where they lie; how many it took (0: none, write
-        them into the window instead)."""
 
 
 def encode_hello(name: str, token: bytes, magic: bytes = MAGIC) -> bytes:
@@ -282,10 +264,10 @@ class StreamReceiver:
         max_payloads: int,
         max_payload_bytes: int,
         on_hello: Callable[[str, bytes], str],
-        on_message: Callable[[StreamReceiver, bytes, list[memoryview | PayloadSink]], None],
+        on_message: Callable[[StreamReceiver, bytes, list[memoryview | PlacedPayload]], None],
         on_closed: Callable[[StreamReceiver, Exception | None], None],
         on_head: Callable[
-            [StreamReceiver, bytes, list[int]], Sequence[PayloadSink | None] | None
+            [StreamReceiver, bytes, list[int]], Sequence[PlacedPayload | None] | None
         ] | None = None,
         magic: bytes = MAGIC,
     ) -> None:
@@ -314,10 +296,10 @@ class StreamReceiver:
         self._header_len = 0
         self._header = b""
         self._sizes: list[int] = []
-        self._payloads: list[memoryview | PayloadSink] = []
-        self._sinks: Sequence[PayloadSink | None] | None = None
+        self._payloads: list[memoryview | PlacedPayload] = []
+        self._sinks: Sequence[PlacedPayload | None] | None = None
         #: The sink the current payload goes to (None: `_target`).
-        self._sink: PayloadSink | None = None
+        self._sink: PlacedPayload | None = None
         self.closed = False
         loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -383,7 +365,7 @@ class StreamReceiver:
             return None
         return count
 
-    def _took(self, sink: PayloadSink | None, count: int) -> bool:
+    def _took(self, sink: PlacedPayload | None, count: int) -> bool:
         """`count` bytes went into the target (None) or the sink: is it complete?"""
         if sink is None:
             self._got += count

@@ -78,7 +78,7 @@ class Expected:
 
 
 class Placement(PlacedPayload):
-    """Where one placed slice of the current step goes as it arrives (a `PayloadSink`).
+    """Where one placed slice of the current step goes as it arrives (a `PlacedPayload`).
 
     Once `cancel`led (the run ended), the rest of the payload is read and
     dropped: the buffer may belong to someone else by then.  `window` and
