@@ -5,8 +5,9 @@ It dispatches each peer message and each report to the part whose job it is:
 
 - `JobForming` (forming.py): this daemon's announcement, the peers'
   announcements and withdrawals, the formation (see membership.py);
-- `SliceRouting` (slice_routing.py): peers' slices to the collectives running
-  here, placed before they arrive, or kept until those start;
+- `SliceRouting` (slice_routing.py): this daemon's slices out to the members,
+  peers' slices to the collectives running here, placed before they arrive,
+  or kept until those start;
 - `JobFailures` (job_failures.py): aborts of one collective, breaks of a
   job's generation (a rank, a peer or a stream lost).
 
@@ -223,6 +224,11 @@ class ClusterJobs:
     def abort(self, job: Job, key: Key, error: CollectiveError) -> None:
         """Fail one collective here and on every member daemon (once per key)."""
         self.job_failures.abort(job, key, error)
+
+    def send(self, job: Job, peer: str, header: dict[str, Any], payload: Any,
+             zero_copy: bool, raw_nbytes: int) -> Any:
+        """Send one of this daemon's slices to a member (`SliceRouting.send`)."""
+        return self.routing.send(job, peer, header, payload, zero_copy, raw_nbytes)
 
     def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
         self.routing.on_slice(job, peer, message, frames)

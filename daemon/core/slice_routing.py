@@ -1,6 +1,7 @@
-"""Where a peer's slice goes: straight into its running collective's buffer
-(placed before it arrives), handed to that collective, or kept until its job
-forms or its collective starts here, within max_shm_bytes."""
+"""Slices both ways.  This daemon's go out to the job's members through the
+links (`send`).  A peer's slice goes straight into its running collective's
+buffer (placed before it arrives), is handed to that collective, or is kept
+until its job forms or its collective starts here, within max_shm_bytes."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ class SliceRouting:
     def __init__(self, context: ClusterContext, failures: JobFailures) -> None:
         self.context = context
         self.failures = failures
+
+    def send(self, job: Job, peer: str, header: dict[str, Any], payload: Any,
+             zero_copy: bool, raw_nbytes: int) -> Any:
+        """Send one of this daemon's slices of `job` to member `peer` (what the
+        links' `post` returns); counted as `on_slice` counts the peers' slices.
+        `raw_nbytes`: what the payload is before compression."""
+        stats = self.context.stats
+        if stats is not None:
+            stats.peer_traffic(job.name, peer, sent=len(payload), sent_raw=raw_nbytes)
+        return self.context.transport.post(peer, header, (payload,), zero_copy)
 
     def run_started(self, job: Job, key: Key, run: CollectiveRun) -> None:
         """Collective `key` began its inter-daemon phase here: its slices go to `run`."""

@@ -254,12 +254,8 @@ class CrossDaemonRunner:
         itemsize = plan.work.dtype.itemsize
 
         def send(peer: int, header: dict[str, Any], payload: Any, zero_copy: bool) -> Any:
-            if self.stats is not None:
-                self.stats.peer_traffic(job.name, formation.daemons[peer], sent=len(payload),
-                                        sent_raw=raw_nbytes(codec, itemsize, len(payload)))
-            return self.transport.post(
-                formation.daemons[peer], {**base, **header}, (payload,), zero_copy
-            )
+            return self.cluster.send(job, formation.daemons[peer], {**base, **header}, payload,
+                                     zero_copy, raw_nbytes(codec, itemsize, len(payload)))
 
         return ScheduleRun(
             plan.schedule, plan.work, collective.op or ReduceOp.SUM, send,
