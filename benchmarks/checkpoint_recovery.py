@@ -30,7 +30,8 @@
    Node 1's rank's `dcp.load` time and, within it, the daemon's open (the
    pull), the bytes its daemon pulled, the rates, and those against the link
    rate and against plain TCP between the two namespaces, measured in the same
-   run (one socket, 256 MiB).
+   run (one socket, 256 MiB); and the pull alone, as node 1's daemon logs it
+   (without the request and the rank's mapping of the parts).
 
 Prints markdown tables.  Part 2 needs root and iproute2.
 """
@@ -41,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -608,6 +610,7 @@ def lose_node_once(rate: str | None, mib: int, folder: Path) -> dict[str, Any]:
         "link": label,
         "load_s": float(loaded[1]["load_s"]),
         "open_s": float(loaded[1]["open_s"]),
+        "pull_s": _pull_seconds(folder / (rate or "unshaped") / "fresh"),  # stopped: all out
         "pulled": pulled,
         "pushed": pushed,
         "needed": int(loaded[1]["nbytes"]),
@@ -615,6 +618,16 @@ def lose_node_once(rate: str | None, mib: int, folder: Path) -> dict[str, Any]:
         "tcp_Bps": tcp,
         "stream": stream,
     }
+
+
+def _pull_seconds(logs: Path) -> float | None:
+    """How long the daemon whose logs are in `logs` took to pull the parts its open
+    lacked, as it logs it (None: it does not say)."""
+    for log in sorted(logs.glob("*.log")):
+        found = re.search(r"pulled in ([0-9.]+)s", log.read_text(errors="replace"))
+        if found:
+            return float(found.group(1))
+    return None
 
 
 def lost_node(mib: int, rate: str, keep: bool) -> None:
@@ -640,23 +653,27 @@ def lost_node(mib: int, rate: str, keep: bool) -> None:
         "| node 1's dcp.load (s) | its open: the pull (s) | pulled (MiB) "
         "| node 1's rank needs (MiB) | rate, load (MB/s) | rate, open (MB/s) "
         "| load / link rate | open / link rate | plain TCP (MB/s) | open / plain TCP "
-        "| data stream |"
+        "| the daemon's pull (s) | pull / link rate | pull / plain TCP | data stream |"
     )
-    print("| --- |" + " ---: |" * 11 + " --- |")
+    print("| --- |" + " ---: |" * 14 + " --- |")
     for r in results:
         load, opened = r["pulled"] / r["load_s"], r["pulled"] / r["open_s"]
+        pull = r["pulled"] / r["pull_s"] if r["pull_s"] else None
         shares = (
-            ["-", "-"]
+            ["-", "-", "-"]
             if r["link_Bps"] is None
-            else [f"{load / r['link_Bps']:.2f}", f"{opened / r['link_Bps']:.2f}"]
+            else [f"{bps / r['link_Bps']:.2f}" if bps else "-" for bps in (load, opened, pull)]
         )
+        pulls = ["-", "-"] if pull is None else [f"{r['pull_s']:.3f}",
+                                                 f"{pull / r['tcp_Bps']:.2f}"]
         shown = f"veth, tbf {r['link']}" if r["link_Bps"] else "veth, unshaped"
         print(
             f"| {shown} | {r['pushed'] / MIB:.0f} | {r['load_s']:.2f} | {r['open_s']:.2f} "
             f"| {r['pulled'] / MIB:.0f} "
             f"| {r['needed'] / MIB:.0f} | {load / 1e6:.0f} | {opened / 1e6:.0f} "
             f"| {shares[0]} | {shares[1]} | {r['tcp_Bps'] / 1e6:.0f} "
-            f"| {opened / r['tcp_Bps']:.2f} | {r['stream']} |"
+            f"| {opened / r['tcp_Bps']:.2f} | {pulls[0]} | {shares[2]} | {pulls[1]} "
+            f"| {r['stream']} |"
         )
     print(
         "\nNode 0 sends a peer that comes up its own parts of its newest checkpoint "
@@ -664,8 +681,10 @@ def lost_node(mib: int, rate: str, keep: bool) -> None:
         "is still missing.  Rates: bytes pulled / seconds.  dcp.load: node 1's whole "
         "load (DCP's planning "
         "collectives, the open, the copy into the tensors); open: its DaemonStorageReader's "
-        "read_metadata, the daemon's ckpt_open (ask the peers, pull the parts).  Plain TCP: "
-        "one socket between the same namespaces, in the same run."
+        "read_metadata, the daemon's ckpt_open (ask the peers, pull the parts), the "
+        "mapping of the parts; the daemon's pull: the pull alone, as node 1's daemon "
+        "logs it (from the step chosen to the last part here).  Plain TCP: one socket "
+        "between the same namespaces, in the same run."
     )
 
 
