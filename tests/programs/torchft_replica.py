@@ -97,6 +97,15 @@ def keep_up(markers: Path, step: int, lag: int, replicas: int) -> None:
         time.sleep(0.02)
 
 
+def others_reached(markers: Path, what: str, step: int, others: int) -> None:
+    """Wait (60 s at most) until `others` replicas wrote their `what` marker of `step`."""
+    deadline = time.monotonic() + 60
+    while len(list(markers.glob(f"{what}-{step}-*"))) < others:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"step {step}: the other replicas did not reach {what} in 60 s")
+        time.sleep(0.01)
+
+
 def main() -> None:
     replica_id, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     victim, markers, replicas = sys.argv[4] != "0", Path(sys.argv[5]), int(sys.argv[6])
@@ -156,8 +165,10 @@ def main() -> None:
         if bucket_mb and sys.argv[4] == "1" and not restarted and step >= kill_at and full:
             emit({"replica": replica_id, "killed_at": step})
             (markers / "killed").write_text(str(step))
-            time.sleep(0.2)  # the others wait in their backward's first bucket by now
+            # The others are in their backward, whose first bucket waits for this one.
+            others_reached(markers, "backward", step, replicas - 1)
             os.kill(os.getpid(), signal.SIGKILL)
+        (markers / f"backward-{step}-{replica_id}").touch()
         loss.backward()  # through DDP: its comm hook allreduces each bucket
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if stop and step >= kill_at and full and not (markers / "killed").exists():
@@ -172,8 +183,9 @@ def main() -> None:
         if sys.argv[4] == "1" and not restarted and step >= kill_at and full:
             emit({"replica": replica_id, "killed_at": step})
             (markers / "killed").write_text(str(step))
-            manager.allreduce(grads[0])  # the first of the step's allreduces, then death:
-            time.sleep(0.2)  # the others wait in the second one by now
+            # The first of the step's allreduces, then death: once it is done, every
+            # other replica has issued its first one, and its second waits for this one.
+            manager.allreduce(grads[0]).wait()
             emit({"replica": replica_id, "sigkill_t": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
         works = [] if bucket_mb else [manager.allreduce(g) for g in grads]
