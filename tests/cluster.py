@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.topology import free_ports
 from conftest import DaemonProcess, RankResult, assert_all_exited_0, collect, spawn_rank
 from gradsync.client.cli.keygen import generate_keypair
 
-__all__ = ["curve_args", "free_ports", "peer_args", "run_spread", "spawn_spread"]
+__all__ = ["curve_args", "free_ports", "peer_args", "run_spread", "spawn_spread",
+           "start_cluster"]
 
 
 def peer_args(index: int, endpoints: Sequence[str], *extra: str) -> list[str]:
     return ["--listen", endpoints[index], "--peers", ",".join(endpoints), *extra]
+
+
+def start_cluster(start_daemon: Callable[..., DaemonProcess], count: int,
+                  *extra: str) -> list[DaemonProcess]:
+    """`count` daemons peered over 127.0.0.1 with --insecure, and `extra` flags each."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    return [start_daemon(*peer_args(i, endpoints, "--insecure", *extra)) for i in range(count)]
 
 
 def spawn_spread(

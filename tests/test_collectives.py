@@ -13,16 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cluster import free_ports, peer_args, run_spread, spawn_spread
+from cluster import run_spread, spawn_spread, start_cluster
 
 from conftest import DaemonProcess, collect, poll_until, run_ranks
 
 StartDaemon = Callable[..., DaemonProcess]
-
-
-def start_cluster(start_daemon: StartDaemon, count: int, *extra: str) -> list[DaemonProcess]:
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
-    return [start_daemon(*peer_args(i, endpoints, "--insecure", *extra)) for i in range(count)]
 
 
 def assert_clean(results: list[object]) -> None:

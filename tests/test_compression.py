@@ -16,18 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from cluster import free_ports, peer_args, run_spread
+from cluster import peer_args, run_spread, start_cluster
 
 from benchmarks import topology
 from conftest import DaemonProcess, poll_until
 from gradsync.client.daemon_process import segments_of
 
 StartDaemon = Callable[..., DaemonProcess]
-
-
-def start_cluster(start_daemon: StartDaemon, count: int, *extra: str) -> list[DaemonProcess]:
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
-    return [start_daemon(*peer_args(i, endpoints, "--insecure", *extra)) for i in range(count)]
 
 
 def _by_case(records: list[list[dict[str, Any]]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:

@@ -8,18 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from cluster import free_ports, peer_args, run_spread, spawn_spread
+from cluster import free_ports, peer_args, run_spread, spawn_spread, start_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DaemonProcess, collect
 from gradsync.client.ping import query
 
 StartDaemon = Callable[..., DaemonProcess]
-
-
-def start_cluster(start_daemon: StartDaemon, count: int, *extra: str) -> list[DaemonProcess]:
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
-    return [start_daemon(*peer_args(i, endpoints, "--insecure", *extra)) for i in range(count)]
 
 
 #: For the larger clusters: every algorithm and count, over fewer dtypes and ops
