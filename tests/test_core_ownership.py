@@ -53,6 +53,25 @@ def test_an_abort_drops_the_slices_kept_for_its_key(loop: asyncio.AbstractEventL
     assert "abort" in transport.kinds()
 
 
+def test_a_peers_abort_drops_the_slices_kept_for_its_key(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A key a member aborted before our ranks submitted it never runs here (they
+    get the error at once): its early slices must not hold the budget until the
+    job ends, where enough of them would break the job as 'out of step'."""
+    cluster, _, jobs = core(loop)
+    job = local_job(cluster, jobs, loop)
+    cluster.on_message(PEER, announce(5), ())
+    generation = job.across.formation.generation  # type: ignore[union-attr]
+    data = np.full(8, 2.0, np.float32)
+    for key in (0, 1):
+        cluster.on_message(PEER, _slice(job.name, generation, key).to_wire(), (data.tobytes(),))
+    cluster.on_message(PEER, wire.Abort(job.name, generation, 0, "mismatch", "key 0 failed",
+                                        {}).to_wire(), ())
+    assert 0 in job.failed
+    assert list(job.across.early.by_key) == [1] and job.across.early.nbytes == 32
+
+
 def test_a_withdrawal_waits_for_the_running_collectives_then_goes_out(
     loop: asyncio.AbstractEventLoop,
 ) -> None:

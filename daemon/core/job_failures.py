@@ -62,6 +62,8 @@ class JobFailures:
         error = as_collective_error(
             error_from_wire(message.code, message.message, message.details))
         job.remember_failure(key, error)
+        # Not run here if not begun: its late ranks fail at once (`Job.submit`).
+        job.across.early.take(key)
         run = job.across.runs.get(key)
         if run is not None:
             run.fail(error)
