@@ -16,6 +16,15 @@
   are never starved): replicas fill the link's idle time between collectives.
   The receiver answers once the replica is whole (or dropped: see
   daemon/checkpoint_replicas.py); the sender records who confirmed what.
+- A holder lost.  A lost peer's confirmations are forgotten (its memory is
+  gone).  Where it held (or was receiving) the newest complete checkpoint of
+  a job, that checkpoint's own parts are pushed at once, the same way, to the
+  next live daemons in the ring that neither hold them nor are getting them,
+  as many as bring the live copies back to `copies`: our parts then survive
+  the loss of one more node, with no replacement and no new save (the lost
+  node's own parts are not copied on: they stay where it had put them).  With no
+  such daemon up, one log line says so; a daemon that comes up at a target's
+  address later gets the newest checkpoint then (`peer_up`).
 - Open.  A rank opens the newest step whose every part is here (its own, or
   replicas); else its daemon asks every peer what it holds, takes the newest
   step whose every part is held somewhere, pulls the parts it lacks ("pull":
@@ -127,6 +136,8 @@ class CheckpointPeers:
         self._windows: dict[str, asyncio.Semaphore] = {}
         #: Pulls we gave up: their later chunks are ignored quietly.
         self._abandoned: set[int] = set()
+        #: Per peer, the (job, step) whose parts are being pushed to it now.
+        self._sending: dict[str, tuple[str, int]] = {}
         self.counters = counters or ClusterCounters()
 
     @property
@@ -172,7 +183,10 @@ class CheckpointPeers:
     def peer_lost(self, peer: str, why: str) -> None:
         """Drop the replicas `peer` had not finished; forget the ones it confirmed (a
         lost node's memory is gone: the daemon that comes up at its address gets our
-        newest checkpoints again, `peer_up`); fail what waits on it."""
+        newest checkpoints again, `peer_up`); fail what waits on it; and push the
+        newest checkpoints it held (or was receiving) to other live peers now
+        (`_rereplicate`), so that losing one more node still keeps a copy."""
+        held = self._held_by(peer)
         self.replicas.drop_from(peer, f"was lost ({why})")
         for checkpoints in self.store.jobs.values():
             for checkpoint in checkpoints.values():
@@ -181,6 +195,7 @@ class CheckpointPeers:
             if asked == peer and not waiter.done():
                 waiter.set_exception(CheckpointError(
                     f"peer daemon {peer} was lost ({why})", {"peer": peer}))
+        self._rereplicate(peer, held)
 
     def peer_up(self, peer: str) -> None:
         """A peer (back, or a replacement node): if it is one of our targets, it gets
@@ -337,10 +352,14 @@ class CheckpointPeers:
     def targets(self) -> list[str]:
         """The daemons that get our parts: the next `copies` after us, in the ring of
         every daemon sorted by endpoint, that are up."""
+        after = [p for p in self._ring_after() if self.links.is_up(p)]
+        return after[:self.copies]
+
+    def _ring_after(self) -> list[str]:
+        """Every peer, in the ring of all daemons sorted by endpoint, from ours on."""
         ring = sorted({self.endpoint, *self.links.peers})
         at = ring.index(self.endpoint)
-        after = [p for p in ring[at + 1:] + ring[:at] if self.links.is_up(p)]
-        return after[:self.copies]
+        return ring[at + 1:] + ring[:at]
 
     def replicate(self, checkpoint: Checkpoint, only: str | None = None) -> None:
         """Send our parts of a committed step to the target peers (or to `only`), in
@@ -355,6 +374,49 @@ class CheckpointPeers:
                 self._workers[peer] = asyncio.get_running_loop().create_task(
                     self._push_worker(peer), name=f"checkpoint replicas to {peer}")
 
+    def _held_by(self, peer: str) -> list[Checkpoint]:
+        """The newest complete checkpoint of each job whose parts `peer` confirmed
+        (some or all), is being sent, or has queued."""
+        queued = set(self._queues.get(peer, ()))
+        sending = self._sending.get(peer)
+        held = []
+        for job in list(self.store.jobs):
+            newest = next(iter(self.store.complete(job)), None)
+            if newest is not None and newest.parts and (
+                    peer in newest.replicas or (job, newest.step) in queued
+                    or sending == (job, newest.step)):
+                held.append(newest)
+        return held
+
+    def _rereplicate(self, lost: str, held: list[Checkpoint]) -> None:
+        """`lost` held replicas of `held`: push each to the next live peers in the
+        ring that neither hold it nor are getting it, as many as bring its live
+        copies back to `copies`; with nowhere to go, one log line."""
+        nowhere = []
+        for checkpoint in held if self.copies else []:
+            holders = self._live_holders(checkpoint)
+            ring = [p for p in self._ring_after() if self.links.is_up(p) and p not in holders]
+            chosen = ring[:max(0, self.copies - len(holders))]
+            if not chosen and len(holders) < self.copies:
+                nowhere.append(checkpoint.describe())
+            for peer in chosen:
+                log.info("%s: its replica on peer %s was lost; replicating it on %s",
+                         checkpoint.describe(), lost, peer)
+                self.replicate(checkpoint, only=peer)
+        if nowhere:
+            log.warning("peer %s, which held replicas of %s, was lost, and no other live "
+                        "peer can take them: they live on this daemon alone until a peer "
+                        "comes up", lost, ", ".join(nowhere))
+
+    def _live_holders(self, checkpoint: Checkpoint) -> set[str]:
+        """The live peers that hold every part of `checkpoint` here, or are getting it
+        (from a worker that runs: one that stopped at a loss left its queue)."""
+        key = (checkpoint.job, checkpoint.step)
+        getting = {p for p, queue in self._queues.items()
+                   if (key in queue or self._sending.get(p) == key)
+                   and p in self._workers and not self._workers[p].done()}
+        return {p for p in {*checkpoint.replicated_on(), *getting} if self.links.is_up(p)}
+
     async def _push_worker(self, peer: str) -> None:
         queue = self._queues[peer]
         while queue:
@@ -364,8 +426,12 @@ class CheckpointPeers:
             checkpoint = self.store.jobs.get(job, {}).get(step)
             if checkpoint is None or checkpoint.committed_at is None:
                 continue
-            if not await self._push(peer, checkpoint):
-                break
+            self._sending[peer] = (job, step)
+            try:
+                if not await self._push(peer, checkpoint):
+                    break
+            finally:
+                self._sending.pop(peer, None)
 
     async def _push(self, peer: str, checkpoint: Checkpoint) -> bool:
         """Send every part of `checkpoint` held here to `peer`; False if the peer is
