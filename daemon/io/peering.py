@@ -102,6 +102,8 @@ class Peering:
             # the slices its peers still need to finish that collective.
             # Checkpoint parts, and the answer that follows a pulled part, too.
             stream_kinds=(*STREAM_KINDS, CkptChunk.kind, CkptAnswer.kind),
+            # Replicas and pulls: what is queued behind them must not wait long.
+            bulk_kinds=(CkptChunk.kind,),
             peer_timeout_s=config.peer_timeout_s,
             failure_detector=config.failure_detector,
             data_port=config.data_port,

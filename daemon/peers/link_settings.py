@@ -38,6 +38,10 @@ class LinkSettings:
     insecure: bool = False
     kinds: Collection[str] = ()
     stream_kinds: Collection[str] = ()
+    #: Stream kinds of background bulk (checkpoint replicas' chunks): while one is
+    #: queued on a stream, its socket keeps little unsent in the kernel, so that a
+    #: slice queued behind waits for little (`StreamSender.send`).
+    bulk_kinds: Collection[str] = ()
     #: The failure detector's upper bound: a peer silent this long is lost whatever
     #: else (it declares a vanished peer sooner: daemon/core/failure_detector.py).
     peer_timeout_s: float = 10.0

@@ -115,6 +115,7 @@ class PeerLinks:
             )
         self._kinds = check_kinds(settings.kinds)
         self._stream_kinds = frozenset(settings.stream_kinds)
+        self._bulk_kinds = frozenset(settings.bulk_kinds)
         if not self._stream_kinds <= self._kinds:
             raise InvalidArgumentError("stream_kinds must be among kinds")
         self._data: DataPlane | None = None
@@ -400,7 +401,7 @@ class PeerLinks:
         stream = self._stream_for(link, header)
         if stream is not None:
             written = stream.send(message_head(frames[0], [f.nbytes for f in frames[1:]]),
-                                  frames[1:])
+                                  frames[1:], bulk=header.get("kind") in self._bulk_kinds)
             self._counters.sent(stream=True, sealed=stream.sealed)
             # Done (with None: no tracker to wait for) once the kernel has it all.
             return cast("asyncio.Future[zmq.MessageTracker | None]", written)

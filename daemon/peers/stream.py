@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import socket
 import struct
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -71,6 +73,10 @@ _LENGTH = struct.Struct("!Q")
 READ_BUDGET = 8 * 1024 * 1024
 #: Buffers handed to one sendmsg() call (below every platform's IOV_MAX).
 _MAX_IOV = 512
+#: TCP_NOTSENT_LOWAT (Linux's 25 where the socket module does not name it; None:
+#: not there).
+TCP_NOTSENT_LOWAT: int | None = getattr(
+    socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform.startswith("linux") else None)
 
 
 class StreamError(Exception):
@@ -123,6 +129,10 @@ class StreamSender:
         self.closed = False
         #: Messages queued so far (the hello included).
         self.sends = 0
+        #: Bytes the kernel keeps unsent while a `bulk` message is queued (None: no
+        #: limit, or none on this platform: data_plane.py sets it), and how many are.
+        self.unsent_limit: int | None = None
+        self._bulk = 0
         # Readable only when the receiver closed (or broke the protocol).
         loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -137,21 +147,45 @@ class StreamSender:
         return None if self._sealer is None else self._sealer.cipher
 
     def send(
-        self, head: bytes, payloads: Sequence[memoryview], *, plain: bool = False
+        self, head: bytes, payloads: Sequence[memoryview], *, plain: bool = False,
+        bulk: bool = False,
     ) -> asyncio.Future[None]:
         """Queue one message; the future completes once the kernel has all of it
-        (sealed: once the kernel has the last record, so the payloads may change)."""
+        (sealed: once the kernel has the last record, so the payloads may change).
+
+        While a `bulk` message (background data) is queued, the socket keeps at
+        most `unsent_limit` bytes unsent in the kernel: what is queued behind it
+        waits for that much, not for a send buffer of several MB.  Otherwise the
+        kernel's own limit holds: a low one costs a collective's throughput.
+        """
         done: asyncio.Future[None] = self._loop.create_future()
         if self.closed:
             done.set_exception(ConnectionError(f"{self.name} is closed"))
             return done
         self.sends += 1
+        if bulk and self.unsent_limit is not None:
+            self._bulk += 1
+            if self._bulk == 1:
+                self._limit_unsent(self.unsent_limit)
+            done.add_done_callback(self._bulk_sent)
         views = [memoryview(head)]
         views += [view.cast("B") for view in payloads if view.nbytes]
         self._queue.append((views, done, self._sealer is not None and not plain))
         if len(self._queue) == 1:
             self._flush()
         return done
+
+    def _bulk_sent(self, _: asyncio.Future[None]) -> None:
+        self._bulk -= 1
+        if self._bulk == 0:
+            self._limit_unsent(0)  # 0: the kernel's own (net.ipv4.tcp_notsent_lowat)
+
+    def _limit_unsent(self, nbytes: int) -> None:
+        if self.closed or TCP_NOTSENT_LOWAT is None:
+            return
+        # OSError: the stream broke meanwhile; its own error says so.
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, nbytes)
 
     def _flush(self) -> None:
         while self._queue:
