@@ -109,8 +109,8 @@ class GradsyncService:
         #: Reduction work inline or on the pool (the inter-daemon phase uses it too).
         self.offload = Offload(loop, self.executor, config.inline_reduce_bytes)
         #: Where matched collectives run and are answered.
-        self.runs = CollectiveRuns(state, loop, self.buffers, self.executor, self.stats, self.trace,
-                              self.offload)
+        self.runs = CollectiveRuns(state, loop, self.buffers, self.executor, self.stats,
+                                   self.trace, self.offload)
         #: The single-node jobs' shared-memory fast path.
         self.fast = FastPages(self.buffers, config.fast_path_bytes, loop)
         state.fast_counters = self.fast.counters
