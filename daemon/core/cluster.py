@@ -22,12 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.core.cluster_context import ClusterContext, ClusterCounters, Frame, log
-from gradsync.daemon.core.forming import (
-    DEFAULT_ALPHA_S,
-    DEFAULT_BETA_S_PER_BYTE,
-    CodecFacts,
-    JobForming,
-)
+from gradsync.daemon.core.forming import CodecFacts, JobForming
 from gradsync.daemon.core.interfaces import (
     CollectiveRun,
     FailedCollectives,
@@ -36,9 +31,8 @@ from gradsync.daemon.core.interfaces import (
     PlacedPayload,
 )
 from gradsync.daemon.core.job_failures import JobFailures
-from gradsync.daemon.core.membership import Announcement, Withdrawals
+from gradsync.daemon.core.membership import Announcement
 from gradsync.daemon.core.slice_routing import SliceRouting
-from gradsync.daemon.core.unformed import UnformedJobs
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.errors import CollectiveError, GradsyncError, ProtocolError
@@ -48,7 +42,7 @@ if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
     from gradsync.daemon.core.matching import Job
 
-__all__ = ["DEFAULT_ALPHA_S", "DEFAULT_BETA_S_PER_BYTE", "ClusterCounters", "ClusterJobs"]
+__all__ = ["ClusterJobs"]
 
 
 class ClusterJobs:
@@ -86,10 +80,6 @@ class ClusterJobs:
         return self.context.jobs
 
     @property
-    def stats(self) -> StatsRecorder | None:
-        return self.context.stats
-
-    @property
     def counters(self) -> ClusterCounters:
         return self.context.counters
 
@@ -105,18 +95,6 @@ class ClusterJobs:
     def remote(self) -> dict[str, dict[str, Announcement]]:
         """Each job's announcements by peer."""
         return self.forming.remote
-
-    @property
-    def withdrawn(self) -> Withdrawals:
-        return self.forming.withdrawn
-
-    @property
-    def unformed(self) -> UnformedJobs:
-        return self.forming.unformed
-
-    @property
-    def lost(self) -> set[str]:
-        return self.forming.lost
 
     @property
     def codec_facts(self) -> CodecFacts:
@@ -152,7 +130,7 @@ class ClusterJobs:
             elif isinstance(message, Abort):
                 self.job_failures.on_abort(peer, message, job)
             elif isinstance(message, Unformable):
-                error = self.unformed.heard(peer, message, job)
+                error = self.forming.unformed.heard(peer, message, job)
                 if job is not None and error is not None:
                     self.job_failures.break_job(job, error)
             else:
@@ -193,10 +171,6 @@ class ClusterJobs:
         """All local ranks joined: announce this daemon's share to every peer."""
         self.forming.local_complete(job)
 
-    def withdraw(self, job: Job, error: GradsyncError) -> None:
-        """The local job broke or ended: peers must stop counting on it."""
-        self.forming.withdraw(job, error)
-
     def run_started(self, job: Job, key: Key, run: CollectiveRun) -> None:
         """Collective `key` began its inter-daemon phase here: its slices go to `run`."""
         self.routing.run_started(job, key, run)
@@ -229,13 +203,6 @@ class ClusterJobs:
              zero_copy: bool, raw_nbytes: int) -> Any:
         """Send one of this daemon's slices to a member (`SliceRouting.send`)."""
         return self.routing.send(job, peer, header, payload, zero_copy, raw_nbytes)
-
-    def on_slice(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
-        self.routing.on_slice(job, peer, message, frames)
-
-    def replay(self, job: Job, peer: str, message: Slice, frames: Sequence[Frame]) -> None:
-        """Hand on a slice that came early; a bad one is dropped, not the ones after it."""
-        self.routing.replay(job, peer, message, frames)
 
     def _on_costs(self, peer: str, message: peer_wire.Costs, job: Job | None) -> None:
         """A member's figures for one epoch of `auto` (see cost_epochs.py)."""

@@ -64,7 +64,7 @@ from gradsync.daemon.checkpoint_replicas import (
     ReplicaStore,
 )
 from gradsync.daemon.checkpoints import Checkpoint, CheckpointStore
-from gradsync.daemon.core.cluster import ClusterCounters
+from gradsync.daemon.core.cluster_context import ClusterCounters
 from gradsync.daemon.peers.links import PeerLinks
 from gradsync.protocol.errors import (
     CheckpointError,
