@@ -26,8 +26,8 @@ from test_checkpoint_replicas import lose_node, replicated_on, sealed_pair, stat
 from conftest import DaemonProcess, poll_until
 from gradsync.client.checkpoints import DaemonCheckpoints, checkpoint_client
 from gradsync.daemon.io.checkpoint_peers import ANSWER_TIMEOUT_S, CHUNK_BYTES, PULL_PARTS
-from gradsync.daemon.peers.data_plane import NOTSENT_LOWAT_BYTES, limit_unsent
-from gradsync.daemon.peers.stream import StreamSender
+from gradsync.daemon.peers.data_plane import NOTSENT_LOWAT_BYTES
+from gradsync.daemon.peers.stream import StreamSender, limit_unsent
 from gradsync.protocol.errors import GradsyncError
 
 StartDaemon = Callable[..., DaemonProcess]

@@ -55,11 +55,11 @@ from gradsync.daemon.peers.link_counters import Counter
 from gradsync.daemon.peers.stream import (
     MAGIC,
     SEALED_MAGIC,
-    TCP_NOTSENT_LOWAT,
     StreamError,
     StreamReceiver,
     StreamSender,
     encode_hello,
+    limit_unsent,
 )
 from gradsync.daemon.peers.stream_crypto import (
     CIPHER_TITLES,
@@ -409,16 +409,3 @@ def bound_dead_connection(sock: socket.socket, dead_after_s: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, round(dead_after_s * 1000)))
 
-
-def limit_unsent(sock: socket.socket, nbytes: int) -> int | None:
-    """Have the kernel keep at most about `nbytes` of the socket's data unsent
-    (TCP_NOTSENT_LOWAT): the socket reads as writable, and takes more, only once
-    fewer are left, so what is queued behind a bulk send waits for little.  The
-    value read back, or None where the option is not there (not Linux)."""
-    if TCP_NOTSENT_LOWAT is None:
-        return None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, nbytes)
-        return sock.getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT)
-    except (OSError, OverflowError):
-        return None

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import socket
 import struct
@@ -81,6 +80,21 @@ TCP_NOTSENT_LOWAT: int | None = getattr(
 
 class StreamError(Exception):
     """The other end broke the stream's format or limits."""
+
+
+def limit_unsent(sock: socket.socket, nbytes: int) -> int | None:
+    """Have the kernel keep at most about `nbytes` of the socket's data unsent
+    (TCP_NOTSENT_LOWAT; 0: the kernel's own limit): the socket reads as writable,
+    and takes more, only once fewer are left, so what is queued behind a bulk send
+    waits for little.  The value read back, or None where the option is not there
+    (not Linux) or the socket refused it."""
+    if TCP_NOTSENT_LOWAT is None:
+        return None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, nbytes)
+        return sock.getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT)
+    except (OSError, OverflowError):
+        return None
 
 
 def encode_hello(name: str, token: bytes, magic: bytes = MAGIC) -> bytes:
@@ -181,11 +195,8 @@ class StreamSender:
             self._limit_unsent(0)  # 0: the kernel's own (net.ipv4.tcp_notsent_lowat)
 
     def _limit_unsent(self, nbytes: int) -> None:
-        if self.closed or TCP_NOTSENT_LOWAT is None:
-            return
-        # OSError: the stream broke meanwhile; its own error says so.
-        with contextlib.suppress(OSError):
-            self.sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, nbytes)
+        if not self.closed:  # a failure: the stream broke meanwhile, its own error says so
+            limit_unsent(self.sock, nbytes)
 
     def _flush(self) -> None:
         while self._queue:
