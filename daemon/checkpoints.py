@@ -23,6 +23,12 @@ everything else, and spares are released first when anything does not fit:
 they never make a save fail.  They are no checkpoints: not listed, not in the
 manifest, released when the session of their rank ends and at every exit.
 
+In the daemon neither costs its event loop either (`background`, a thread of its
+own): a spare's pages are reserved there (the kernel allocating and zeroing
+them, about 0.25 s per GiB), and the pruned segments are unmapped there (where
+the kernel frees them, about 0.1 s per GiB).  A put that gets a spare whose
+pages are still being reserved waits for that, within `RESERVE_WAIT_S`.
+
 Complete checkpoints also outlive the daemon (part 4): every commit rewrites
 the manifest (checkpoint_manifest.py) that a daemon restarted on the same
 socket reads at start-up (`take_over`) to adopt their segments.  At a clean
@@ -35,6 +41,7 @@ the data; its clients write and read it through their own mappings.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import mmap
@@ -59,6 +66,9 @@ log = logging.getLogger("gradsync.daemon.checkpoints")
 
 #: Spares set aside per part: the one the next put gets, and the one its reply names.
 _SPARES = 2
+#: The longest a put (or a release wanting the room) waits for a spare's pages to be
+#: reserved; past it the spare is dropped and the put gets fresh pages.
+RESERVE_WAIT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -102,8 +112,13 @@ class CheckpointStore:
 
     def __init__(self, buffers: Buffers, kept: int,
                  clock: Callable[[], float] = time.monotonic,
-                 manifest: ManifestFile | None = None) -> None:
+                 manifest: ManifestFile | None = None,
+                 background: concurrent.futures.Executor | None = None) -> None:
         self.buffers = buffers
+        #: Where spares' pages are reserved and pruned segments unmapped (None: inline).
+        self.background = background
+        #: Spares whose pages are being reserved there, by segment id.
+        self._reserving: dict[int, concurrent.futures.Future[None]] = {}
         self.kept = kept
         self.clock = clock
         self.jobs: dict[str, dict[int, Checkpoint]] = {}
@@ -136,15 +151,14 @@ class CheckpointStore:
             self.buffers.release(old.segment_id)
         owner = f"{checkpoint.describe()}, rank {rank}, item {item!r}"
         spares = self.spares.pop((job, rank, item), [])
-        if spares and spares[0].nbytes == _pages(nbytes):
+        if spares and spares[0].nbytes == _pages(nbytes) and self._reserved(spares[0]):
             slab = spares.pop(0)
             slab.owner = owner
             checkpoint.parts[(rank, item)] = slab
             if spares:
                 self.spares[(job, rank, item)] = spares
             return slab
-        for spare in spares:  # sized for another save: give their room to this one
-            self.buffers.release(spare.segment_id)
+        self._release_spares(spares)  # sized for another save: give their room to this one
         try:
             slab = self._allocate(job, step, nbytes, owner)
         except ShmExhaustedError as exc:
@@ -162,12 +176,37 @@ class CheckpointStore:
         spares = self.spares.get((job, rank, item))
         return spares[0] if spares else None
 
+    def _reserved(self, spare: Slab) -> bool:
+        """Whether the spare's pages are reserved, once its reservation (if under
+        way) is done; a spare whose reservation failed or took too long is released."""
+        future = self._reserving.pop(spare.segment_id, None)
+        if future is None:
+            return True
+        try:
+            future.result(timeout=RESERVE_WAIT_S)
+        except (concurrent.futures.TimeoutError, OSError, GradsyncError) as exc:
+            log.warning("not using %s: reserving its pages failed (%s)", spare.owner,
+                        str(exc) or f"still under way after {RESERVE_WAIT_S:g} s")
+            self.buffers.release(spare.segment_id)
+            return False
+        return True
+
+    def _release_spares(self, spares: list[Slab], wait: bool = True) -> None:
+        """Release these spares.  Where any was still being reserved and `wait` (their
+        room is wanted now), wait for that, bounded, so that /dev/shm has it back."""
+        pending = [f for f in (self._reserving.pop(s.segment_id, None) for s in spares) if f]
+        for spare in spares:
+            self.buffers.release(spare.segment_id)
+        if pending and wait:
+            concurrent.futures.wait(pending, timeout=RESERVE_WAIT_S)
+
     def settle(self) -> None:
         """What commits left for after their reply: release the pruned checkpoints'
         segments, then top up the spares of the parts just committed."""
         unused, self._unused = self._unused, []
+        unmap_on = self.background.submit if self.background is not None else None
         for slab in unused:
-            self.buffers.release(slab.segment_id)
+            self.buffers.release(slab.segment_id, unmap_on)
         to_spare, self._to_spare = self._to_spare, {}
         for key, nbytes in to_spare.items():
             spares = self.spares.setdefault(key, [])
@@ -180,8 +219,7 @@ class CheckpointStore:
         """One more spare of `nbytes` for the part, where the budget has room for it
         without releasing anything (a spare is worth less than any other segment)."""
         if spares and spares[0].nbytes != nbytes:
-            for spare in spares:
-                self.buffers.release(spare.segment_id)
+            self._release_spares(spares)
             spares.clear()
         if self.buffers.in_use + nbytes > self.buffers.max_bytes:
             return False
@@ -189,7 +227,12 @@ class CheckpointStore:
         owner = f"a spare for the next checkpoint of job {job!r}, rank {rank}, item {item!r}"
         self._setting_aside = True  # a spare takes no one's room, not even a spare's
         try:
-            spares.append(self.buffers.allocate(nbytes, owner, {}))
+            if self.background is None:
+                spares.append(self.buffers.allocate(nbytes, owner, {}))
+            else:
+                spare, reserve = self.buffers.allocate_unreserved(nbytes, owner)
+                self._reserving[spare.segment_id] = self.background.submit(reserve)
+                spares.append(spare)
         except ShmExhaustedError as exc:  # /dev/shm itself is full: no spare, no error
             log.debug("no spare segment: %s", exc)
             return False
@@ -212,9 +255,8 @@ class CheckpointStore:
         session ended: no next save is coming soon); whether there were any."""
         keys = [key for key in self.spares
                 if job is None or (key[0] == job and (rank is None or key[1] == rank))]
-        for key in keys:
-            for slab in self.spares.pop(key):
-                self.buffers.release(slab.segment_id)
+        for key in keys:  # a session's end need not wait for the reservations
+            self._release_spares(self.spares.pop(key), wait=job is None)
         if job is None:  # nothing more to make for now either
             self._to_spare.clear()
         return bool(keys)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gradsync.daemon.backends.base import Backend, Slab
@@ -48,19 +48,32 @@ class Buffers:
         """A slab of at least `nbytes` in host memory, or on `request["device"]`."""
         device = request.get("device")
         backend = self.host if device is None else self.cuda()
-        # The host pool checks its own bytes; once device memory is in use too,
-        # every allocation is checked against the sum.
+        self._check_sum(nbytes, owner, "host" if backend is self.host else "device")
+        slab = backend.allocate(next(self._ids), nbytes, owner, request)
+        self._slabs[slab.segment_id] = slab
+        return slab
+
+    def _check_sum(self, nbytes: int, owner: str, kind: str) -> None:
+        """The host pool checks its own bytes; once device memory is in use too,
+        every allocation is checked against the sum."""
         if self._cuda is not None and self.in_use + nbytes > self.max_bytes:
-            kind = "host" if backend is self.host else "device"
             raise ShmExhaustedError(
                 f"allocating {nbytes} bytes of {kind} memory for {owner} would exceed "
                 f"max_shm_bytes={self.max_bytes} ({self.in_use} in use); raise "
                 "--max-shm-bytes",
                 {"requested": nbytes, "in_use": self.in_use, "limit": self.max_bytes},
             )
-        slab = backend.allocate(next(self._ids), nbytes, owner, request)
-        self._slabs[slab.segment_id] = slab
-        return slab
+
+    def allocate_unreserved(self, nbytes: int, owner: str) -> tuple[Slab, Callable[[], None]]:
+        """A host slab whose pages are reserved by the `reserve` returned, which the
+        caller runs (off the event loop) before the slab is written: see
+        `ShmPool.allocate_unreserved`."""
+        self._check_sum(nbytes, owner, "host")
+        segment_id = next(self._ids)
+        segment, reserve = self.host.pool.allocate_unreserved(nbytes, owner, segment_id)
+        slab = Slab(segment_id, segment.nbytes, owner, self.host, segment)
+        self._slabs[segment_id] = slab
+        return slab, reserve
 
     def attach(self, path: str, nbytes: int, owner: str) -> Slab:
         """A host slab over memory a client already shares (not counted in the budget)."""
@@ -88,9 +101,16 @@ class Buffers:
         """Bytes of client memory the daemon maps (`attach`)."""
         return self.host.pool.attached
 
-    def release(self, segment_id: int) -> None:
+    def release(self, segment_id: int,
+                unmap_on: Callable[[Callable[[], None]], object] | None = None) -> None:
+        """Release a slab; a host slab's unmapping (where its pages are freed) runs
+        through `unmap_on` where given (see `ShmPool.release`)."""
         slab = self._slabs.pop(segment_id, None)
-        if slab is not None:
+        if slab is None:
+            return
+        if unmap_on is not None and slab.backend is self.host:
+            self.host.pool.release(segment_id, unmap_on)
+        else:
             slab.backend.release(slab)
 
     def release_all(self) -> None:

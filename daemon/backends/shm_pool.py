@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import gc
 import itertools
 import logging
@@ -96,6 +97,61 @@ class ShmPool:
         `segment_id` is the caller's number for it (the daemon numbers slabs of
         every backend from one counter); by default the pool numbers its own.
         """
+        segment, reserve = self.allocate_unreserved(nbytes, owner, segment_id)
+        try:
+            reserve()
+        except BaseException:
+            self.release(segment.segment_id)
+            raise
+        return segment
+
+    def allocate_unreserved(
+        self, nbytes: int, owner: str, segment_id: int | None = None
+    ) -> tuple[Segment, Callable[[], None]]:
+        """A new segment as `allocate` makes it, counted and mapped, but with its pages
+        not yet reserved: the caller runs the `reserve` returned (ShmExhaustedError
+        where /dev/shm is full) before the segment is written.  Reserving makes the
+        kernel allocate and zero every page (about 0.25 s per GiB), so a caller on
+        the event loop runs it on a thread; once the segment is released, `reserve`
+        does nothing."""
+        size = self._room_for(nbytes, owner)
+        if segment_id is None:
+            segment_id = next(self._ids)
+        name, fd = self._create()
+        path = os.path.join(self.shm_dir, name)
+        try:
+            if self.mode != 0o600:
+                os.fchmod(fd, self.mode)  # exact mode, whatever the umask
+            os.ftruncate(fd, size)  # its size now, its pages at `reserve`
+            segment = self._map_own(fd, segment_id, name, size, owner)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
+        def reserve() -> None:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:  # released before its pages were wanted
+                return
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise ShmExhaustedError(
+                        f"allocating {size} bytes for {owner}: {self.shm_dir} is full",
+                        {"requested": size},
+                    ) from None
+                raise
+            finally:
+                os.close(fd)
+
+        return segment, reserve
+
+    def _room_for(self, nbytes: int, owner: str) -> int:
+        """The page-rounded size of a new segment of `nbytes`, once the budget and
+        /dev/shm have room for it (the spares give way first); else ShmExhaustedError."""
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
         size = -(-nbytes // _PAGE) * _PAGE
@@ -118,26 +174,7 @@ class ShmPool:
                 f"{self.shm_dir}; free space there or enlarge it",
                 {"requested": size, "free": free},
             )
-        if segment_id is None:
-            segment_id = next(self._ids)
-        name, fd = self._create()
-        path = os.path.join(self.shm_dir, name)
-        try:
-            if self.mode != 0o600:
-                os.fchmod(fd, self.mode)  # exact mode, whatever the umask
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                os.unlink(path)
-                if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                    raise ShmExhaustedError(
-                        f"allocating {size} bytes for {owner}: {self.shm_dir} is full",
-                        {"requested": size},
-                    ) from None
-                raise
-            return self._map_own(fd, segment_id, name, size, owner)
-        finally:
-            os.close(fd)
+        return size
 
     def _map_own(self, fd: int, segment_id: int, name: str, size: int, owner: str) -> Segment:
         """Map a segment of this daemon's and count it in the budget."""
@@ -219,12 +256,15 @@ class ShmPool:
         self.attached += nbytes
         return segment
 
-    def release(self, segment_id: int) -> None:
+    def release(self, segment_id: int,
+                unmap_on: Callable[[Callable[[], None]], object] | None = None) -> None:
         """Unlink a segment and unmap it; memory returns once every mapping is gone.
 
         A segment that views still use (a collective running over it) cannot be
         unmapped yet: it is unmapped, and stops counting as in use, as soon as
-        the last view is gone.
+        the last view is gone.  With `unmap_on` (a thread's `submit`) the unmapping,
+        where the kernel frees the pages (about 0.1 s per GiB), runs there: the
+        name is gone and the budget has the room back at once.
         """
         segment = self._segments.pop(segment_id, None)
         if segment is None:
@@ -238,7 +278,10 @@ class ShmPool:
             os.unlink(os.path.join(self.shm_dir, segment.name))
         except FileNotFoundError:
             log.warning("segment %s was already removed from %s", segment.name, self.shm_dir)
-        self._unmap(segment, lingering=True)
+        if unmap_on is None:
+            self._unmap(segment, lingering=True)
+        else:
+            unmap_on(functools.partial(self._unmap, segment, True))
 
     def _unmap(self, segment: Segment, lingering: bool) -> None:
         """Close the mapping (and its descriptor) now, or once its last view is gone."""

@@ -90,9 +90,14 @@ class GradsyncService:
         )
         self.jobs = state.jobs
         #: The jobs' checkpoints: segments owned by the daemon, not by a session.
+        #: Where the checkpoints' spares get their pages and pruned ones give them
+        #: back: the kernel's zeroing and freeing, off the event loop.
+        self.checkpoint_pages = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="gradsync-ckpt-pages")
         self.checkpoints = CheckpointStore(
             self.buffers, config.checkpoints_kept,
-            manifest=ManifestFile(parse_ipc_endpoint(config.socket)))
+            manifest=ManifestFile(parse_ipc_endpoint(config.socket)),
+            background=self.checkpoint_pages)
         #: Peer daemons' checkpoint parts held here (and parts fetched for an open).
         self.replicas = ReplicaStore(self.buffers, config.checkpoints_kept)
         #: Checkpoints across daemons (commit, replicas, pulls), when this daemon has peers.
@@ -526,6 +531,7 @@ class GradsyncService:
         for task in self._checkpoint_tasks:
             task.cancel()
         self.checkpoints.close(keep=self.config.checkpoints_survive_exit)
+        self.checkpoint_pages.shutdown(wait=True)  # their pages back before the exit
         self.replicas.release_all()
         self.buffers.release_all()
 
