@@ -208,12 +208,16 @@ class CheckpointStore:
         for slab in unused:
             self.buffers.release(slab.segment_id, unmap_on)
         to_spare, self._to_spare = self._to_spare, {}
-        for key, nbytes in to_spare.items():
-            spares = self.spares.setdefault(key, [])
-            while len(spares) < _SPARES and self._set_aside(key, nbytes, spares):
-                pass
-            if not spares:
-                del self.spares[key]
+        # Every part's next spare first, then the one after: on the background thread
+        # each rank's next put waits for no other rank's second spare.
+        for wanted in range(1, _SPARES + 1):
+            for key, nbytes in to_spare.items():
+                spares = self.spares.setdefault(key, [])
+                if len(spares) < wanted:
+                    self._set_aside(key, nbytes, spares)
+        for key in to_spare:
+            if not self.spares.get(key):
+                self.spares.pop(key, None)
 
     def _set_aside(self, key: tuple[str, int, str], nbytes: int, spares: list[Slab]) -> bool:
         """One more spare of `nbytes` for the part, where the budget has room for it

@@ -571,3 +571,19 @@ def test_a_spare_still_unreserved_past_the_wait_is_dropped_for_fresh_pages(
         gate.set()
         store.release_all()
     assert store.buffers.in_use == 0 and len(store.buffers) == 0
+
+
+def test_every_parts_next_spare_is_asked_for_before_any_second_one(
+    busy_thread: tuple[concurrent.futures.ThreadPoolExecutor, threading.Event],
+) -> None:
+    background, gate = busy_thread
+    store = CheckpointStore(Buffers(16 * PAGE), kept=1, background=background)
+    try:
+        save(store, 1)  # two ranks' parts: four spares, in the thread's queue
+        (first0, second0), (first1, second1) = (store.spares[("j", r, "data")] for r in (0, 1))
+        # The thread reserves in the order asked, and slab ids count the asking.
+        assert first0.segment_id < first1.segment_id < second0.segment_id < second1.segment_id
+    finally:
+        gate.set()
+        store.release_all()
+    assert store.buffers.in_use == 0 and len(store.buffers) == 0
