@@ -498,15 +498,37 @@ def test_spares_and_pruned_segments_give_way_to_any_allocation(store: Checkpoint
     assert store.buffers.in_use == 4 * PAGE and not store.spares
 
 
+@dataclasses.dataclass
+class PagesThread:
+    """The store's background thread, held busy until the test `free`s it: what the
+    store hands it queues, so the test sees what the store did without it."""
+
+    store: CheckpointStore
+    background: concurrent.futures.ThreadPoolExecutor
+    gate: threading.Event
+
+    def hold(self) -> None:
+        self.gate.clear()
+        self.background.submit(self.gate.wait, 60)
+
+    def drain(self) -> None:
+        self.gate.set()
+        self.background.submit(lambda: None).result(10)
+
+
 @pytest.fixture
-def busy_thread() -> Iterator[tuple[concurrent.futures.ThreadPoolExecutor, threading.Event]]:
-    """The store's background thread, held busy until the test sets the event: what
-    the store hands it queues, so the test sees what the store did without it."""
-    gate = threading.Event()
+def paged() -> Iterator[PagesThread]:
+    """A store (16 pages, one kept checkpoint) with its background thread busy."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pages") as background:
-        background.submit(gate.wait, 60)
-        yield background, gate
-        gate.set()
+        store = CheckpointStore(Buffers(16 * PAGE), kept=1, background=background)
+        thread = PagesThread(store, background, threading.Event())
+        thread.hold()
+        try:
+            yield thread
+        finally:
+            thread.gate.set()
+            store.release_all()
+    assert store.buffers.in_use == 0 and len(store.buffers) == 0
 
 
 def reserved_bytes(slab: Any) -> int:
@@ -515,75 +537,52 @@ def reserved_bytes(slab: Any) -> int:
 
 
 def test_spares_get_their_pages_and_pruned_ones_lose_theirs_on_the_background_thread(
-    busy_thread: tuple[concurrent.futures.ThreadPoolExecutor, threading.Event],
+    paged: PagesThread,
 ) -> None:
-    background, gate = busy_thread
-    store = CheckpointStore(Buffers(16 * PAGE), kept=1, background=background)
-    try:
-        store.put("j", 1, 0, "data", 2 * PAGE)
-        store.commit("j", 1, ((0, "data"),))  # settles: two spares asked of the thread
-        first, second = store.spares[("j", 0, "data")]
-        # Counted in the budget and named at once; their pages not reserved yet.
-        assert store.buffers.in_use == 6 * PAGE and store.spare_for("j", 0, "data") is first
-        assert reserved_bytes(first) == 0 and reserved_bytes(second) == 0
-        threading.Timer(0.2, gate.set).start()
-        assert store.put("j", 2, 0, "data", 2 * PAGE) is first  # it waited for the pages
-        assert reserved_bytes(first) == 2 * PAGE
-        pruned = store.jobs["j"][1].parts[(0, "data")]
-        gate.clear()
-        background.submit(gate.wait, 60)
-        store.commit("j", 2, ((0, "data"),))  # prunes step 1: its segment goes
-        assert not os.path.exists(f"/dev/shm/{pruned.handle.name}")
-        assert not pruned.handle.mapping.closed, "unmapped on the caller's thread"
-        gate.set()
-        background.submit(lambda: None).result(10)
-        assert pruned.handle.mapping.closed
-    finally:
-        gate.set()
-        store.release_all()
-    assert store.buffers.in_use == 0 and len(store.buffers) == 0
+    store = paged.store
+    store.put("j", 1, 0, "data", 2 * PAGE)
+    store.commit("j", 1, ((0, "data"),))  # settles: two spares asked of the thread
+    first, second = store.spares[("j", 0, "data")]
+    # Counted in the budget and named at once; their pages not reserved yet.
+    assert store.buffers.in_use == 6 * PAGE and store.spare_for("j", 0, "data") is first
+    assert reserved_bytes(first) == 0 and reserved_bytes(second) == 0
+    threading.Timer(0.2, paged.gate.set).start()
+    assert store.put("j", 2, 0, "data", 2 * PAGE) is first  # it waited for the pages
+    assert reserved_bytes(first) == 2 * PAGE
+    pruned = store.jobs["j"][1].parts[(0, "data")]
+    paged.hold()
+    store.commit("j", 2, ((0, "data"),))  # prunes step 1: its segment goes
+    assert not os.path.exists(f"/dev/shm/{pruned.handle.name}")
+    assert not pruned.handle.mapping.closed, "unmapped on the caller's thread"
+    paged.drain()
+    assert pruned.handle.mapping.closed
 
 
 def test_a_spare_still_unreserved_past_the_wait_is_dropped_for_fresh_pages(
-    busy_thread: tuple[concurrent.futures.ThreadPoolExecutor, threading.Event],
-    monkeypatch: pytest.MonkeyPatch,
+    paged: PagesThread, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    background, gate = busy_thread
+    store = paged.store
     monkeypatch.setattr(checkpoints_module, "RESERVE_WAIT_S", 0.2)
-    store = CheckpointStore(Buffers(16 * PAGE), kept=2, background=background)
-    try:
-        store.put("j", 1, 0, "data", PAGE)
-        store.commit("j", 1, ((0, "data"),))
-        first, second = store.spares[("j", 0, "data")]
-        fresh = store.put("j", 2, 0, "data", PAGE)
-        assert fresh not in (first, second) and reserved_bytes(fresh) == PAGE
-        assert store.buffers.get(first.segment_id) is None  # dropped, their room back
-        assert store.buffers.get(second.segment_id) is None and not store.spares
-        store.commit("j", 2, ((0, "data"),))
-        assert len(store.spares[("j", 0, "data")]) == 2
-        # A session's end releases its spares without waiting for the thread (that
-        # would take the whole wait: the thread stays busy).
-        monkeypatch.setattr(checkpoints_module, "RESERVE_WAIT_S", 60.0)
-        started = time.monotonic()
-        assert store.release_spares("j", 0) and not store.spares
-        assert time.monotonic() - started < 30 and store.buffers.in_use == 2 * PAGE
-    finally:
-        gate.set()
-        store.release_all()
-    assert store.buffers.in_use == 0 and len(store.buffers) == 0
+    store.put("j", 1, 0, "data", PAGE)
+    store.commit("j", 1, ((0, "data"),))
+    first, second = store.spares[("j", 0, "data")]
+    fresh = store.put("j", 2, 0, "data", PAGE)
+    assert fresh not in (first, second) and reserved_bytes(fresh) == PAGE
+    assert store.buffers.get(first.segment_id) is None  # dropped, their room back
+    assert store.buffers.get(second.segment_id) is None and not store.spares
+    store.commit("j", 2, ((0, "data"),))
+    assert len(store.spares[("j", 0, "data")]) == 2
+    # A session's end releases its spares without waiting for the thread (that
+    # would take the whole wait: the thread stays busy).
+    monkeypatch.setattr(checkpoints_module, "RESERVE_WAIT_S", 60.0)
+    started = time.monotonic()
+    assert store.release_spares("j", 0) and not store.spares
+    assert time.monotonic() - started < 30 and store.buffers.in_use == PAGE
 
 
-def test_every_parts_next_spare_is_asked_for_before_any_second_one(
-    busy_thread: tuple[concurrent.futures.ThreadPoolExecutor, threading.Event],
-) -> None:
-    background, gate = busy_thread
-    store = CheckpointStore(Buffers(16 * PAGE), kept=1, background=background)
-    try:
-        save(store, 1)  # two ranks' parts: four spares, in the thread's queue
-        (first0, second0), (first1, second1) = (store.spares[("j", r, "data")] for r in (0, 1))
-        # The thread reserves in the order asked, and slab ids count the asking.
-        assert first0.segment_id < first1.segment_id < second0.segment_id < second1.segment_id
-    finally:
-        gate.set()
-        store.release_all()
-    assert store.buffers.in_use == 0 and len(store.buffers) == 0
+def test_every_parts_next_spare_is_asked_for_before_any_second_one(paged: PagesThread) -> None:
+    save(paged.store, 1)  # two ranks' parts: four spares, in the thread's queue
+    (first0, second0), (first1, second1) = (
+        paged.store.spares[("j", r, "data")] for r in (0, 1))
+    # The thread reserves in the order asked, and slab ids count the asking.
+    assert first0.segment_id < first1.segment_id < second0.segment_id < second1.segment_id
