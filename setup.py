@@ -1,12 +1,14 @@
 """Build hook for the compiled pieces: the fast path's publish-and-spin
-(protocol/_fastpage.c) and the wire codecs of compressed collectives
-(daemon/backends/_wirecodec.c).
+(protocol/_fastpage.c), the wire codecs of compressed collectives
+(daemon/backends/_wirecodec.c) and the checkpoint writer's copy
+(client/_stream_copy.c).
 
-Everything else is in pyproject.toml.  Both extensions are optional: where no C
+Everything else is in pyproject.toml.  The extensions are optional: where no C
 compiler is found, the install still succeeds, the fast path publishes and spins in
 Python (slower where ranks outnumber cores; see docs/design.md, "The fast path for
-small collectives") and numpy encodes and decodes compressed slices (slower; see
-docs/compression.md).
+small collectives"), numpy encodes and decodes compressed slices (slower; see
+docs/compression.md) and a checkpoint save copies with torch (slower; see
+docs/pytorch.md).
 """
 
 from setuptools import Extension, setup
@@ -25,6 +27,12 @@ setup(
             # no fused multiply-adds: every variant (avx512, avx2, baseline) and
             # numpy round each product and sum on its own, so all agree bit for bit
             extra_compile_args=["-O3", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "gradsync.client._stream_copy",
+            sources=["client/_stream_copy.c"],
+            extra_compile_args=["-O3"],
             optional=True,
         ),
     ]

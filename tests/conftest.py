@@ -199,6 +199,7 @@ FAST_MODULES = (
     "test_schedules.py",
     "test_socket_io.py",
     "test_state_codec.py",
+    "test_stream_copy.py",
     "test_wire_codec.py",
 )
 #: What a test asks for when it runs gradsyncd (start_daemon and daemon stand on short_tmp).
