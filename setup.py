@@ -1,7 +1,7 @@
 """Build hook for the compiled pieces: the fast path's publish-and-spin
 (protocol/_fastpage.c), the wire codecs of compressed collectives
-(daemon/backends/_wirecodec.c) and the checkpoint writer's copy
-(client/_stream_copy.c).
+(daemon/backends/_wirecodec.c) and the checkpoint writer's copy and page tables
+(client/_checkpoint_memory.c).
 
 Everything else is in pyproject.toml.  The extensions are optional: where no C
 compiler is found, the install still succeeds, the fast path publishes and spins in
@@ -30,8 +30,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "gradsync.client._stream_copy",
-            sources=["client/_stream_copy.c"],
+            "gradsync.client._checkpoint_memory",
+            sources=["client/_checkpoint_memory.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

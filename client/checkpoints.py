@@ -8,13 +8,18 @@ Only committed checkpoints can be opened; the daemon keeps each job's newest
 few (`--checkpoints-kept`).  Only sessions of the job itself may use them:
 a `Client` of the checkpoints' job, or one from `checkpoint_client(job, rank)`.
 
-A part is written through a mapping made with MAP_POPULATE (page tables filled
-in one go, not page by page on first touch).  The daemon's reply to a put names
-the segment it set aside for the same part's next save (daemon/checkpoints.py,
-"spares"); once this save's copy is done (`premap_next`, also after a commit),
-that segment is mapped, and so its pages faulted in, on a background thread
-while training goes on, and the next put of the same size gets it mapped.  The
-written part is unmapped on that thread too (`close_later`).
+A part is written through a mapping whose page tables are filled in one go, not
+page by page on first touch (`map_populated`).  The daemon's reply to a put
+names the segment it set aside for the same part's next save
+(daemon/checkpoints.py, "spares"); once this save's copy is done
+(`premap_next`, also after a commit), that segment is mapped, and so its pages
+faulted in, on a background thread while training goes on, and the next put of
+the same size gets it mapped.  The written part is unmapped on that thread too
+(`close_later`).  Both run a few MiB at a time without the GIL
+(client/_checkpoint_memory.c): Python's own MAP_POPULATE keeps the GIL for the
+whole population, and one munmap of a populated mapping holds the process's
+memory map, each about 40 ms per 100 MiB in which the trainer's other threads
+(DCP's collectives after a save, the next step's Python) would wait.
 """
 
 from __future__ import annotations
@@ -31,7 +36,15 @@ from gradsync.client.client import Client
 from gradsync.protocol.requests import checkpoint_session_job, parse_checkpoint_session_job
 from gradsync.protocol.shm import segment_path
 
+try:  # the compiled copy and page-table steps; without a C compiler at install, Python's
+    from gradsync.client import _checkpoint_memory
+except ImportError:  # pragma: no cover - the install built it (tests/test_checkpoint_memory.py)
+    _checkpoint_memory = None  # type: ignore[assignment]
+
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on use
+#: Page tables are filled and emptied this many bytes at a time (each step holds the
+#: process's memory map for well under a millisecond).
+PAGE_TABLE_STEP = 4 * 1024**2
 _premapper: concurrent.futures.ThreadPoolExecutor | None = None
 _premapper_lock = threading.Lock()
 
@@ -43,6 +56,11 @@ def map_populated(name: str, nbytes: int) -> mmap.mmap:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ValueError(f"segment {name} holds {size} bytes, expected {nbytes}")
+        if _checkpoint_memory is not None:
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if _checkpoint_memory.populate(mapping, PAGE_TABLE_STEP):
+                return mapping
+            mapping.close()  # a kernel before 5.14: MAP_POPULATE, with the GIL held
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | _MAP_POPULATE,
                          mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -66,7 +84,10 @@ def _premap(name: str, nbytes: int) -> concurrent.futures.Future[mmap.mmap]:
 
 
 def _close(mapping: mmap.mmap) -> None:
+    """Unmap, its page tables emptied first a step at a time (see the module docstring)."""
     with contextlib.suppress(BufferError):  # a view survived an error: GC frees it
+        if _checkpoint_memory is not None and not mapping.closed:
+            _checkpoint_memory.drop_pages(mapping, PAGE_TABLE_STEP)
         mapping.close()
 
 

@@ -179,6 +179,7 @@ def daemon(start_daemon: object) -> DaemonProcess:
 #: module, a test that asks for one of FULL_TIER_FIXTURES stays in the full suite.
 FAST_MODULES = (
     "test_calibration.py",
+    "test_checkpoint_memory.py",
     "test_checkpoint_metadata.py",
     "test_checkpoint_persist.py",
     "test_checkpoint_store.py",
@@ -199,7 +200,6 @@ FAST_MODULES = (
     "test_schedules.py",
     "test_socket_io.py",
     "test_state_codec.py",
-    "test_stream_copy.py",
     "test_wire_codec.py",
 )
 #: What a test asks for when it runs gradsyncd (start_daemon and daemon stand on short_tmp).

@@ -23,7 +23,7 @@ What a save blocks: the copy into the daemon's segment, which is a spare the
 daemon set aside after an earlier commit and named in the previous save's reply,
 and which this process mapped (pages faulted in) in the background since
 (client/checkpoints.py); a big copy is cut in two, the halves copied on two
-cores, with stores that bypass the caches (client/_stream_copy.c: the daemon,
+cores, with stores that bypass the caches (client/_checkpoint_memory.c: the daemon,
 not this process, holds the bytes now, and a copy that does not first read each
 destination line moves a third less through memory).  `dcp.async_save` stages the state into process
 memory first, as torch's FileSystemWriter does (`BlockingAsyncStager`); the
@@ -81,9 +81,9 @@ _copy_helper: concurrent.futures.ThreadPoolExecutor | None = None
 _copy_helper_lock = threading.Lock()
 
 try:  # the compiled copy; without a C compiler at install, torch's copy_
-    from gradsync.client import _stream_copy
-except ImportError:  # pragma: no cover - the install built it (tests/test_stream_copy.py)
-    _stream_copy = None  # type: ignore[assignment]
+    from gradsync.client import _checkpoint_memory
+except ImportError:  # pragma: no cover - the install built it (tests/test_checkpoint_memory.py)
+    _checkpoint_memory = None  # type: ignore[assignment]
 
 
 def _step(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
@@ -214,8 +214,8 @@ def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Each pair; host sources with the compiled streaming copy where it was built
     (the targets are always host memory: the daemon's segment)."""
     for target, source in copies:
-        if _stream_copy is not None and source.device.type == "cpu":
-            _stream_copy.copy(target.numpy(), source.numpy())
+        if _checkpoint_memory is not None and source.device.type == "cpu":
+            _checkpoint_memory.copy(target.numpy(), source.numpy())
         else:
             target.copy_(source)
 

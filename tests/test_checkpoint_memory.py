@@ -1,0 +1,178 @@
+"""The checkpoint writer's compiled memory work (client/_checkpoint_memory.c).
+
+`copy` must give the same bytes as any copy, for every length and alignment (the
+streaming loop, its unaligned head and its tail, and the small copies that stay
+memcpy), and refuse what it cannot do safely.  `populate` and `drop_pages` must
+fill and empty a mapping's page tables (as the kernel counts them in
+/proc/self/smaps) without touching the segment's bytes.  All three must let other
+threads run while they work: that is why they exist.  The install must have
+built the module: CI has a C compiler, and without it a checkpoint save would
+silently copy with torch and map with the GIL held.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from gradsync.client import _checkpoint_memory
+
+STREAMING = 256 * 1024  # the C module's threshold: at and above it, the streaming loop
+MIB = 2**20
+STEP = 4 * MIB
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 63, 64, 65, 4095, STREAMING - 1,
+                                    STREAMING, STREAMING + 1, 3 * MIB + 13])
+@pytest.mark.parametrize("offset", [0, 1, 8, 15])
+def test_the_copy_gives_the_same_bytes_at_any_length_and_alignment(
+    length: int, offset: int
+) -> None:
+    rng = np.random.default_rng(length * 16 + offset)
+    source = rng.integers(0, 256, length + 32, dtype=np.uint8)[offset:offset + length]
+    with mmap.mmap(-1, length + 64) as mapping:  # shared memory, as a daemon segment is
+        target = np.frombuffer(mapping, dtype=np.uint8)
+        target[:] = 0xA5
+        _checkpoint_memory.copy(target[offset + 3:offset + 3 + length], source)
+        assert np.array_equal(target[offset + 3:offset + 3 + length], source)
+        # Not a byte before or after the destination changed.
+        assert (target[:offset + 3] == 0xA5).all()
+        assert (target[offset + 3 + length:] == 0xA5).all()
+        del target
+
+
+def test_the_copy_refuses_other_lengths_read_only_and_strided_buffers() -> None:
+    source = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="destination holds 32 bytes, the source 64"):
+        _checkpoint_memory.copy(np.zeros(32, np.uint8), source)
+    with pytest.raises((BufferError, TypeError)):
+        _checkpoint_memory.copy(bytes(64), source)  # not writable
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        _checkpoint_memory.copy(np.zeros(128, np.uint8)[::2], source)  # not contiguous
+    with pytest.raises(TypeError):
+        _checkpoint_memory.copy(np.zeros(64, np.uint8))  # type: ignore[call-arg]
+
+
+def shm_segment(nbytes: int) -> mmap.mmap:
+    """A /dev/shm file with its pages there, as a daemon's segment, mapped shared
+    without MAP_POPULATE (no page tables yet), its name already gone."""
+    path = f"/dev/shm/gradsync-test-{os.getpid()}-checkpoint-memory"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.fixture
+def segment() -> Iterator[mmap.mmap]:
+    mapping = shm_segment(16 * MIB)
+    yield mapping
+    mapping.close()
+
+
+def mapped_bytes(mapping: mmap.mmap) -> int:
+    """The bytes of `mapping` that have page tables (its VMA's Rss in /proc/self/smaps)."""
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    found = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(x, 16) for x in first.split("-"))
+                found = low <= start < high
+            elif found and first == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+def test_populate_fills_the_page_tables_and_drop_pages_empties_them_keeping_the_bytes(
+    segment: mmap.mmap,
+) -> None:
+    assert mapped_bytes(segment) == 0
+    assert _checkpoint_memory.populate(segment, STEP) is True  # Linux 5.14 or later here
+    assert mapped_bytes(segment) == 16 * MIB
+    segment[5 * MIB:5 * MIB + 4] = b"part"
+    _checkpoint_memory.drop_pages(segment, STEP)
+    assert mapped_bytes(segment) == 0
+    assert segment[5 * MIB:5 * MIB + 4] == b"part"  # the segment kept it: a fault maps it again
+    with pytest.raises(ValueError, match="positive multiple"):
+        _checkpoint_memory.populate(segment, STEP + 1)
+    with pytest.raises(ValueError, match="positive multiple"):
+        _checkpoint_memory.drop_pages(segment, 0)
+    with (mmap.mmap(-1, MIB, prot=mmap.PROT_READ) as read_only,
+          pytest.raises((BufferError, TypeError))):
+        _checkpoint_memory.populate(read_only, STEP)
+
+
+def test_a_writers_mapping_is_populated_and_its_unmapping_empties_it_first(
+    segment: mmap.mmap,
+) -> None:
+    from gradsync.client import checkpoints
+
+    assert checkpoints._checkpoint_memory is _checkpoint_memory
+    _checkpoint_memory.populate(segment, STEP)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(segment))
+    checkpoints._close(segment)
+    assert segment.closed and address  # unmapped, with no view left behind
+
+
+@pytest.mark.parametrize("work", ["copy", "populate", "drop_pages"])
+def test_other_threads_run_while_it_works(work: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a switch interval of seconds, no thread takes the GIL from another
+    unless it is let go: the counting thread counts during the call only if the
+    call lets go of it (64 MiB: milliseconds of work in each)."""
+    segment = shm_segment(64 * MIB)
+    if work == "drop_pages":
+        _checkpoint_memory.populate(segment, STEP)
+    source = np.ones(64 * MIB, np.uint8)
+    calls: dict[str, Callable[[], object]] = {
+        "copy": lambda: _checkpoint_memory.copy(np.frombuffer(segment, np.uint8), source),
+        "populate": lambda: _checkpoint_memory.populate(segment, STEP),
+        "drop_pages": lambda: _checkpoint_memory.drop_pages(segment, STEP),
+    }
+    counted = [0]
+    seen: list[int] = []
+    started, done = threading.Event(), threading.Event()
+
+    def call() -> None:
+        started.wait(30)
+        before = counted[0]
+        calls[work]()
+        seen.append(counted[0] - before)
+        done.set()
+
+    monkeypatch.setattr(sys, "getswitchinterval", sys.getswitchinterval)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.25)
+    try:
+        worker = threading.Thread(target=call)
+        worker.start()
+        started.set()
+        while not done.is_set() and counted[0] < 10**9:
+            counted[0] += 1
+        worker.join(30)
+    finally:
+        sys.setswitchinterval(interval)
+        segment.close()
+    assert seen and seen[0] > 0, f"{work} kept the GIL: nothing else ran during it"
+
+
+def test_a_checkpoint_save_copies_with_it() -> None:
+    torch = pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
+    from gradsync.client.torch import checkpoint
+
+    assert checkpoint._checkpoint_memory is _checkpoint_memory
+    source = torch.arange(STREAMING * 3, dtype=torch.int32).view(torch.uint8)
+    target = torch.zeros_like(source)
+    checkpoint._copy([(target, source)])  # cut in two halves, one on the helper thread
+    assert torch.equal(target, source)
