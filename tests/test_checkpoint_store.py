@@ -7,10 +7,15 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -586,3 +591,22 @@ def test_every_parts_next_spare_is_asked_for_before_any_second_one(paged: PagesT
         paged.store.spares[("j", r, "data")] for r in (0, 1))
     # The thread reserves in the order asked, and slab ids count the asking.
     assert first0.segment_id < first1.segment_id < second0.segment_id < second1.segment_id
+
+
+def test_spares_whose_reservation_finds_dev_shm_full_give_a_clear_error_then_room() -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a mount namespace")
+    program = Path(__file__).parent / "programs" / "spares_on_full_shm.py"
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh",
+         sys.executable, str(program)],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    happened = json.loads(result.stdout.strip().splitlines()[-1])
+    assert happened["spares"] == 2
+    assert "/dev/shm is full" in happened["error"] or "bytes free in /dev/shm" in happened["error"]
+    assert "checkpoint is not saved" in happened["error"]
+    assert happened["spares_after"] == 0  # the failed reservations were dropped
+    assert happened["committed"] == [2]
+    assert happened["left"] == []  # every segment went with the store
