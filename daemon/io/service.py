@@ -89,11 +89,11 @@ class GradsyncService:
             max_workers=config.threads, thread_name_prefix="gradsync-reduce"
         )
         self.jobs = state.jobs
-        #: The jobs' checkpoints: segments owned by the daemon, not by a session.
         #: Where the checkpoints' spares get their pages and pruned ones give them
         #: back: the kernel's zeroing and freeing, off the event loop.
         self.checkpoint_pages = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="gradsync-ckpt-pages")
+        #: The jobs' checkpoints: segments owned by the daemon, not by a session.
         self.checkpoints = CheckpointStore(
             self.buffers, config.checkpoints_kept,
             manifest=ManifestFile(parse_ipc_endpoint(config.socket)),
