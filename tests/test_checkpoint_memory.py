@@ -120,16 +120,22 @@ def test_populate_fills_the_page_tables_and_drop_pages_empties_them_keeping_the_
         _checkpoint_memory.populate(read_only, STEP)
 
 
-def test_a_writers_mapping_is_populated_and_its_unmapping_empties_it_first(
-    segment: mmap.mmap,
-) -> None:
+def test_a_writers_mapping_comes_with_its_page_tables_and_unmaps() -> None:
     from gradsync.client import checkpoints
+    from gradsync.protocol.shm import segment_name
 
     assert checkpoints._checkpoint_memory is _checkpoint_memory
-    _checkpoint_memory.populate(segment, STEP)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(segment))
-    checkpoints._close(segment)
-    assert segment.closed and address  # unmapped, with no view left behind
+    name = segment_name(os.getpid(), "checkpoint-memory-test")
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 8 * MIB)
+        mapping = checkpoints.map_populated(name, 8 * MIB)
+        assert mapped_bytes(mapping) == 8 * MIB  # its page tables are there already
+        checkpoints._close(mapping)
+        assert mapping.closed
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{name}")
 
 
 @pytest.mark.parametrize("work", ["copy", "populate", "drop_pages"])
