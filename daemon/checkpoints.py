@@ -27,7 +27,8 @@ In the daemon neither costs its event loop either (`background`, a thread of its
 own): a spare's pages are reserved there (the kernel allocating and zeroing
 them, about 0.25 s per GiB), and the pruned segments are unmapped there (where
 the kernel frees them, about 0.1 s per GiB).  A put that gets a spare whose
-pages are still being reserved waits for that, within `RESERVE_WAIT_S`.
+pages are still being reserved waits for that, within `RESERVE_WAIT_S`: the
+daemon awaits it (`reservation_for`) before the put, so its loop never does.
 
 Complete checkpoints also outlive the daemon (part 4): every commit rewrites
 the manifest (checkpoint_manifest.py) that a daemon restarted on the same
@@ -134,10 +135,13 @@ class CheckpointStore:
         # slot's) first takes the spares' room.
         buffers.host.pool.on_exhausted(self._give_way)
 
-    def put(self, job: str, step: int, rank: int, item: str, nbytes: int) -> Slab:
+    def put(self, job: str, step: int, rank: int, item: str, nbytes: int,
+            wait_s: float | None = None) -> Slab:
         """A segment for `item` of `rank` in (job, step): the part's spare where it
-        has the size, else a fresh one; a part put again (a save retried after a
-        crash) replaces the old one.  The spare the next put gets: `spare_for`."""
+        has the size (and its pages are reserved, waiting up to `wait_s`, by default
+        `RESERVE_WAIT_S`, for that),
+        else a fresh one; a part put again (a save retried after a crash) replaces
+        the old one.  The spare the next put gets: `spare_for`."""
         steps = self.jobs.setdefault(job, {})
         checkpoint = steps.get(step)
         if checkpoint is not None and checkpoint.committed_at is not None:
@@ -151,7 +155,8 @@ class CheckpointStore:
             self.buffers.release(old.segment_id)
         owner = f"{checkpoint.describe()}, rank {rank}, item {item!r}"
         spares = self.spares.pop((job, rank, item), [])
-        if spares and spares[0].nbytes == _pages(nbytes) and self._reserved(spares[0]):
+        wait_s = RESERVE_WAIT_S if wait_s is None else wait_s
+        if spares and spares[0].nbytes == _pages(nbytes) and self._reserved(spares[0], wait_s):
             slab = spares.pop(0)
             slab.owner = owner
             checkpoint.parts[(rank, item)] = slab
@@ -176,17 +181,29 @@ class CheckpointStore:
         spares = self.spares.get((job, rank, item))
         return spares[0] if spares else None
 
-    def _reserved(self, spare: Slab) -> bool:
+    def reservation_for(self, job: str, rank: int, item: str,
+                        nbytes: int) -> concurrent.futures.Future[None] | None:
+        """The reservation a put of this part would wait for: its spare's pages still
+        being reserved (None: nothing to wait for)."""
+        spares = self.spares.get((job, rank, item))
+        if not spares or spares[0].nbytes != _pages(nbytes):
+            return None
+        future = self._reserving.get(spares[0].segment_id)
+        return None if future is None or future.done() else future
+
+    def _reserved(self, spare: Slab, wait_s: float) -> bool:
         """Whether the spare's pages are reserved, once its reservation (if under
-        way) is done; a spare whose reservation failed or took too long is released."""
+        way) is done, within `wait_s`; a spare whose reservation failed or is not
+        done by then is released."""
         future = self._reserving.pop(spare.segment_id, None)
         if future is None:
             return True
         try:
-            future.result(timeout=RESERVE_WAIT_S)
-        except (concurrent.futures.TimeoutError, OSError, GradsyncError) as exc:
+            future.result(timeout=wait_s)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
+                OSError, GradsyncError) as exc:
             log.warning("not using %s: reserving its pages failed (%s)", spare.owner,
-                        str(exc) or f"still under way after {RESERVE_WAIT_S:g} s")
+                        str(exc) or f"still under way after {wait_s:g} s")
             self.buffers.release(spare.segment_id)
             return False
         return True
@@ -223,7 +240,8 @@ class CheckpointStore:
         """One more spare of `nbytes` for the part, where the budget has room for it
         without releasing anything (a spare is worth less than any other segment)."""
         if spares and spares[0].nbytes != nbytes:
-            self._release_spares(spares)
+            # No need to wait for their reservations: the thread does this spare's after.
+            self._release_spares(spares, wait=False)
             spares.clear()
         if self.buffers.in_use + nbytes > self.buffers.max_bytes:
             return False

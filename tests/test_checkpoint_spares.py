@@ -139,3 +139,30 @@ def test_dcp_saves_reuse_the_spare_and_load_bitwise(daemon: DaemonProcess) -> No
             assert torch.equal(loaded[name], tensor), name
     finally:
         del os.environ["GRADSYNC_DAEMON"]
+
+
+@pytest.mark.timeout(120)
+def test_a_save_right_after_a_commit_gets_the_spare_once_its_pages_are_there(
+    daemon: DaemonProcess,
+) -> None:
+    """512 MiB: the two spares' pages take the daemon's page thread a few hundred ms, so
+    the next put, sent as soon as the commit is answered, finds its spare still being
+    reserved; the daemon waits for it off its loop, then hands it over."""
+    nbytes = 512 * MIB
+    with checkpoint_client("spares-busy", 0, daemon.endpoint) as client:
+        store = DaemonCheckpoints(client)
+        mapping = store.put(1, "data", nbytes)
+        mapping[:4] = pattern(1, 4)
+        mapping.close()
+        made_before = set(segments_of(daemon.pid))
+        store.commit(1, [(0, "data")])
+        reply = client.call("ckpt_put", job="spares-busy", step=2, item="data", nbytes=nbytes)
+        spares = set(segments_of(daemon.pid)) - made_before
+        assert reply["name"] in spares, "the save right after the commit did not get a spare"
+        assert os.stat(f"/dev/shm/{reply['name']}").st_blocks * 512 >= nbytes  # reserved
+        written = map_populated(reply["name"], nbytes)
+        written[:4] = pattern(2, 4)
+        written.close()
+        store.commit(2, [(0, "data")])
+        assert store.open(2).parts[(0, "data")][:4] == pattern(2, 4)
+        assert store.open(1).parts[(0, "data")][:4] == pattern(1, 4)

@@ -610,3 +610,25 @@ def test_spares_whose_reservation_finds_dev_shm_full_give_a_clear_error_then_roo
     assert happened["spares_after"] == 0  # the failed reservations were dropped
     assert happened["committed"] == [2]
     assert happened["left"] == []  # every segment went with the store
+
+
+def test_the_daemon_can_ask_what_a_put_would_wait_for_then_put_without_waiting(
+    paged: PagesThread,
+) -> None:
+    store = paged.store
+    store.put("j", 1, 0, "data", PAGE)
+    store.commit("j", 1, ((0, "data"),))
+    first, _ = store.spares[("j", 0, "data")]
+    pending = store.reservation_for("j", 0, "data", PAGE)
+    assert pending is not None and not pending.done()  # the thread is held: not reserved
+    assert store.reservation_for("j", 0, "data", 2 * PAGE) is None  # no spare of that size
+    assert store.reservation_for("j", 1, "data", PAGE) is None  # no spare for that rank
+    paged.drain()
+    assert pending.done() and store.reservation_for("j", 0, "data", PAGE) is None
+    assert store.put("j", 2, 0, "data", PAGE, wait_s=0.0) is first  # nothing left to wait for
+    paged.hold()
+    store.commit("j", 2, ((0, "data"),))  # a new second spare, its reservation held
+    second, third = store.spares[("j", 0, "data")]
+    assert store.put("j", 3, 0, "data", PAGE, wait_s=0.0) is second  # reserved earlier
+    fresh = store.put("j", 4, 0, "data", PAGE, wait_s=0.0)  # `third` is not: fresh pages
+    assert fresh is not third and store.buffers.get(third.segment_id) is None

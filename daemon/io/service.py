@@ -22,7 +22,7 @@ import numpy as np
 from gradsync.daemon.backends import Buffers, Slab
 from gradsync.daemon.checkpoint_manifest import ManifestFile
 from gradsync.daemon.checkpoint_replicas import ReplicaStore
-from gradsync.daemon.checkpoints import CheckpointStore
+from gradsync.daemon.checkpoints import RESERVE_WAIT_S, CheckpointStore
 from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.collectives import MatchedCollective, chunk_count
 from gradsync.daemon.core.deadlines import Deadlines
@@ -353,14 +353,12 @@ class GradsyncService:
                 {"job": request.job, "caller_job": session.job_name})
         store = self.checkpoints
         if isinstance(request, CheckpointPut):
-            slab = store.put(request.job, request.step, rank, request.item, request.nbytes)
-            # The part's next save goes into `spare`: the client maps it ahead of time.
-            # (Set aside by an earlier commit's `settle`: nothing here waits for pages.)
-            spare = store.spare_for(request.job, rank, request.item)
-            session.reply(messages.ok_reply(
-                request_id, nbytes=slab.nbytes, **slab.backend.export(slab),
-                **({} if spare is None else {
-                    "spare": [spare.backend.export(spare)["name"], spare.nbytes]})))
+            pending = store.reservation_for(request.job, rank, request.item, request.nbytes)
+            if pending is None:
+                session.reply(self._put(request, rank, request_id))
+            else:  # its spare's pages are still being reserved: wait off the loop
+                self._reply_later(session, request_id,
+                                  self._put_once_reserved(pending, request, rank, request_id))
         elif isinstance(request, CheckpointCommit):
             self._commit(session, request, request_id)
         elif isinstance(request, CheckpointList):
@@ -402,6 +400,30 @@ class GradsyncService:
     async def _open_across(self, peers: CheckpointPeers, job: str, step: int | None,
                            request_id: int) -> Message:
         return _opened(request_id, *await peers.open(job, step))
+
+    def _put(self, request: CheckpointPut, rank: int, request_id: int) -> Message:
+        """The segment for the part, and the spare its next save goes into (set aside
+        by an earlier commit's `settle`): the client maps that one ahead of time.
+        Never waits for pages (`_put_once_reserved` did, where there were any)."""
+        store = self.checkpoints
+        slab = store.put(request.job, request.step, rank, request.item, request.nbytes,
+                         wait_s=0.0)
+        spare = store.spare_for(request.job, rank, request.item)
+        return messages.ok_reply(
+            request_id, nbytes=slab.nbytes, **slab.backend.export(slab),
+            **({} if spare is None else {
+                "spare": [spare.backend.export(spare)["name"], spare.nbytes]}))
+
+    async def _put_once_reserved(self, pending: concurrent.futures.Future[None],
+                                 request: CheckpointPut, rank: int, request_id: int) -> Message:
+        """`_put`, once the spare it gets has its pages (or the wait is over: then the
+        put takes fresh pages instead)."""
+        # asyncio.wait, not wait_for: at the deadline the reservation must go on (a
+        # cancel would reach the thread's queue); how it went, the put sees.
+        waiting = asyncio.wrap_future(pending)
+        await asyncio.wait({waiting}, timeout=RESERVE_WAIT_S)
+        waiting.add_done_callback(_seen)
+        return self._put(request, rank, request_id)
 
     def _reply_later(self, session: ClientSession, request_id: int,
                      answer: Coroutine[Any, Any, Message]) -> None:
@@ -545,6 +567,12 @@ class GradsyncService:
         except TimeoutError:
             return False
         return True
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    """Mark a reservation's failure as seen: the put that waited for it has dealt with it."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _opened(request_id: int, step: int, parts: Mapping[tuple[int, str], Slab]) -> Message:
