@@ -37,7 +37,7 @@ from gradsync.protocol.requests import checkpoint_session_job, parse_checkpoint_
 from gradsync.protocol.shm import segment_path
 
 try:  # the compiled copy and page-table steps; without a C compiler at install, Python's
-    from gradsync.client import _checkpoint_memory
+    from gradsync.client import _checkpoint_memory as _checkpoint_memory  # torch's too
 except ImportError:  # pragma: no cover - the install built it (tests/test_checkpoint_memory.py)
     _checkpoint_memory = None  # type: ignore[assignment]
 

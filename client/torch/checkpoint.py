@@ -54,7 +54,12 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from gradsync.client.checkpoints import DaemonCheckpoints, OpenedCheckpoint, checkpoint_client
+from gradsync.client.checkpoints import (  # the compiled copy, or None: torch's copy_
+    DaemonCheckpoints,
+    OpenedCheckpoint,
+    _checkpoint_memory,
+    checkpoint_client,
+)
 from gradsync.client.client import Client
 from gradsync.client.torch.checkpoint_metadata import (
     StoredItem,
@@ -79,11 +84,6 @@ _LENGTH = struct.Struct("<Q")
 _PARALLEL_COPY_BYTES = 4 * 1024**2
 _copy_helper: concurrent.futures.ThreadPoolExecutor | None = None
 _copy_helper_lock = threading.Lock()
-
-try:  # the compiled copy; without a C compiler at install, torch's copy_
-    from gradsync.client import _checkpoint_memory
-except ImportError:  # pragma: no cover - the install built it (tests/test_checkpoint_memory.py)
-    _checkpoint_memory = None  # type: ignore[assignment]
 
 
 def _step(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
