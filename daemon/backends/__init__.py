@@ -69,10 +69,8 @@ class Buffers:
         caller runs (off the event loop) before the slab is written: see
         `ShmPool.allocate_unreserved`."""
         self._check_sum(nbytes, owner, "host")
-        segment_id = next(self._ids)
-        segment, reserve = self.host.pool.allocate_unreserved(nbytes, owner, segment_id)
-        slab = Slab(segment_id, segment.nbytes, owner, self.host, segment)
-        self._slabs[segment_id] = slab
+        slab, reserve = self.host.allocate_unreserved(next(self._ids), nbytes, owner)
+        self._slabs[slab.segment_id] = slab
         return slab, reserve
 
     def attach(self, path: str, nbytes: int, owner: str) -> Slab:

@@ -34,6 +34,14 @@ class HostBackend:
         segment = self.pool.allocate(nbytes, owner, segment_id)
         return Slab(segment_id, segment.nbytes, owner, self, segment)
 
+    def allocate_unreserved(
+        self, segment_id: int, nbytes: int, owner: str
+    ) -> tuple[Slab, Callable[[], None]]:
+        """A slab whose pages the returned `reserve` reserves (see
+        `ShmPool.allocate_unreserved`)."""
+        segment, reserve = self.pool.allocate_unreserved(nbytes, owner, segment_id)
+        return Slab(segment_id, segment.nbytes, owner, self, segment), reserve
+
     def attach(self, segment_id: int, path: str, nbytes: int, owner: str) -> Slab:
         """A slab over memory the client shares (see `ShmPool.attach`)."""
         segment = self.pool.attach(path, nbytes, owner, segment_id)
