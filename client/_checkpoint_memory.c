@@ -11,14 +11,14 @@
  * for small copies, this is memcpy.
  *
  * populate, drop_pages: filling a mapping's page tables before a save writes
- * it, and emptying them before it is unmapped, a step at a time.  Populating
- * takes read faults, as MAP_POPULATE does on a shared mapping: they map a
- * segment's pages writable (tmpfs keeps no dirty state to track) and several at
- * a time, 2.5x faster than write faults.  Python's
+ * it, and emptying them before it is unmapped, a step at a time.  Python's
  * mmap(MAP_POPULATE) keeps the GIL for the whole population (about 40 ms per
  * 100 MiB: every other thread of the trainer stops), and one munmap of a
  * populated mapping holds the process's memory map for as long (every other
  * mmap, munmap and fault waits); madvise in steps of a few MiB does neither.
+ * Populating takes read faults, as MAP_POPULATE does on a shared mapping: they
+ * map a segment's pages writable (tmpfs keeps no dirty state to track) and
+ * several at a time, 2.5x faster than write faults.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
