@@ -9,23 +9,17 @@ in a discrete-event loop; each daemon handles one message at a time, for as long
 as its core really took on this CPU, so the simulated times include the cores'
 own work.  Nothing is sent on a socket.
 
-- **form**: every daemon holds one rank of a job of M ranks; all announce at t=0;
-  the job is formed on a daemon once its core says so.
+- **form**: every daemon holds one rank of a job of M ranks; all announce at t=0
+  (to the job's coordinator, daemon/core/coordinating.py); the job is formed
+  on a daemon once its core says so.
 - **detect**: one daemon vanishes.  A watcher's detector (default settings)
   hears every other peer's heartbeats, suspects the silent one, asks its
   witnesses (they have not heard it either) and declares it; then every
   survivor's core is told the peer was lost and ends the job (the failure
-  news: withdrawals).
+  news: withdrawals to the coordinator, and its word to the members).
 - **rest**: heartbeats and the DEALER's pings per second per daemon, from the
   links' schedule (daemon/peers/health.py): one of each per peer per interval,
   each answered.
-
-Above `--full-up-to` daemons (default 256) the cores of two daemons (the first
-and the last) handle what they receive; every daemon's announcements are still
-made and counted, and the failure news of the survivors not simulated is
-counted as the simulated ones' (by symmetry).  That is exact for today's
-protocol, where no daemon answers another's announcement or withdrawal, and it
-keeps M = 1,024 within a minute.
 
     python -m benchmarks.membership_scale            # the RESULTS.md table
     python -m benchmarks.membership_scale --sizes 4,64 --json
@@ -152,7 +146,6 @@ class Phase:
 @dataclasses.dataclass
 class Row:
     daemons: int
-    simulated: int
     form: Phase
     declare_s: float
     witnesses_asked: int
@@ -164,11 +157,9 @@ class Row:
 class Cluster:
     """M daemons' cores on one simulated network."""
 
-    def __init__(self, size: int, full_up_to: int) -> None:
+    def __init__(self, size: int) -> None:
         self.network = Network()
         self.endpoints = [endpoint_of(i) for i in range(size)]
-        self.processing = (set(self.endpoints) if size <= full_up_to
-                           else {self.endpoints[0], self.endpoints[-1]})
         self.cores: dict[str, ClusterJobs] = {}
         self.jobs: dict[str, Job] = {}
         for rank, endpoint in enumerate(self.endpoints):
@@ -186,8 +177,6 @@ class Cluster:
         last = 0.0
         while (message := self.network.next_message()) is not None:
             at, src, dst, header = message
-            if dst not in self.processing:
-                continue
             core, job = self.cores[dst], self.jobs[dst]
             last = self.network.run(dst, at, lambda c=core, s=src, h=header:  # type: ignore[misc]
                                     c.on_message(s, h, ()))
@@ -212,11 +201,11 @@ class Cluster:
             core, job = self.cores[endpoint], self.jobs[endpoint]
             self.network.run(endpoint, 0.0, lambda c=core, j=job: c.local_complete(j))  # type: ignore[misc]
         self.deliver(formed, lambda job: job.across.formation is not None)
-        generations = {self.jobs[d].across.formation.generation  # type: ignore[union-attr]
-                       for d in self.processing}
-        if len(formed) != len(self.processing) or len(generations) != 1:
+        generations = {job.across.formation.generation if job.across.formation else None
+                       for job in self.jobs.values()}
+        if len(formed) != len(self.endpoints) or len(generations) != 1:
             raise RuntimeError(f"the job did not form alike on every daemon: {len(formed)} "
-                               f"of {len(self.processing)} formed, generations {generations}")
+                               f"of {len(self.endpoints)} formed, generations {generations}")
         return self.phase(before, max(formed.values()))
 
     def lose(self, victim: str, declared_s: float) -> Phase:
@@ -225,19 +214,15 @@ class Cluster:
         before = self.counts()
         broken: dict[str, float] = {}
         survivors = [e for e in self.endpoints if e != victim]
-        hearing = [e for e in survivors if e in self.processing]  # the others never formed
-        for endpoint in hearing:
+        for endpoint in survivors:
             core = self.cores[endpoint]
             self.network.run(endpoint, declared_s,
                              lambda c=core: c.peer_lost(victim, "simulated"))  # type: ignore[misc]
         last = self.deliver(broken, lambda job: job.broken is not None)
-        for endpoint in hearing:
+        for endpoint in survivors:
             if self.jobs[endpoint].broken is None:
                 raise RuntimeError(f"{endpoint} did not end the job")
-        news = self.phase(before, max(last, declared_s) - declared_s)
-        # Sampled: every survivor sends what the ones simulated sent (symmetry).
-        news.total = news.total * len(survivors) // len(hearing)
-        return news
+        return self.phase(before, max(last, declared_s) - declared_s)
 
 
 def detect(size: int) -> tuple[float, int]:
@@ -276,13 +261,13 @@ def at_rest_per_daemon_s(size: int) -> float:
     return 2 * 2 * per_peer * (size - 1)  # sent and received; pings and answers
 
 
-def measure(size: int, full_up_to: int) -> Row:
+def measure(size: int) -> Row:
     started = time.perf_counter()
-    cluster = Cluster(size, full_up_to)
+    cluster = Cluster(size)
     form = cluster.form()
     declare_s, asked = detect(size)
     news = cluster.lose(cluster.endpoints[-1], form.time_s + declare_s)
-    return Row(size, len(cluster.processing), form, declare_s, asked, news,
+    return Row(size, form, declare_s, asked, news,
                at_rest_per_daemon_s(size), time.perf_counter() - started)
 
 
@@ -294,7 +279,7 @@ def table(rows: Sequence[Row]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row.daemons}{'' if row.simulated == row.daemons else '*'} "
+            f"| {row.daemons} "
             f"| {row.form.sent_per_daemon} / {row.form.received_per_daemon} "
             f"| {row.form.total:,} | {row.form.time_s * 1e3:.1f} ms "
             f"| {row.declare_s:.1f} s | {row.witnesses_asked} "
@@ -307,19 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,64,256,1024",
                         help="daemon counts, comma-separated (default 4,64,256,1024)")
-    parser.add_argument("--full-up-to", type=int, default=256,
-                        help="above this many daemons, two daemons' cores handle what "
-                             "they receive (default 256)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     logging.getLogger("gradsync").setLevel(logging.ERROR)  # M daemons' news, M times
-    rows = [measure(int(size), args.full_up_to) for size in args.sizes.split(",")]
+    rows = [measure(int(size)) for size in args.sizes.split(",")]
     if args.json:
         print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
     else:
         print(table(rows))
-        print(f"\n(*: the cores of two daemons handle what they receive; every daemon's "
-              f"sends are counted)  simulation wall time: "
+        print(f"\nsimulation wall time: "
               f"{', '.join(f'{r.daemons}: {r.wall_s:.1f} s' for r in rows)}")
     return 0
 

@@ -24,7 +24,7 @@ from gradsync.protocol.messages import check_version
 
 #: Bumped on every incompatible change of a message below (the client wire's
 #: PROTOCOL_VERSION is separate: protocol/version.py).
-PEER_PROTOCOL_VERSION = 3
+PEER_PROTOCOL_VERSION = 4
 
 #: The AEAD ciphers of sealed data streams (daemon/peers/stream_crypto.py), by
 #: their wire names; a stream's hello gives its cipher's index here.
@@ -297,29 +297,172 @@ class Abort(WireMessage):
 
 @dataclasses.dataclass(frozen=True)
 class Unformable(WireMessage):
-    """The answer to an announcement of a job that this daemon broke before it
-    formed, because the announcer was lost to it (a restart, a cut link): the
-    announcer's ranks of that run (its `boot` and `incarnation`, echoed) wait
-    for ranks that will never come here, and fail now instead of at their
-    deadline."""
+    """A job's coordinator to one announcer: this run of the job (the
+    announcer's `boot` and `incarnation`, echoed) can never form, because the
+    daemon `peer` that held some of its ranks was lost before it formed.  The
+    announcer's ranks fail now with `message`, not at their deadline."""
 
     kind: ClassVar[str] = "unformable"
     job: str
     boot: int
     incarnation: int
-    reason: str
+    message: str
     code: str
+    peer: str
 
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Unformable:
         kind = cls.kind
         return cls(_text(fields, "job", kind), _int(fields, "boot", kind),
-                   _int(fields, "incarnation", kind), _text(fields, "reason", kind),
+                   _int(fields, "incarnation", kind), _text(fields, "message", kind),
+                   _text(fields, "code", kind), _text(fields, "peer", kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class Broke(WireMessage):
+    """To a peer that is back after being lost (a restart, a cut link): the
+    sender broke `job` before it formed while the receiver was away.  The
+    receiver's ranks of that job, there already or joining soon, would wait
+    for ranks that gave up: they fail now, with `reason`."""
+
+    kind: ClassVar[str] = "broke"
+    job: str
+    reason: str
+    code: str
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Broke:
+        kind = cls.kind
+        return cls(_text(fields, "job", kind), _text(fields, "reason", kind),
                    _text(fields, "code", kind))
+
+
+#: One member of a formation on the wire: its daemon, that daemon's boot and
+#: incarnation of the job, and the ranks it holds.
+FormedMember = tuple[str, int, int, tuple[int, ...]]
+#: Members a `Formed` part may carry (a part must fit one header frame).
+MAX_FORMED_MEMBERS = 4096
+#: Daemons a formation may have.
+MAX_MEMBERS = 1 << 16
+
+
+def _formed_member(value: Any, world_size: int) -> FormedMember:
+    kind = Formed.kind
+    _need(isinstance(value, list) and len(value) == 4, kind,
+          "a member must be [daemon, boot, incarnation, ranks]")
+    daemon, boot, incarnation, ranks = value
+    _need(isinstance(daemon, str) and 0 < len(daemon) <= 1024, kind,
+          "a member's daemon must be a string")
+    _need(is_integer(boot) and is_integer(incarnation), kind,
+          "a member's boot and incarnation must be integers")
+    _need(isinstance(ranks, list) and bool(ranks)
+          and all(is_integer(r) and 0 <= r < world_size for r in ranks)
+          and len(set(ranks)) == len(ranks), kind,
+          "a member's ranks must be distinct integers below world_size")
+    return daemon, int(boot), int(incarnation), tuple(sorted(ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Formed(WireMessage):
+    """A job's coordinator to its members: the job formed.  One part of the
+    member list (members `first` onwards, of `members` in all, in the
+    formation's order), the generation, and the figures every member derives
+    the same way (membership.py `form`).  A large formation comes in parts, so
+    that each fits one header frame."""
+
+    kind: ClassVar[str] = "formed"
+    job: str
+    gen: int
+    world_size: int
+    members: int
+    first: int
+    part: tuple[FormedMember, ...]
+    alpha_s: float
+    beta_s_per_byte: float
+    codec_Bps: tuple[tuple[str, float], ...]
+    loopback: bool
+    measured: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        fields = super().to_wire()
+        fields["part"] = [[d, b, i, list(r)] for d, b, i, r in self.part]
+        fields["codec_Bps"] = dict(self.codec_Bps)
+        return fields
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Formed:
+        kind = cls.kind
+        world, members, first = (_int(fields, name, kind)
+                                 for name in ("world_size", "members", "first"))
+        _need(world >= 1 and 1 <= members <= MAX_MEMBERS and 0 <= first < members, kind,
+              "'world_size', 'members' and 'first' out of range")
+        part = fields.get("part")
+        _need(isinstance(part, list) and 0 < len(part) <= MAX_FORMED_MEMBERS
+              and first + len(part) <= members, kind, "'part' must list members in range")
+        assert isinstance(part, list)
+        alpha, beta = fields.get("alpha_s"), fields.get("beta_s_per_byte")
+        _need(is_number(alpha) and is_number(beta), kind, "link costs must be numbers")
+        rates = fields.get("codec_Bps")
+        _need(isinstance(rates, dict) and len(rates) <= MAX_CODEC_RATES
+              and all(isinstance(name, str) and len(name) <= 32 and is_number(rate)
+                      and 0 < rate < float("inf") for name, rate in rates.items()), kind,
+              "'codec_Bps' must map at most 8 rate names to positive numbers")
+        assert isinstance(rates, dict)
+        loopback, measured = fields.get("loopback"), fields.get("measured")
+        _need(isinstance(loopback, bool) and isinstance(measured, bool), kind,
+              "'loopback' and 'measured' must be booleans")
+        return cls(_text(fields, "job", kind), _int(fields, "gen", kind), world, members,
+                   first, tuple(_formed_member(m, world) for m in part),
+                   float(alpha), float(beta),  # type: ignore[arg-type]
+                   tuple(sorted((name, float(rate)) for name, rate in rates.items())),
+                   bool(loopback), bool(measured))
+
+
+@dataclasses.dataclass(frozen=True)
+class Left(WireMessage):
+    """A job's coordinator to its members: member `daemon` withdrew from
+    generation `gen` (its `Withdraw`, passed on once per generation)."""
+
+    kind: ClassVar[str] = "left"
+    job: str
+    gen: int
+    daemon: str
+    reason: str
+    code: str
+    origin: str
+    clean: bool
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Left:
+        kind = cls.kind
+        clean = fields.get("clean")
+        _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
+        return cls(_text(fields, "job", kind), _int(fields, "gen", kind),
+                   _text(fields, "daemon", kind), _text(fields, "reason", kind),
+                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean))
 
 
 #: (algorithm, buffer bytes): what one timing of `auto`'s calibration is of.
 TimingGroup = tuple[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain(WireMessage):
+    """To a member whose withdrawal the coordinator passed on (`Left`), from a
+    member whose collective still waits for its data: send me that withdrawal
+    yourself.  It comes down the data stream behind the member's last slices,
+    so the collective fails only if they never come."""
+
+    kind: ClassVar[str] = "drain"
+    job: str
+    boot: int
+    incarnation: int
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> Drain:
+        kind = cls.kind
+        return cls(_text(fields, "job", kind), _int(fields, "boot", kind),
+                   _int(fields, "incarnation", kind))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,9 +511,15 @@ def _timings(value: Any) -> dict[TimingGroup, float]:
     return times
 
 
+#: A typed application message.
+Message = (Announce | Withdraw | Slice | Abort | Costs | Unformable | Broke | Formed | Left
+           | Drain)
+
 #: Every application kind, by name.
-MESSAGES: dict[str, type[Announce | Withdraw | Slice | Abort | Costs | Unformable]] = {
-    cls.kind: cls for cls in (Announce, Withdraw, Slice, Abort, Costs, Unformable)
+MESSAGES: dict[str, type[Message]] = {
+    cls.kind: cls
+    for cls in (Announce, Withdraw, Slice, Abort, Costs, Unformable, Broke, Formed, Left,
+                Drain)
 }
 #: The kinds that take a data stream where one is open: a withdrawal follows the
 #: sender's slices, so a peer never hears that a daemon left before it has read
@@ -379,9 +528,7 @@ STREAM_KINDS: tuple[str, ...] = (Slice.kind, Withdraw.kind)
 #: Control kinds, which only matter to a peer that is up: one that is down fails
 #: its own collectives, and hears the announcements again when it is back.
 CONTROL_KINDS = frozenset({Announce.kind, Withdraw.kind, Abort.kind, Costs.kind,
-                           Unformable.kind})
-
-Message = Announce | Withdraw | Slice | Abort | Costs | Unformable
+                           Unformable.kind, Broke.kind, Formed.kind, Left.kind, Drain.kind})
 
 
 def from_wire(fields: Mapping[str, Any]) -> Message:

@@ -5,6 +5,10 @@ send, and the tests hand it peers' messages in the orders that real links can
 produce (a withdrawal over a data stream overtaking an announcement over
 ZeroMQ, a restarted peer, a peer leaving right after its last slices) — races
 that otherwise need ghost ZeroMQ peers and luck to reproduce.
+
+Job "train" is coordinated here (HERE is its coordinator among HERE and PEER:
+membership.py `coordinator_of`), job "three" by PEER; the tests use the one
+whose side they drive.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import pytest
 from gradsync.daemon.algorithms import ALGORITHMS
 from gradsync.daemon.config import DaemonConfig
 from gradsync.daemon.core.cluster import ClusterJobs
+from gradsync.daemon.core.formed_parts import formed_parts
 from gradsync.daemon.core.matching import CollectiveCall, Job, Member, Submission
-from gradsync.daemon.core.membership import Announcement, form
+from gradsync.daemon.core.membership import BOOT as OUR_BOOT
+from gradsync.daemon.core.membership import Announcement, coordinator_of, form
 from gradsync.daemon.run.executor import ScheduleRun
 from gradsync.protocol import peer as wire
 from gradsync.protocol.dtypes import ReduceOp
@@ -29,6 +35,8 @@ from gradsync.protocol.errors import GradsyncError, PeerLostError, RankLostError
 HERE = "tcp://10.0.0.1:7000"
 PEER = "tcp://10.0.0.2:7000"
 BOOT = 1234
+#: A job coordinated here, and one coordinated by PEER.
+OURS, THEIRS = "train", "three"
 
 
 class FakeTransport:
@@ -38,6 +46,7 @@ class FakeTransport:
         self.endpoint = endpoint
         self._peers = list(peers)
         self.sent: list[tuple[str, dict[str, Any], tuple[Any, ...]]] = []
+        self.down: set[str] = set()
 
     @property
     def peers(self) -> Sequence[str]:
@@ -52,10 +61,15 @@ class FakeTransport:
         return 5e-5, 1e-9
 
     def is_up(self, peer: str) -> bool:
-        return True
+        return peer not in self.down
 
     def kinds(self) -> list[str]:
         return [header["kind"] for _, header, _ in self.sent]
+
+    def of_kind(self, kind: str) -> list[tuple[str, Any]]:
+        """(receiver, typed message) of each message of `kind` sent."""
+        return [(peer, wire.from_wire(header)) for peer, header, _ in self.sent
+                if header.get("kind") == kind]
 
 
 @pytest.fixture
@@ -101,27 +115,104 @@ def local_job(cluster: ClusterJobs, jobs: dict[str, Job], loop: asyncio.Abstract
     return job
 
 
-def announce(incarnation: int, boot: int = BOOT, name: str = "train") -> dict[str, Any]:
+def announce(incarnation: int, boot: int = BOOT, name: str = OURS) -> dict[str, Any]:
     return wire.Announce(name, incarnation, boot, 2, (1,), 5e-5, 1e-9).to_wire()
 
 
 def withdraw(incarnation: int, boot: int = BOOT, clean: bool = False,
-             name: str = "train") -> dict[str, Any]:
+             name: str = OURS) -> dict[str, Any]:
     return wire.Withdraw(name, incarnation, boot, "rank 1 exited", RankLostError.code, PEER,
                          clean).to_wire()
 
 
-def test_a_job_forms_once_the_peer_announces_and_tells_it_our_share(
+def formed_by_peer(job: Job, *shares: wire.Announce) -> list[dict[str, Any]]:
+    """What PEER, coordinating `job`, sends us once `shares` and ours cover it."""
+    assert job.across.announcement is not None
+    table = {HERE: job.across.announcement,
+             **{PEER if i == 0 else f"tcp://10.0.0.{3 + i}:7000": Announcement(
+                 PEER if i == 0 else f"tcp://10.0.0.{3 + i}:7000", share)
+                for i, share in enumerate(shares)}}
+    formation = form(table, job.world_size)
+    assert formation is not None
+    return [part.to_wire() for part in formed_parts(job.name, job.world_size, formation)]
+
+
+def test_the_two_jobs_have_the_coordinators_the_tests_assume() -> None:
+    assert coordinator_of(OURS, [HERE, PEER]) == HERE
+    assert coordinator_of(THEIRS, [PEER, HERE]) == PEER
+
+
+def test_a_job_coordinated_here_forms_and_the_member_hears_the_formation(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    assert transport.kinds() == ["announce", "announce"]  # to every listed peer
-    assert wire.from_wire(transport.sent[0][1]) == job.across.announcement.share  # type: ignore[union-attr]
+    assert transport.kinds() == []  # our announcement stays here, with the coordinator
     assert job.across.formation is None
     cluster.on_message(PEER, announce(5), ())
     assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
     assert job.across.formed.result() is job.across.formation
+    [(to, formed)] = transport.of_kind("formed")
+    assert to == PEER and formed.gen == job.across.formation.generation
+    assert formed.part == ((HERE, OUR_BOOT, job.across.incarnation, (0,)), (PEER, BOOT, 5, (1,)))
+    # PEER asks again (its link came back): it hears the same formation again.
+    cluster.on_message(PEER, announce(5), ())
+    assert [m.gen for _, m in transport.of_kind("formed")] == [formed.gen] * 2
+
+
+def test_a_job_coordinated_by_the_peer_forms_on_its_word_only(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    cluster, transport, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    [(to, ours)] = transport.of_kind("announce")
+    assert to == PEER and ours == job.across.announcement.share  # type: ignore[union-attr]
+    share = wire.Announce(THEIRS, 5, BOOT, 2, (1,), 5e-5, 1e-9)
+    cluster.on_message(PEER, share.to_wire(), ())  # an announcement: not ours to gather
+    assert job.across.formation is None
+    for part in formed_by_peer(job, share):
+        cluster.on_message(PEER, part, ())
+    assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
+
+
+def test_a_formation_of_an_earlier_run_of_ours_is_stale(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    cluster, _, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    old = formed_by_peer(job, wire.Announce(THEIRS, 5, BOOT, 2, (1,), 5e-5, 1e-9))
+    cluster.local_complete(job)  # our ranks created the job anew: a new incarnation
+    for part in old:
+        cluster.on_message(PEER, part, ())
+    assert job.across.formation is None and cluster.counters.stale_membership == 1
+
+
+def test_a_formation_that_does_not_add_up_is_refused(loop: asyncio.AbstractEventLoop) -> None:
+    cluster, _, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    (part,) = formed_by_peer(job, wire.Announce(THEIRS, 5, BOOT, 2, (1,), 5e-5, 1e-9))
+    cluster.on_message(PEER, {**part, "gen": part["gen"] ^ 1}, ())  # not the members' hash
+    cluster.on_message(PEER, {**part, "part": part["part"][:1], "members": 1}, ())  # rank 1?
+    assert cluster.counters.malformed == 2 and job.across.formation is None
+
+
+def test_a_large_formation_comes_in_parts_that_each_fit_a_header() -> None:
+    from gradsync.daemon.core.formed_parts import FormedAssembly
+    from gradsync.daemon.peers.wire import encode_header
+
+    daemons = [f"tcp://node-{i:04d}.rack-{i // 40:02d}.example.org:29400" for i in range(2048)]
+    shares = {d: Announcement(d, wire.Announce("big", 1, 7, 8 * 2048,
+                                               tuple(range(8 * i, 8 * i + 8)), 5e-5, 1e-9))
+              for i, d in enumerate(daemons)}
+    formation = form(shares, 8 * 2048)
+    assert formation is not None
+    parts = formed_parts("big", 8 * 2048, formation)
+    assert len(parts) > 1
+    for part in parts:
+        encode_header(HERE, part.to_wire())  # raises if over the frame limit
+    assembly = FormedAssembly()
+    results = [assembly.add(wire.Formed.from_wire(p.to_wire())) for p in reversed(parts)]
+    assert results[:-1] == [None] * (len(parts) - 1) and results[-1] == formation
 
 
 def test_a_lost_peer_fails_a_pending_collective_through_the_one_failure_path(
@@ -131,12 +222,13 @@ def test_a_lost_peer_fails_a_pending_collective_through_the_one_failure_path(
     rank 2 is lost, and the pending key goes to the failure path, which answers it
     once (CollectiveRuns.fail: counted in the statistics, its deadline cancelled)."""
     cluster, _, jobs = core(loop)
-    job = Job("three", 3, 2, still_clock)
+    job = Job(THEIRS, 3, 2, still_clock)
     for rank in (0, 1):
         job.add_member(Member(rank, rank, 100 + rank, 2))
-    jobs["three"] = job
+    jobs[THEIRS] = job
     cluster.local_complete(job)
-    cluster.on_message(PEER, wire.Announce("three", 5, BOOT, 3, (2,), 5e-5, 1e-9).to_wire(), ())
+    for part in formed_by_peer(job, wire.Announce(THEIRS, 5, BOOT, 3, (2,), 5e-5, 1e-9)):
+        cluster.on_message(PEER, part, ())
     assert job.across.formation is not None
     answers: list[GradsyncError | None] = []
     submission = Submission(0, wire.Fingerprint("allreduce", "float32", 4, "sum"), None,
@@ -185,7 +277,7 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
     """Incarnations only compare within one boot: a peer daemon that restarted
     (new boot) may count from lower, and its announcement is news, not stale —
     the formed generation cannot go on with ranks that restarted."""
-    cluster, transport, jobs = core(loop)
+    cluster, _, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
     cluster.on_message(PEER, announce(900), ())
     assert job.across.formation is not None
@@ -193,7 +285,9 @@ def test_a_restarted_peer_with_a_lower_incarnation_ends_the_generation(
     assert cluster.counters.stale_membership == 0
     assert isinstance(job.broken, PeerLostError)
     assert PEER in job.broken.message and "re-created" in job.broken.message
-    assert "withdraw" in transport.kinds()  # peers hear that we stop counting on it
+    # Our withdrawal reached the coordinator (here): the new generation will not
+    # count on our old run.
+    assert HERE not in cluster.coordination.tables.get(OURS, {})
 
 
 def _star_run(cluster: ClusterJobs, job: Job, transport: FakeTransport,
@@ -286,5 +380,165 @@ def test_malformed_and_unknown_messages_are_counted_not_raised(
     cluster.on_message(PEER, {"kind": "withdraw", "job": "train"}, ())
     cluster.on_message(PEER, {"kind": "rumour", "job": "train"}, ())
     assert cluster.counters.malformed == 3 and job.across.formation is None
-    cluster.on_message(PEER, announce(5, name="other"), ())  # no such job here
-    assert cluster.counters.malformed == 3 and "other" in cluster.remote
+    cluster.on_message(PEER, announce(5, name="other"), ())  # no such job here: coordinated
+    assert cluster.counters.malformed == 3 and "other" in cluster.coordination.tables
+
+
+def _formed_theirs(cluster: ClusterJobs, job: Job) -> None:
+    for part in formed_by_peer(job, wire.Announce(THEIRS, 5, BOOT, 2, (1,), 5e-5, 1e-9)):
+        cluster.on_message(PEER, part, ())
+    assert job.across.formation is not None
+
+
+def _left(job: Job, clean: bool) -> dict[str, Any]:
+    assert job.across.formation is not None
+    return wire.Left(job.name, job.across.formation.generation, PEER, "rank 1 exited",
+                     RankLostError.code, PEER, clean).to_wire()
+
+
+def test_news_that_a_member_left_waits_for_its_own_withdrawal_behind_its_slices(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """The coordinator's word that PEER left can overtake PEER's last slices (they
+    come down PEER's own stream): a collective that still waits for them asks PEER
+    for its withdrawal, and fails only once that comes, with nothing before it."""
+    cluster, transport, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    _formed_theirs(cluster, job)
+    run = _star_run(cluster, job, transport, loop, np.full(8, 1.0, np.float32))
+    cluster.on_message(PEER, _left(job, clean=False), ())
+    assert isinstance(job.broken, RankLostError) and not run.done.done()
+    [(to, drain)] = transport.of_kind("drain")
+    assert to == PEER and (drain.boot, drain.incarnation) == (BOOT, 5)
+    cluster.on_message(PEER, withdraw(5, name=THEIRS), ())
+    error = run.done.exception()
+    assert isinstance(error, RankLostError) and PEER in error.message, error
+
+
+def test_news_that_a_member_left_after_its_slices_fails_nothing(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    cluster, transport, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    _formed_theirs(cluster, job)
+    ours, theirs = np.full(8, 1.0, np.float32), np.full(8, 2.0, np.float32)
+    run = _star_run(cluster, job, transport, loop, ours)
+    cluster.on_message(PEER, _slice_from_peer(job, theirs), (theirs.tobytes(),))
+    cluster.on_message(PEER, _left(job, clean=True), ())
+    assert job.across.ended_cleanly and transport.of_kind("drain") == []
+    assert run.done.done() and run.done.exception() is None
+    np.testing.assert_array_equal(ours, np.full(8, 3.0, np.float32))
+
+
+def test_a_member_asked_to_drain_sends_its_withdrawal_again_to_the_asker(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    cluster, transport, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    _formed_theirs(cluster, job)
+    cluster.broke_here(job, RankLostError("rank 0 disconnected"))
+    [(to, ours)] = transport.of_kind("withdraw")
+    assert to == PEER  # to the coordinator alone
+    cluster.on_message(PEER, wire.Drain(THEIRS, OUR_BOOT, job.across.incarnation).to_wire(), ())
+    assert transport.of_kind("withdraw") == [(PEER, ours)] * 2
+    cluster.on_message(PEER, wire.Drain(THEIRS, OUR_BOOT + 1, job.across.incarnation).to_wire(),
+                       ())
+    assert len(transport.of_kind("withdraw")) == 2 and cluster.counters.stale_membership == 1
+
+
+def test_the_coordinator_passes_on_the_first_withdrawal_of_a_generation_only(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Three daemons, coordinated here: the first member to leave is news to the
+    others; the withdrawals that answer it are news to no one."""
+    third = "tcp://10.0.0.3:7000"
+    transport = FakeTransport(HERE, [HERE, PEER, third])
+    jobs: dict[str, Job] = {}
+    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
+    cluster.connect(transport, RecordedFailures())
+    name = next(n for n in (f"j{i}" for i in range(100))
+                if coordinator_of(n, [HERE, PEER, third]) == HERE)
+    job = Job(name, 3, 1, still_clock)
+    job.add_member(Member(0, 0, 100, 1))
+    jobs[name] = job
+    cluster.local_complete(job)
+    cluster.on_message(PEER, wire.Announce(name, 5, BOOT, 3, (1,), 5e-5, 1e-9).to_wire(), ())
+    cluster.on_message(third, wire.Announce(name, 9, BOOT, 3, (2,), 5e-5, 1e-9).to_wire(), ())
+    assert job.across.formation is not None
+    assert sorted(to for to, _ in transport.of_kind("formed")) == [PEER, third]
+    cluster.on_message(PEER, wire.Withdraw(name, 5, BOOT, "rank 1 died", RankLostError.code,
+                                           PEER, False).to_wire(), ())
+    [(to, left)] = transport.of_kind("left")
+    assert to == third and left.daemon == PEER and left.origin == PEER
+    assert isinstance(job.broken, RankLostError) and PEER in job.broken.message
+    cluster.on_message(third, wire.Withdraw(name, 9, BOOT, job.broken.message,
+                                            RankLostError.code, PEER, False).to_wire(), ())
+    assert len(transport.of_kind("left")) == 1 and name not in cluster.coordination.tables
+
+
+def test_a_coordinator_that_loses_an_announcer_tells_the_others_it_cannot_form(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """PEER announced rank 1 of a world of 3 to us (coordinating), our rank 0 waits
+    for rank 2: PEER is lost, so rank 1 can join nowhere: ours fails now, naming
+    PEER and the rank.  PEER back (a restart) is told why its job broke here."""
+    cluster, transport, jobs = core(loop)
+    job = Job(OURS, 3, 1, still_clock)
+    job.add_member(Member(0, 0, 100, 1))
+    jobs[OURS] = job
+    cluster.local_complete(job)
+    cluster.on_message(PEER, wire.Announce(OURS, 5, BOOT, 3, (1,), 5e-5, 1e-9).to_wire(), ())
+    transport.down.add(PEER)
+    cluster.peer_lost(PEER, "declared lost")
+    assert isinstance(job.broken, PeerLostError), job.broken
+    assert PEER in job.broken.message and "[1]" in job.broken.message
+    assert "declared lost" in job.broken.message
+    del jobs[OURS]
+    transport.down.clear()
+    cluster.peer_up(PEER)
+    [(to, broke)] = transport.of_kind("broke")
+    assert to == PEER and broke.job == OURS and PEER in broke.reason
+    cluster.peer_up(PEER)
+    assert len(transport.of_kind("broke")) == 1  # told once
+
+
+def test_a_daemon_told_its_job_broke_while_it_was_away_fails_that_run(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    cluster, _, jobs = core(loop)
+    cluster.on_message(PEER, wire.Broke(THEIRS, "peer daemon X was lost", "peer_lost")
+                       .to_wire(), ())
+    job = local_job(cluster, jobs, loop, THEIRS)  # rank 0 joins after the news
+    assert isinstance(job.broken, PeerLostError)
+    assert f"peer daemon {PEER} broke job '{THEIRS}' before it formed" in job.broken.message
+    again = local_job(cluster, jobs, loop, THEIRS)  # a later run is not told
+    assert again.broken is None
+
+
+def test_announcements_follow_the_coordinator_when_it_is_lost(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A job's coordinator (PEER) is lost before the job forms: the announcement
+    goes to the next one (here, of the two left), and again to PEER once it is
+    back."""
+    third = "tcp://10.0.0.3:7000"
+    transport = FakeTransport(HERE, [HERE, PEER, third])
+    jobs: dict[str, Job] = {}
+    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
+    cluster.connect(transport, RecordedFailures())
+    name = next(n for n in (f"j{i}" for i in range(100))
+                if coordinator_of(n, [HERE, PEER, third]) == PEER
+                and coordinator_of(n, [HERE, third]) == HERE)
+    job = Job(name, 3, 1, still_clock)
+    job.add_member(Member(0, 0, 100, 1))
+    jobs[name] = job
+    cluster.local_complete(job)
+    assert [to for to, _ in transport.of_kind("announce")] == [PEER]
+    transport.down.add(PEER)
+    cluster.peer_lost(PEER)
+    assert job.broken is None  # ranks 1 and 2 may still join on the third daemon
+    assert cluster.forming.coordinators[name] == HERE
+    assert HERE in cluster.coordination.tables[name]
+    transport.down.clear()
+    cluster.peer_up(PEER)
+    assert [to for to, _ in transport.of_kind("announce")] == [PEER, PEER]

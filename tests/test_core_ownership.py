@@ -10,7 +10,16 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from test_core_membership import PEER, _star_run, announce, core, local_job
+from test_core_membership import (
+    PEER,
+    THEIRS,
+    _formed_theirs,
+    _left,
+    _star_run,
+    announce,
+    core,
+    local_job,
+)
 from test_core_membership import loop as loop  # the fixture
 
 from gradsync.daemon.core.cluster_job import EarlySlices, payload_bytes
@@ -78,27 +87,26 @@ def test_a_withdrawal_waits_for_the_running_collectives_then_goes_out(
     """The peer's ranks left cleanly while ours still run a collective that needs
     nothing more from it: our withdrawal follows once that run ends."""
     cluster, transport, jobs = core(loop)
-    job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, announce(5), ())
+    job = local_job(cluster, jobs, loop, THEIRS)
+    _formed_theirs(cluster, job)
     ours, theirs = np.full(8, 1.0, np.float32), np.full(8, 2.0, np.float32)
     run = _star_run(cluster, job, transport, loop, ours)
     assert job.across.runs == {0: run}
     cluster.on_message(PEER, wire.Slice(job.name, job.across.formation.generation,  # type: ignore[union-attr]
                                         0, FP, 0, 0, 0).to_wire(), (theirs.tobytes(),))
-    cluster.on_message(PEER, wire.Withdraw(job.name, 5, 1234, "rank 1 exited",
-                                           RankLostError.code, PEER, True).to_wire(), ())
+    cluster.on_message(PEER, _left(job, clean=True), ())
     withdrawals = lambda: [h for _, h, _ in transport.sent if h.get("kind") == "withdraw"]  # noqa: E731
     assert job.across.withdrawal is not None and not withdrawals()
     cluster.run_ended(job, 0)
-    assert not job.across.runs and len(withdrawals()) == 2  # to each listed peer
+    assert not job.across.runs and len(withdrawals()) == 1  # to the coordinator
 
 
 def test_a_rank_leaving_cleanly_makes_the_withdrawal_say_so(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
     cluster, transport, jobs = core(loop)
-    job = local_job(cluster, jobs, loop)
-    cluster.on_message(PEER, announce(5), ())
+    job = local_job(cluster, jobs, loop, THEIRS)
+    _formed_theirs(cluster, job)
     cluster.ended_cleanly(job)
     cluster.broke_here(job, RankLostError("rank 0 disconnected"))
     withdrawals = [wire.from_wire(header) for _, header, _ in transport.sent

@@ -23,7 +23,8 @@ from conftest import PROGRAMS, DaemonProcess, collect, poll_until, spawn_rank
 from gradsync.client.cli.keygen import generate_keypair
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
-from gradsync.daemon.core.membership import Announcement, form
+from gradsync.daemon.core.formed_parts import formed_parts
+from gradsync.daemon.core.membership import Announcement, coordinator_of, form
 from gradsync.daemon.peers.wire import BULK, PING, PONG, encode_header
 from gradsync.protocol.codec import decode_body
 from gradsync.protocol.peer import Announce
@@ -399,7 +400,8 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
     start_daemon: StartDaemon,
 ) -> None:
     """Star allreduce over three daemons, this one the root, the other two played
-    by the test.  One leaf sends its part and leaves at once (its ranks exited);
+    by the test; one of them (`staying`) coordinates the job.  One leaf sends its
+    part and leaves at once (its ranks exited); the coordinator passes that on;
     the root has everything it needs from that leaf, so the collective goes on,
     but the job is over for good.  The other leaf sends its part only once the
     root has heard of the departure.  The root must send that leaf its result
@@ -410,21 +412,24 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
     leaving, staying = f"tcp://127.0.0.1:{first_port}", f"tcp://127.0.0.1:{second_port}"
     daemon = start_daemon("--listen", endpoint, "--peers", f"{endpoint},{leaving},{staying}",
                           "--insecure")
-    count, job = 1000, "deferred"
+    count = 1000
+    job = next(name for name in (f"deferred-{i}" for i in range(1000))
+               if coordinator_of(name, [endpoint, leaving, staying]) == staying)
     context = zmq.Context()
     try:
         ghosts = GhostPeers(context, [leaving, staying], endpoint)
         (rank,) = spawn_spread([daemon], (1,), "multinode_finish.py", [str(count), "1", "star"],
                                job=job, env={"WORLD_SIZE": "3", "GRADSYNC_TIMEOUT_S": "60"})
-        ours = ghosts.wait_for(leaving, "announce", 30)
+        ours = ghosts.wait_for(staying, "announce", 30)  # to the coordinator
         announced = {endpoint: Announcement(endpoint, Announce.from_wire(ours))}
         for index, ghost in enumerate((leaving, staying), start=1):
             fields = {"job": job, "incarnation": 100 + index, "boot": 7, "world_size": 3,
                       "ranks": [index], "alpha_s": 1e-4, "beta_s_per_byte": 1e-9}
-            ghosts.send(ghost, {"kind": "announce", **fields})
             announced[ghost] = Announcement(ghost, Announce.from_wire(fields))
         formation = form(announced, 3)
         assert formation is not None and formation.daemons[0] == endpoint  # the root
+        for part in formed_parts(job, 3, formation):
+            ghosts.send(staying, part.to_wire())
 
         def contribute(ghost: str, value: float) -> None:
             ghosts.send(ghost, {"kind": "slice", "job": job, "gen": formation.generation,
@@ -444,9 +449,9 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
         contribute(leaving, 1.0)
         poll_until(lambda: runs_wait_for() == [[staying]], 30,
                    "the root's collective to have the leaving leaf's part")
-        ghosts.send(leaving, {"kind": "withdraw", "job": job, "incarnation": 101, "boot": 7,
-                              "reason": "its ranks left", "code": "rank_lost",
-                              "origin": leaving, "clean": True})
+        ghosts.send(staying, {"kind": "left", "job": job, "gen": formation.generation,
+                              "daemon": leaving, "reason": "its ranks left",
+                              "code": "rank_lost", "origin": leaving, "clean": True})
         deadline = time.monotonic() + 30
         while f"on peer daemon {leaving}: its ranks left" not in daemon.log():
             assert time.monotonic() < deadline, "the daemon did not hear the leaf leave"

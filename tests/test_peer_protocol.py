@@ -21,7 +21,15 @@ MESSAGES: list[peer.Message] = [
     peer.Slice("job", 5, "bucket:4", FP, -1, 0, 0),
     peer.Abort("job", 5, "bucket:4", "mismatch", "ranks disagree", {"job": "job", "key": 3}),
     peer.Costs("job", 5, 2, 5e-5, 1e-9, {("ring", 4096): 1e-4, ("rhd", 1 << 20): 2e-3}, 1.5),
-    peer.Unformable("job", 1 << 61, 7, "peer tcp://10.0.0.2:7000 was lost", "peer_lost"),
+    peer.Unformable("job", 1 << 61, 7, "peer daemon tcp://10.0.0.2:7000 of job 'job' was "
+                    "lost", "peer_lost", "tcp://10.0.0.2:7000"),
+    peer.Broke("job", "peer daemon tcp://10.0.0.2:7000 was lost", "peer_lost"),
+    peer.Formed("job", 1 << 62, 4, 3, 1, (("tcp://10.0.0.2:7000", 1 << 61, 7, (1, 3)),
+                                          ("tcp://10.0.0.3:7000", 5, 1, (2,))),
+                5e-5, 1e-9, (("bf16", 2e9),), False, True),
+    peer.Left("job", 1 << 62, "tcp://10.0.0.2:7000", "rank 1 died", "rank_lost",
+              "tcp://10.0.0.2:7000", False),
+    peer.Drain("job", 1 << 61, 7),
 ]
 SENDER = "tcp://127.0.0.1:7000"
 
@@ -92,6 +100,11 @@ def test_a_missing_or_mistyped_field_is_refused_by_name(message: peer.Message) -
     ("costs", {"explore_factor": 0.5}), ("costs", {"times": [["warp", 4096, 1e-3]]}),
     ("costs", {"times": [["ring", -1, 1e-3]]}), ("costs", {"times": [["ring", 1, 0.0]]}),
     ("costs", {"times": [["ring", 1, 1e-3]] * (peer.MAX_TIMES + 1)}),
+    ("formed", {"part": [["tcp://10.0.0.2:7000", 1, 1, [4]]]}),
+    ("formed", {"part": [["tcp://10.0.0.2:7000", 1, 1, [1, 1]]]}),
+    ("formed", {"part": [["tcp://10.0.0.2:7000", 1, 1]]}), ("formed", {"part": []}),
+    ("formed", {"first": 2}), ("formed", {"members": 0}), ("formed", {"loopback": 0}),
+    ("left", {"clean": 1}),
 ])
 def test_out_of_range_values_are_refused(kind: str, change: dict[str, Any]) -> None:
     (message,) = [m for m in MESSAGES if m.kind == kind][:1]

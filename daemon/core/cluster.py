@@ -3,8 +3,10 @@
 `ClusterJobs` is what the links and the layers above see of the cluster core.
 It dispatches each peer message and each report to the part whose job it is:
 
-- `JobForming` (forming.py): this daemon's announcement, the peers'
-  announcements and withdrawals, the formation (see membership.py);
+- `JobForming` (forming.py): this daemon's announcement and withdrawal, the
+  formation its coordinator sends, the news of members leaving;
+- `JobCoordination` (coordinating.py): the jobs this daemon coordinates:
+  their announcements, formations and first withdrawals (see membership.py);
 - `SliceRouting` (slice_routing.py): this daemon's slices out to the members,
   peers' slices to the collectives running here, placed before they arrive,
   or kept until those start;
@@ -22,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.core.cluster_context import ClusterContext, ClusterCounters, Frame, log
+from gradsync.daemon.core.coordinating import JobCoordination
 from gradsync.daemon.core.forming import CodecFacts, JobForming
 from gradsync.daemon.core.interfaces import (
     CollectiveRun,
@@ -31,12 +34,22 @@ from gradsync.daemon.core.interfaces import (
     PlacedPayload,
 )
 from gradsync.daemon.core.job_failures import JobFailures
-from gradsync.daemon.core.membership import Announcement
 from gradsync.daemon.core.slice_routing import SliceRouting
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.errors import CollectiveError, GradsyncError, ProtocolError
-from gradsync.protocol.peer import Abort, Announce, Key, Slice, Unformable, Withdraw
+from gradsync.protocol.peer import (
+    Abort,
+    Announce,
+    Broke,
+    Drain,
+    Formed,
+    Key,
+    Left,
+    Slice,
+    Unformable,
+    Withdraw,
+)
 
 if TYPE_CHECKING:
     from gradsync.daemon.config import DaemonConfig
@@ -60,7 +73,9 @@ class ClusterJobs:
             self.context, lambda job, error: self.forming.withdraw(job, error))
         self.routing = SliceRouting(self.context, self.job_failures)
         self.forming = JobForming(self.context, clock, self.job_failures,
-                                  self.routing.replay)
+                                  self.routing.replay, self.send_membership)
+        self.coordination = JobCoordination(self.context, self.forming.unformed,
+                                            self.send_membership)
 
     def connect(self, transport: PeerTransport, failures: FailedCollectives) -> None:
         """Send through `transport` (the peer links, which report to this object:
@@ -92,11 +107,6 @@ class ClusterJobs:
         return self.context.failures
 
     @property
-    def remote(self) -> dict[str, dict[str, Announcement]]:
-        """Each job's announcements by peer."""
-        return self.forming.remote
-
-    @property
     def codec_facts(self) -> CodecFacts:
         """What this daemon announces for `auto` compression (run/codec_rates.py)."""
         return self.forming.codec_facts
@@ -119,9 +129,18 @@ class ClusterJobs:
             message = peer_wire.from_wire(header)
             job = self.jobs.get(message.job)
             if isinstance(message, Announce):
-                self.forming.on_announce(peer, message, job)
+                self.coordination.on_announce(peer, message)
             elif isinstance(message, Withdraw):
+                # The coordinator's news first: then the member's side, which fails
+                # what waits for the leaver's data (it came before, on its stream).
+                self.coordination.on_withdraw(peer, message)
                 self.forming.on_withdraw(peer, message, job)
+            elif isinstance(message, Formed):
+                self.forming.on_formed(peer, message, job)
+            elif isinstance(message, Left):
+                self.forming.on_left(peer, message, job)
+            elif isinstance(message, Drain):
+                self.forming.on_drain(peer, message)
             elif isinstance(message, Slice):
                 if job is None:
                     self.counters.dropped_unknown_job += 1
@@ -130,9 +149,9 @@ class ClusterJobs:
             elif isinstance(message, Abort):
                 self.job_failures.on_abort(peer, message, job)
             elif isinstance(message, Unformable):
-                error = self.forming.unformed.heard(peer, message, job)
-                if job is not None and error is not None:
-                    self.job_failures.break_job(job, error)
+                self.forming.on_unformable(peer, message, job)
+            elif isinstance(message, Broke):
+                self.forming.on_broke(peer, message, job)
             else:
                 self._on_costs(peer, message, job)
 
@@ -142,20 +161,33 @@ class ClusterJobs:
         """Where a slice's payload can go before it arrives (`SliceRouting.place`)."""
         return self.routing.place(peer, header, sizes)
 
+    def send_membership(self, daemon: str, header: dict[str, Any]) -> None:
+        """Send a membership message to `daemon`; one to this daemon (it coordinates
+        a job it is a member of) is handled here at once, as if it came in."""
+        if daemon == self.transport.endpoint:
+            self.on_message(daemon, header, ())
+        else:
+            self.transport.post(daemon, header)
+
     def peer_up(self, peer: str) -> None:
-        """A link (re)connected: tell it our jobs, and which of its broke here unformed."""
+        """A link (re)connected: tell it which of its jobs broke here unformed, and
+        announce our jobs again where it (now) coordinates them, and send it the
+        formations it missed while down."""
         self.forming.peer_up(peer)
+        self.coordination.peer_up(peer)
 
     def peer_lost(self, peer: str, why: str = "") -> None:
         """Fail every collective of every job that spans the lost peer, and of every
         job still forming that counted on it for missing ranks; `why` (the links'
         words: its connection closed, or the failure detector's verdict) goes into
         the errors."""
-        announced = self.forming.forget_peer(peer)
+        self.forming.forget_peer(peer)
         why = why or "its connection closed"
+        self.coordination.peer_lost(peer, why)
         self.job_failures.break_jobs_with(peer, f"was lost ({why})")
+        self.forming.coordinators_moved()
         for job in list(self.jobs.values()):
-            self.forming.fail_if_unformable(job, peer if job.name in announced else None, why)
+            self.forming.fail_if_unformable(job, why)
 
     def stream_broken(self, peer: str, why: str) -> None:
         """A data stream with `peer` broke and may have lost slices, of running
@@ -168,7 +200,7 @@ class ClusterJobs:
     # -- what the layers above report ------------------------------------------
 
     def local_complete(self, job: Job) -> None:
-        """All local ranks joined: announce this daemon's share to every peer."""
+        """All local ranks joined: announce this daemon's share to the job's coordinator."""
         self.forming.local_complete(job)
 
     def run_started(self, job: Job, key: Key, run: CollectiveRun) -> None:

@@ -1,25 +1,29 @@
-"""Membership of the daemon's multi-node jobs: this daemon's announcement, the
-peers' announcements and withdrawals, and the formation once they cover every
-rank (see membership.py for the rules every daemon applies alike)."""
+"""Membership of the daemon's multi-node jobs, as a member sees it: this
+daemon's announcement and withdrawal (to the job's coordinator), the
+formation the coordinator sends, and the news it passes on (see
+coordinating.py for the coordinator's side, membership.py for the rules).
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.core.cluster_context import ClusterContext, Frame, log
+from gradsync.daemon.core.formed_parts import FormedAssembly
 from gradsync.daemon.core.job_failures import JobFailures
 from gradsync.daemon.core.membership import (
     BOOT,
+    WITHDRAWALS_KEPT,
     Announcement,
-    Withdrawals,
-    conflicts,
-    form,
+    Formation,
+    coordinator_of,
     new_incarnation,
     ranks_not_announced,
 )
-from gradsync.daemon.core.unformed import UnformedJobs
+from gradsync.daemon.core.unformed import HeardBreaks, UnformedJobs
 from gradsync.protocol.errors import (
     GradsyncError,
     PeerLostError,
@@ -27,10 +31,22 @@ from gradsync.protocol.errors import (
     as_collective_error,
     error_from_wire,
 )
-from gradsync.protocol.peer import Announce, Slice, Withdraw
+from gradsync.protocol.peer import (
+    Announce,
+    Broke,
+    Drain,
+    Formed,
+    Left,
+    Slice,
+    Unformable,
+    Withdraw,
+)
 
 if TYPE_CHECKING:
     from gradsync.daemon.core.matching import Job
+
+#: Sends one membership message to a daemon (this one included: `ClusterJobs.send`).
+Send = Callable[[str, dict[str, Any]], None]
 
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
@@ -44,26 +60,45 @@ CodecFacts = Callable[[], tuple[tuple[tuple[str, float], ...], bool]]
 
 
 class JobForming:
-    """Announcements, withdrawals and formations of every multi-node job here."""
+    """This daemon's part in forming and ending each of its multi-node jobs."""
 
     def __init__(self, context: ClusterContext, clock: Callable[[], float],
-                 failures: JobFailures, replay: Replay) -> None:
+                 failures: JobFailures, replay: Replay, send: Send) -> None:
         self.context = context
         self.failures = failures
         self.replay = replay
-        #: Each job's announcements by peer.
-        self.remote: dict[str, dict[str, Announcement]] = {}
-        #: The newest incarnation of each (job, peer) that peer withdrew.
-        self.withdrawn = Withdrawals()
-        self.unformed = UnformedJobs(clock)  # broken before forming, for lost peers' return
+        self.send = send
+        #: Each job's formation as the coordinator sent it (until it forms here).
+        self.heard: dict[str, Formation] = {}
+        #: The daemon each job's announcement went to last.
+        self.coordinators: dict[str, str] = {}
+        #: Every daemon this run of each job was announced to (more than one
+        #: where the coordinator moved): each hears the withdrawal.
+        self.announced_to: dict[str, set[str]] = {}
+        self.parts = FormedAssembly()
+        #: Jobs broken here before forming, for lost peers' return.
+        self.unformed = UnformedJobs(clock)
+        #: Jobs peers broke while this daemon was lost to them.
+        self.heard_breaks = HeardBreaks(clock)
         #: Peers whose link went down (after being up) and has not come back.
         self.lost: set[str] = set()
+        #: This daemon's withdrawals by (job, incarnation), for members' `Drain`.
+        self.withdrawals_sent: collections.OrderedDict[tuple[str, int], dict[str, Any]] = (
+            collections.OrderedDict())
         #: run/codec_rates.py measures them on first use; none until the runner is
         #: wired in.
         self.codec_facts: CodecFacts = lambda: ((), False)
 
+    def coordinator_for(self, name: str) -> str:
+        """The coordinator of job `name` as this daemon sees it: picked among
+        itself and the peers it can reach now (membership.py `coordinator_of`)."""
+        transport = self.context.transport
+        reachable = [transport.endpoint, *(p for p in transport.peers
+                                           if p != transport.endpoint and transport.is_up(p))]
+        return coordinator_of(name, reachable)
+
     def local_complete(self, job: Job) -> None:
-        """All local ranks joined: announce this daemon's share to every peer."""
+        """All local ranks joined: announce this daemon's share to the coordinator."""
         transport = self.context.transport
         measured = transport.link_costs()
         costs = measured or (DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE)
@@ -73,25 +108,53 @@ class JobForming:
             job.name, job.across.incarnation, BOOT, job.world_size, tuple(sorted(job.members)),
             costs[0], costs[1], codec_Bps, loopback, measured is None,
         ))
-        announce = job.across.announcement.share.to_wire()
-        for peer in transport.peers:
-            transport.post(peer, announce)
-        self.try_form(job)
+        self.heard.pop(job.name, None)  # an earlier run's formation
+        self.announced_to[job.name] = set()
+        self.parts.forget(job.name)
+        broke = self.heard_breaks.take(job.name, job.describe())
+        if broke is not None:
+            self.failures.break_job(job, broke)
+            return
+        self._announce(job)
         self.fail_if_unformable(job)
 
+    def _announce(self, job: Job) -> None:
+        assert job.across.announcement is not None
+        coordinator = self.coordinators[job.name] = self.coordinator_for(job.name)
+        self.announced_to.setdefault(job.name, set()).add(coordinator)
+        self.send(coordinator, job.across.announcement.share.to_wire())
+
+    def _announcing(self) -> list[Job]:
+        """This daemon's jobs whose announcement stands (made, not withdrawn)."""
+        return [job for job in self.context.jobs.values()
+                if job.across.announcement is not None and not job.across.withdrawn
+                and job.broken is None]
+
+    def coordinators_moved(self) -> None:
+        """The peers reachable changed: announce again where a job's coordinator
+        is now another daemon (it may form the job, or pass its news on)."""
+        for job in self._announcing():
+            if self.coordinator_for(job.name) != self.coordinators.get(job.name):
+                self._announce(job)
+
     def peer_up(self, peer: str) -> None:
-        """A link (re)connected: tell it our jobs, and which of its broke here unformed."""
+        """A link (re)connected: tell it which of its jobs broke here while it was
+        lost; announce again to it where it coordinates (it may have restarted,
+        or missed the announcement while down), and where coordinators moved."""
         self.lost.discard(peer)
-        transport = self.context.transport
-        for name, table in list(self.remote.items()):
-            self.unformed.tell(peer, table.get(peer), self.context.jobs.get(name), transport)
-        for job in list(self.context.jobs.values()):
-            if job.across.announcement is not None and job.broken is None:
-                transport.post(peer, job.across.announcement.share.to_wire())
-                self.try_form(job)  # it may have waited for this very link
+        jobs = self.context.jobs
+        for broke in self.unformed.due(
+                peer, lambda name: name not in jobs or jobs[name].broken is not None):
+            self.send(peer, broke.to_wire())
+        for job in self._announcing():
+            coordinator = self.coordinator_for(job.name)
+            if coordinator == peer or coordinator != self.coordinators.get(job.name):
+                self._announce(job)
+            self.try_form(job)  # it may have waited for this very link
 
     def withdraw(self, job: Job, error: GradsyncError) -> None:
-        """The local job broke or ended: peers must stop counting on it.
+        """The local job broke or ended: the coordinator must stop counting on it,
+        and pass it on to the other members.
 
         The reason travels with its error code, so a peer's clients see the
         cause (a rank lost, a peer lost) rather than a generic failure.
@@ -103,8 +166,16 @@ class JobForming:
         origin, reason = job.across.end_origin or (transport.endpoint, error.message)
         withdraw = Withdraw(job.name, job.across.incarnation, BOOT, reason, error.code, origin,
                             job.across.ended_cleanly).to_wire()
-        for peer in transport.peers:
-            transport.post(peer, withdraw)
+        self.withdrawals_sent[(job.name, job.across.incarnation)] = withdraw
+        while len(self.withdrawals_sent) > WITHDRAWALS_KEPT:
+            self.withdrawals_sent.popitem(last=False)
+        self.coordinators.pop(job.name, None)
+        self.heard.pop(job.name, None)
+        self.parts.forget(job.name)
+        receivers = {daemon for daemon in self.announced_to.pop(job.name, ())
+                     if daemon == transport.endpoint or transport.is_up(daemon)}
+        for daemon in sorted(receivers or {self.coordinator_for(job.name)}):
+            self.send(daemon, withdraw)
 
     def withdraw_when_idle(self, job: Job) -> None:
         """A withdrawal that waited for the job's running collectives goes out
@@ -112,28 +183,58 @@ class JobForming:
         if job.across.withdrawal is not None and not job.across.runs:
             self.withdraw(job, job.across.withdrawal)
 
-    def try_form(self, job: Job) -> None:
-        across = job.across
-        ours = across.announcement
-        if across.formation is not None or ours is None or job.broken is not None:
+    def on_formed(self, peer: str, message: Formed, job: Job | None) -> None:
+        """A part of the formation the coordinator sent; the job forms here once
+        every part has come, if it names this run of ours."""
+        if job is None:
+            self.context.counters.dropped_unknown_job += 1
             return
-        transport = self.context.transport
-        announcements = dict(self.remote.get(job.name, {}))
-        announcements[transport.endpoint] = ours
-        problem = conflicts(announcements, job.world_size)
-        if problem is not None:
-            log.warning("%s cannot form yet: %s", job.describe(), problem)
-            return
-        formation = form(announcements, job.world_size)
+        formation = self.parts.add(message)
         if formation is None:
             return
+        endpoint = self.context.transport.endpoint
+        across = job.across
+        if (across.announcement is None or job.broken is not None
+                or endpoint not in formation.daemons
+                or formation.run_of(endpoint) != (BOOT, across.incarnation)):
+            self.context.counters.stale_membership += 1  # of a run of ours that ended
+            return
+        current = across.formation
+        if current is not None:
+            if current.generation != formation.generation:
+                self._renewed(job, current, formation)
+            return
+        self.heard[job.name] = formation
+        self.try_form(job)
+
+    def _renewed(self, job: Job, current: Formation, formation: Formation) -> None:
+        """A newer generation formed while ours runs: a member created the job anew."""
+        renewed = [daemon for daemon in formation.daemons
+                   if daemon in current.daemons
+                   and formation.run_of(daemon) != current.run_of(daemon)]
+        self.failures.break_job(job, PeerLostError(
+            f"peer daemon {', '.join(renewed) or 'of another set'} re-created "
+            f"{job.describe()} (its ranks restarted); this generation cannot continue",
+            {"job": job.name, "peer": renewed[0] if renewed else ""},
+        ))
+
+    def try_form(self, job: Job) -> None:
+        """Form the job from the coordinator's formation, once this daemon can send
+        to every member."""
+        across = job.across
+        formation = self.heard.get(job.name)
+        if (across.formation is not None or across.announcement is None
+                or job.broken is not None or formation is None):
+            return
+        transport = self.context.transport
         down = [d for d in formation.daemons if d != transport.endpoint and not transport.is_up(d)]
         if down:
-            # Announcements can arrive over a peer's link before ours to it is up; the
+            # The formation can come before our links to every member are up; the
             # job forms once this daemon can send to every member (see peer_up).
             log.debug("%s waits for links to %s before forming", job.describe(), down)
             return
         job.across.formation = formation
+        del self.heard[job.name]
         log.info(
             "%s formed across %d daemons (generation %x): %s", job.describe(),
             len(formation.daemons), formation.generation, ", ".join(formation.daemons),
@@ -145,114 +246,119 @@ class JobForming:
         for peer, message, frames in job.across.early.take_unformed():
             self.replay(job, peer, message, frames)
 
-    def on_announce(self, peer: str, message: Announce, job: Job | None) -> None:
-        if self.withdrawn.overtook(message.job, peer, message.boot, message.incarnation):
-            self.context.counters.stale_membership += 1  # its withdrawal overtook it
+    def on_left(self, peer: str, message: Left, job: Job | None) -> None:
+        """The coordinator passes on a member's withdrawal from the generation
+        running here: it ends here too, but collectives that hold all they need
+        from that member may finish.  One that still waits for its data cannot
+        tell yet whether that data is on its way (down the member's own stream,
+        which the news overtook): it asks the member for its withdrawal
+        (`Drain`), which comes behind the last of it (`on_withdraw`)."""
+        formation = job.across.formation if job is not None else None
+        if job is None or formation is None or message.gen != formation.generation:
+            self.context.counters.stale_generation += 1
             return
-        table = self.remote.setdefault(message.job, {})
-        previous = table.get(peer)
-        table[peer] = Announcement(peer, message)
-        self.unformed.tell(peer, table[peer], job, self.context.transport)
-        if job is None:
+        if message.daemon not in formation.daemons:
+            self.context.counters.malformed += 1
+            log.warning("dropped news of %s leaving %s: not a member (from %s)",
+                        message.daemon, job.describe(), peer)
             return
-        if (previous is not None
-                and (previous.share.boot, previous.share.incarnation)
-                != (message.boot, message.incarnation)
-                and job.across.formation is not None and peer in job.across.formation.daemons):
-            self.failures.break_job(job, PeerLostError(
-                f"peer daemon {peer} re-created {job.describe()} (its ranks restarted); "
-                "this generation cannot continue",
-                {"job": job.name, "peer": peer},
-            ))
-            return
-        self.try_form(job)
+        error, level = self._ended_by(job, message.origin, message.reason, message.code,
+                                      message.clean)
+        self.failures.break_job(job, error, fail_runs=False, level=level)
+        index = formation.index_of(message.daemon)
+        if peer == self.context.transport.endpoint:
+            return  # coordinated here: the leaver's own withdrawal is in hand (`on_withdraw`)
+        if message.daemon not in job.across.gone and any(
+                run.needs_from(index) for run in job.across.runs.values()):
+            boot, incarnation = formation.run_of(message.daemon)
+            self.send(message.daemon, Drain(job.name, boot, incarnation).to_wire())
 
-    def on_withdraw(self, peer: str, message: Withdraw, job: Job | None) -> None:
-        """A peer's part of a job ended.
+    def _ended_by(self, job: Job, origin: str, reason: str, code: str,
+                  clean: bool) -> tuple[GradsyncError, int]:
+        """The error a member's leaving ends the job with here, and how loud to log
+        it; the first such news says where the end began, and whether it was the
+        job's normal end."""
+        if job.broken is not None:
+            # Already ended here, and logged why: most often this is news of a
+            # member that heard of our own withdrawal, or saw the same loss.
+            return as_collective_error(job.broken, RankLostError), logging.DEBUG
+        reason = reason or "its part of the job ended"
+        error = error_from_wire(code or RankLostError.code,
+                                f"{job.describe()} on peer daemon {origin}: {reason}",
+                                {"job": job.name, "peer": origin})
+        job.across.end_origin = (origin, reason)
+        job.across.ended_cleanly = clean
+        return (as_collective_error(error, RankLostError),
+                logging.INFO if clean else logging.WARNING)
 
-        A withdrawal travels over the data stream when there is one, behind the
-        slices sent before it (a peer must not hear that a daemon left before it
-        has read that daemon's last slices); announcements take the ZeroMQ link.
-        So the two can pass each other: incarnations grow within each run of a
-        daemon (its `boot`), and a withdrawal older than the announcement held
-        from the same boot is dropped, as is an announcement no newer than a
-        withdrawal heard from the same boot.  A restarted daemon's messages are
-        never stale: its old ones all came before its old connection closed.
-        """
-        name, incarnation, boot = message.job, message.incarnation, message.boot
-        table = self.remote.get(name, {})
-        held = table.get(peer)
-        if held is not None and held.share.boot == boot and held.share.incarnation > incarnation:
+    def on_drain(self, peer: str, message: Drain) -> None:
+        """A member waits for our data of a run we withdrew from: our withdrawal,
+        to it, behind whatever slices we sent it (`Drain`)."""
+        withdraw = self.withdrawals_sent.get((message.job, message.incarnation))
+        if message.boot != BOOT or withdraw is None:
             self.context.counters.stale_membership += 1
             return
-        self.withdrawn.remember(name, peer, boot, incarnation)
-        if held is not None:
-            del table[peer]
-            if not table:
-                del self.remote[name]
-        formation = job.across.formation if job is not None else None
-        if job is not None and formation is not None and peer in formation.daemons:
-            self._member_withdrew(peer, message, job)
+        self.context.transport.post(peer, withdraw)
 
-    def _member_withdrew(self, peer: str, message: Withdraw, job: Job) -> None:
-        """A member of the job's formation withdrew: the generation ends here too,
-        but collectives that hold all they need from it may finish."""
-        level = logging.DEBUG
-        if job.broken is not None:
-            # Already ended here, and logged why: most often this is the peer's
-            # answer to our own withdrawal, which would only echo our reason.
-            error = job.broken
-        else:
-            origin = message.origin
-            reason = message.reason or "its part of the job ended"
-            code = message.code or RankLostError.code
-            error = error_from_wire(
-                code, f"{job.describe()} on peer daemon {origin}: {reason}",
-                {"job": message.job, "peer": origin},
-            )
-            job.across.end_origin = (origin, reason)
-            job.across.ended_cleanly = message.clean
-            level = logging.INFO if message.clean else logging.WARNING
-        error = as_collective_error(error, RankLostError)
+    def on_withdraw(self, peer: str, message: Withdraw, job: Job | None) -> None:
+        """A member's own withdrawal, sent here after its last slices (`on_drain`):
+        collectives that still wait for its data cannot finish."""
+        formation = job.across.formation if job is not None else None
+        if (job is None or formation is None or peer not in formation.daemons
+                or formation.run_of(peer) != (message.boot, message.incarnation)):
+            return  # to the coordinator only, or of another generation
         job.across.gone.add(peer)
+        error, level = self._ended_by(job, message.origin, message.reason, message.code,
+                                      message.clean)
         self.failures.break_job(job, error, fail_runs=False, level=level)
         for run in list(job.across.runs.values()):
             job.across.fail_if_waiting_on_gone(run, error)
 
-    def forget_peer(self, peer: str) -> set[str]:
-        """`peer` was lost: its announcements are void.  The jobs it had announced."""
+    def on_unformable(self, peer: str, message: Unformable, job: Job | None) -> None:
+        """The coordinator says this run of the job can never form (a daemon that
+        announced ranks of it was lost)."""
+        across = job.across if job is not None else None
+        if (job is None or across is None or job.broken is not None
+                or across.formation is not None or across.announcement is None
+                or (message.boot, message.incarnation) != (BOOT, across.incarnation)):
+            self.context.counters.stale_membership += 1
+            return
+        self.failures.break_job(job, error_from_wire(
+            message.code or PeerLostError.code, message.message,
+            {"job": message.job, "peer": message.peer}))
+
+    def on_broke(self, peer: str, message: Broke, job: Job | None) -> None:
+        """`peer` broke a job before it formed while this daemon was lost to it:
+        the run of it here, if it waits to form, ends now; else the next run
+        created within a while (`HeardBreaks`)."""
+        self.heard_breaks.keep(peer, message)
+        if (job is not None and job.broken is None and job.across.formation is None
+                and job.across.announcement is not None):
+            error = self.heard_breaks.take(job.name, job.describe())
+            if error is not None:
+                self.failures.break_job(job, error)
+
+    def forget_peer(self, peer: str) -> None:
+        """`peer` was lost: formations heard that name it will not form."""
         self.lost.add(peer)
-        announced = set()
-        for name, table in list(self.remote.items()):
-            if table.pop(peer, None) is not None:
-                announced.add(name)
-            if not table:
-                del self.remote[name]
-        return announced
+        for name, formation in list(self.heard.items()):
+            if peer in formation.daemons:
+                del self.heard[name]
 
-    def fail_if_unformable(self, job: Job, announced: str | None = None,
-                           why: str = "") -> None:
-        """Break a job that waits to form when the ranks it misses can no longer come.
-
-        They cannot once the peer that announced them (`announced`) is lost, or
-        when every peer that has not announced the job is lost: no daemon is left
-        to hold them.  Waiting ranks get PeerLostError now, not the job's deadline.
-        """
+    def fail_if_unformable(self, job: Job, why: str = "") -> None:
+        """Break a job that waits to form when every other daemon is lost: no one
+        is left to hold the ranks it misses.  Waiting ranks get PeerLostError now,
+        not the job's deadline.  (Where the daemon that announced them is lost,
+        the coordinator says so: `on_unformable`.)"""
         across = job.across
         if across.formation is not None or across.announcement is None or job.broken is not None:
             return
-        table = self.remote.get(job.name, {})
-        missing = ranks_not_announced(table, job.members, job.world_size)
-        if not missing:
-            return
+        missing = ranks_not_announced({}, job.members, job.world_size)
         transport = self.context.transport
         others = [p for p in transport.peers if p != transport.endpoint]
-        if announced is not None:
-            gone = [announced]
-        elif not others or any(p not in self.lost and p not in table for p in others):
+        if not missing or not others or any(p not in self.lost for p in others):
             return
-        else:
-            gone = sorted(p for p in others if p in self.lost)
+        gone = sorted(others)
         error = PeerLostError(
             f"peer daemon {', '.join(gone)} of {job.describe()} was lost"
             f"{f' ({why})' if why else ''} before the job formed; ranks {missing} "

@@ -1,14 +1,17 @@
 """Which daemons hold which ranks of a multi-node job, and when it is formed.
 
-Each daemon announces a job to its peers once all of its local ranks have
-joined: the ranks it holds, an incarnation number (new every time the job is
-created on that daemon) and its measured link costs.  A job is formed when
-the announcements cover every rank exactly once.  All daemons see the same
-announcements, so they derive the same member order (by lowest rank held),
-the same generation (a hash of every member's incarnation) and the same
-cost-model inputs, without any extra agreement round.  After a failure the
-job is created anew on each daemon, with new incarnations, hence a new
-generation: messages of the old one are recognisable and dropped.
+Each daemon announces a job once all of its local ranks have joined: the
+ranks it holds, an incarnation number (new every time the job is created on
+that daemon) and its measured link costs.  It sends the announcement to one
+daemon only, the job's coordinator (`coordinator_of`: picked from the job's
+name among the daemons it can reach, so every daemon picks the same one, and
+jobs spread over daemons).  A job is formed when the coordinator's
+announcements cover every rank exactly once: it derives the member order (by
+lowest rank held), the generation (a hash of every member's incarnation) and
+the cost-model inputs (`form`), and sends them to every member (`Formed`).
+So forming a job of M daemons takes 2(M - 1) messages, not M(M - 1).  After a
+failure the job is created anew on each daemon, with new incarnations, hence
+a new generation: messages of the old one are recognisable and dropped.
 
 Incarnations grow within one run of a daemon (from 1), not across restarts: so
 every announcement also names the daemon's `BOOT`, random per start, and
@@ -63,9 +66,32 @@ class Formation:
     codec_Bps: tuple[tuple[str, float], ...] = ()
     loopback: bool = False
     links_measured: bool = True
+    #: Each member's (boot, incarnation) of the job, in member order.
+    runs: tuple[tuple[int, int], ...] = ()
 
     def index_of(self, daemon: str) -> int:
         return self.daemons.index(daemon)
+
+    def run_of(self, daemon: str) -> tuple[int, int]:
+        """The (boot, incarnation) of `daemon`'s share of this generation."""
+        return self.runs[self.index_of(daemon)]
+
+
+def generation_of(members: Iterable[tuple[str, int, int]]) -> int:
+    """The generation of a formation of these (daemon, boot, incarnation), in order."""
+    digest = hashlib.blake2b(digest_size=8)
+    for daemon, boot, incarnation in members:
+        digest.update(f"{daemon}|{boot}|{incarnation};".encode())
+    return int.from_bytes(digest.digest(), "big") >> 1
+
+
+def coordinator_of(job: str, daemons: Iterable[str]) -> str:
+    """Of `daemons`, the one that gathers `job`'s announcements: the highest hash
+    of the job's name with the daemon's (rendezvous hashing), so that every
+    daemon that can reach the same daemons picks the same one, jobs spread over
+    daemons, and a daemon lost moves only the jobs it coordinated."""
+    return max(daemons, key=lambda daemon: (
+        hashlib.blake2b(f"{job}|{daemon}".encode(), digest_size=8).digest(), daemon))
 
 
 def form(announcements: dict[str, Announcement], world_size: int) -> Formation | None:
@@ -80,14 +106,10 @@ def form(announcements: dict[str, Announcement], world_size: int) -> Formation |
     if covered != set(range(world_size)):
         return None
     ordered = sorted(announcements.values(), key=lambda a: a.share.ranks[0])
-    digest = hashlib.blake2b(digest_size=8)
-    for announcement in ordered:
-        digest.update(
-            f"{announcement.daemon}|{announcement.share.boot}|{announcement.share.incarnation};".encode())
     return Formation(
         daemons=tuple(a.daemon for a in ordered),
         ranks_by_daemon=tuple(a.share.ranks for a in ordered),
-        generation=int.from_bytes(digest.digest(), "big") >> 1,
+        generation=generation_of((a.daemon, a.share.boot, a.share.incarnation) for a in ordered),
         # Every daemon derives the same figures from the same announcements: the
         # median, so one daemon's probe taken under start-up load does not decide.
         alpha_s=statistics.median(a.share.alpha_s for a in ordered),
@@ -95,6 +117,7 @@ def form(announcements: dict[str, Announcement], world_size: int) -> Formation |
         codec_Bps=slowest_codecs(a.share for a in ordered),
         loopback=all(a.share.loopback for a in ordered),
         links_measured=not any(a.share.unmeasured for a in ordered),
+        runs=tuple((a.share.boot, a.share.incarnation) for a in ordered),
     )
 
 

@@ -1,30 +1,27 @@
-"""Jobs this daemon broke before they formed because a peer was lost: what to
-tell that peer when it comes back and announces the job.
+"""Jobs broken before they formed because a peer was lost: what to tell that
+peer when it comes back, and what a daemon that comes back is told.
 
-A peer that restarts (or whose link was cut) misses the withdrawal sent while
-it was down: links drop control messages to a peer that is not up.  Its ranks
-then join the job again and wait, until their deadline, for ranks that gave
-up here.  So each such break is remembered for the peer (a while, once): when
-the peer announces the job, it gets an `Unformable` naming its own
-announcement, and its ranks fail now with the reason.
+A peer that restarts (or whose link was cut) misses what was sent while it
+was down: links drop control messages to a peer that is not up.  Its ranks
+then join the job again and would wait, until their deadline, for ranks that
+gave up elsewhere.  So each such break is remembered for the peer (a while,
+once): when the peer is up again, the daemon that broke the job tells it
+(`Broke`), if its own run of the job is still broken or gone; the peer's
+ranks of that job, already there or joining within `KEEP_S`, fail at once
+with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from gradsync.daemon.core.interfaces import PeerTransport
-from gradsync.daemon.core.membership import BOOT, Announcement
 from gradsync.protocol.errors import GradsyncError, PeerLostError, error_from_wire
-from gradsync.protocol.peer import Announce, Unformable
+from gradsync.protocol.peer import Broke
 
-if TYPE_CHECKING:
-    from gradsync.daemon.core.matching import Job
+__all__ = ["HeardBreaks", "UnformedJobs", "broke_error"]
 
-__all__ = ["UnformedJobs", "unformable_error"]
-
-#: How long a break is remembered for the lost peer (a restart takes seconds).
+#: How long a break is remembered for the lost peer, and by it once told (a
+#: restart takes seconds).
 KEEP_S = 120.0
 #: At most this many remembered, the oldest forgotten first.
 KEEP_AT_MOST = 1024
@@ -45,40 +42,44 @@ class UnformedJobs:
         while len(self._kept) > KEEP_AT_MOST:
             del self._kept[next(iter(self._kept))]
 
-    def answer(self, peer: str, message: Announce) -> Unformable | None:
-        """The answer to `peer`'s announcement of a job remembered for it."""
-        kept = self._kept.get((message.job, peer))
-        if kept is None or kept[0] < self.clock():
+    def due(self, peer: str, still_broken: Callable[[str], bool]) -> list[Broke]:
+        """What to tell `peer`, up again: the jobs remembered for it whose run here
+        is still broken or gone (`still_broken(job)`); each is told once."""
+        now = self.clock()
+        told = []
+        for (job, lost), (expires, reason, code) in list(self._kept.items()):
+            if lost != peer:
+                continue
+            del self._kept[(job, lost)]
+            if expires >= now and still_broken(job):
+                told.append(Broke(job, reason, code))
+        return told
+
+
+class HeardBreaks:
+    """Jobs a peer broke while this daemon was lost to it (`Broke`): they end
+    the run of that job here, there already or created within `KEEP_S`."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._heard: dict[str, tuple[float, str, Broke]] = {}
+
+    def keep(self, peer: str, message: Broke) -> None:
+        self._heard[message.job] = (self.clock() + KEEP_S, peer, message)
+        while len(self._heard) > KEEP_AT_MOST:
+            del self._heard[next(iter(self._heard))]
+
+    def take(self, job: str, description: str) -> GradsyncError | None:
+        """The error that ends this run of `job`, once, or None."""
+        heard = self._heard.pop(job, None)
+        if heard is None or heard[0] < self.clock():
             return None
-        return Unformable(message.job, message.boot, message.incarnation, kept[1], kept[2])
-
-    def forget(self, job: str, peer: str) -> None:
-        """Answered: a later run of the job under the same name must not hear it."""
-        self._kept.pop((job, peer), None)
-
-    def tell(self, peer: str, held: Announcement | None, job: Job | None,
-             transport: PeerTransport) -> None:
-        """Tell `peer`, once it is up, that its announced job (`held`) broke here
-        before forming (`job` is this daemon's, gone or broken), while it was lost."""
-        answer = (self.answer(peer, held.share)
-                  if held is not None and (job is None or job.broken) else None)
-        if answer is not None and transport.is_up(peer):  # else: at its peer_up
-            self.forget(answer.job, peer)
-            transport.post(peer, answer.to_wire())
-
-    def heard(self, peer: str, message: Unformable, job: Job | None) -> GradsyncError | None:
-        """The error that breaks `job`, still forming in the run the answer names,
-        or None (and counted nowhere: a stale answer changes nothing)."""
-        across = job.across if job is not None else None
-        if (job is None or across is None or job.broken is not None
-                or across.formation is not None or across.announcement is None
-                or (message.boot, message.incarnation) != (BOOT, across.incarnation)):
-            return None
-        return unformable_error(peer, message, job.describe())
+        return broke_error(heard[1], heard[2], description)
 
 
-def unformable_error(peer: str, message: Unformable, description: str) -> GradsyncError:
-    """What the ranks of a job here get when `peer` says it can never form."""
+def broke_error(peer: str, message: Broke, description: str) -> GradsyncError:
+    """What the ranks of a job here get when `peer` broke it while this daemon was
+    lost to it."""
     return error_from_wire(
         message.code or PeerLostError.code,
         f"peer daemon {peer} broke {description} before it formed, while this daemon was "

@@ -135,12 +135,12 @@ class CrossDaemonRunner:
         try:
             return await settled(job.across.formed, deadline - time.monotonic())
         except TimeoutError:
-            missing = ranks_not_announced(self.cluster.remote.get(job.name, {}), job.members,
-                                          job.world_size)
+            missing = ranks_not_announced({}, job.members, job.world_size)
             raise CollectiveTimeoutError(
                 f"key {ready.key!r} of {job.describe()} timed out after "
-                f"{ready.deadline_s:g}s: the job never formed; ranks {missing} did not "
-                "join on any peer daemon",
+                f"{ready.deadline_s:g}s: the job never formed; of ranks {missing}, held by "
+                "no rank here, some did not join on any peer daemon (or its coordinator "
+                f"{self.cluster.forming.coordinators.get(job.name, 'none')} was not reachable)",
                 {"job": job.name, "key": ready.key, "missing": missing},
             ) from None
 

@@ -1,0 +1,157 @@
+"""The jobs this daemon coordinates: it gathers their announcements, forms
+them, tells the members, and passes on the first member's withdrawal.
+
+Every daemon of a job sends its announcement and its withdrawal to the job's
+coordinator only (membership.py `coordinator_of`), which may hold no rank of
+the job itself.  The coordinator keeps what every daemon used to keep of
+every peer: the announcements by daemon, and which withdrawal overtook which
+announcement.  From them it forms the job and sends each member the formation
+(`Formed`); the first withdrawal of a formed generation it passes on to the
+other members (`Left`), who then withdraw too, to it alone.  Forming a job of
+M daemons, and ending it, so take O(M) messages, not O(M²).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gradsync.daemon.core.cluster_context import ClusterContext, log
+from gradsync.daemon.core.formed_parts import formed_parts
+from gradsync.daemon.core.membership import (
+    Announcement,
+    Formation,
+    Withdrawals,
+    conflicts,
+    form,
+)
+from gradsync.daemon.core.unformed import UnformedJobs
+from gradsync.protocol.errors import PeerLostError
+from gradsync.protocol.peer import Announce, Left, Unformable, Withdraw
+
+#: Sends one membership message to a daemon (this one included: `ClusterJobs.send`).
+Send = Callable[[str, dict[str, Any]], None]
+
+
+class JobCoordination:
+    """Announcements, formations and withdrawals of the jobs coordinated here."""
+
+    def __init__(self, context: ClusterContext, unformed: UnformedJobs, send: Send) -> None:
+        self.context = context
+        self.unformed = unformed
+        self.send = send
+        #: Each job's announcements, by daemon.
+        self.tables: dict[str, dict[str, Announcement]] = {}
+        #: The newest incarnation of each (job, daemon) that daemon withdrew.
+        self.withdrawn = Withdrawals()
+        #: The generation of each job last formed and sent, until it ends.
+        self.formed: dict[str, Formation] = {}
+
+    def on_announce(self, daemon: str, message: Announce) -> None:
+        if self.withdrawn.overtook(message.job, daemon, message.boot, message.incarnation):
+            self.context.counters.stale_membership += 1  # its withdrawal overtook it
+            return
+        name = message.job
+        table = self.tables.setdefault(name, {})
+        table[daemon] = Announcement(daemon, message)
+        formation = self.formed.get(name)
+        if (formation is not None and daemon in formation.daemons
+                and formation.run_of(daemon) != (message.boot, message.incarnation)):
+            # Its ranks restarted and created the job anew: this generation cannot go on.
+            self._tell_left(name, formation, daemon, Withdraw(
+                name, formation.run_of(daemon)[1], formation.run_of(daemon)[0],
+                "re-created the job (its ranks restarted); this generation cannot continue",
+                PeerLostError.code, daemon, False))
+        self._try_form(name, daemon)
+
+    def _try_form(self, name: str, announcer: str) -> None:
+        table = self.tables[name]
+        world_size = table[announcer].share.world_size
+        if sum(len(a.share.ranks) for a in table.values()) < world_size:
+            return
+        problem = conflicts(table, world_size)
+        if problem is not None:
+            log.warning("job %r cannot form yet: %s", name, problem)
+            return
+        formation = form(table, world_size)
+        if formation is None:
+            return
+        sent = self.formed.get(name)
+        if sent is not None and sent.generation == formation.generation:
+            self._tell_formed(name, formation, (announcer,))  # it asks again
+            return
+        self.formed[name] = formation
+        log.debug("job %r formed across %d daemons (generation %x), coordinated here",
+                  name, len(formation.daemons), formation.generation)
+        self._tell_formed(name, formation, formation.daemons)
+
+    def _tell_formed(self, name: str, formation: Formation, members: Sequence[str]) -> None:
+        world_size = sum(len(ranks) for ranks in formation.ranks_by_daemon)
+        parts = [part.to_wire() for part in formed_parts(name, world_size, formation)]
+        for daemon in members:
+            for part in parts:
+                self.send(daemon, part)
+
+    def peer_up(self, peer: str) -> None:
+        """A link (re)connected: a formation sent while it was down did not reach it."""
+        for name, formation in list(self.formed.items()):
+            if peer in formation.daemons:
+                self._tell_formed(name, formation, (peer,))
+
+    def on_withdraw(self, daemon: str, message: Withdraw) -> None:
+        """A daemon's part of a job ended (see forming.py `JobForming.withdraw`).
+
+        A withdrawal takes the data stream, behind the sender's slices, and an
+        announcement ZeroMQ, so the two can pass each other: incarnations grow
+        within each run of a daemon (its `boot`), and a withdrawal older than
+        the announcement held from the same boot is dropped, as is an
+        announcement no newer than a withdrawal heard from the same boot.
+        """
+        name, incarnation, boot = message.job, message.incarnation, message.boot
+        table = self.tables.get(name, {})
+        held = table.get(daemon)
+        if held is not None and held.share.boot == boot and held.share.incarnation > incarnation:
+            self.context.counters.stale_membership += 1
+            return
+        self.withdrawn.remember(name, daemon, boot, incarnation)
+        if held is not None:
+            del table[daemon]
+            if not table:
+                del self.tables[name]
+        formation = self.formed.get(name)
+        if (formation is not None and daemon in formation.daemons
+                and formation.run_of(daemon) == (boot, incarnation)):
+            self._tell_left(name, formation, daemon, message)
+
+    def _tell_left(self, name: str, formation: Formation, daemon: str,
+                   message: Withdraw) -> None:
+        """The first member to leave a generation: every other member hears it
+        (once: they withdraw in turn, and that is no news to anyone)."""
+        del self.formed[name]
+        left = Left(name, formation.generation, daemon, message.reason, message.code,
+                    message.origin, message.clean).to_wire()
+        for member in formation.daemons:
+            if member != daemon:
+                self.send(member, left)
+
+    def peer_lost(self, peer: str, why: str) -> None:
+        """`peer` was lost: its announcements are void, and a job it announced that
+        has not formed never will: every other announcer's ranks fail now."""
+        told: list[tuple[str, Unformable]] = []
+        for name, table in list(self.tables.items()):
+            lost = table.pop(peer, None)
+            if not table:
+                del self.tables[name]
+            if lost is None or name in self.formed:
+                continue  # a formed job's members see the loss themselves
+            error = PeerLostError(
+                f"peer daemon {peer} of job {name!r} was lost ({why}) before the job "
+                f"formed; ranks {list(lost.share.ranks)} can join on no other daemon",
+                {"job": name, "peer": peer, "missing": list(lost.share.ranks)},
+            )
+            told += [(daemon, Unformable(name, a.share.boot, a.share.incarnation,
+                                         error.message, error.code, peer))
+                     for daemon, a in table.items()]
+            self.unformed.remember(name, [peer], error)
+        for daemon, message in told:  # after the loop: one told here withdraws at once
+            self.send(daemon, message.to_wire())
