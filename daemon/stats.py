@@ -92,6 +92,8 @@ class JobStats:
     #: The link costs (alpha s, beta s/byte) the job's latest generation formed
     #: with: what `auto` prices its first epoch with.
     formed_costs: tuple[float, float] | None = None
+    #: The daemon that coordinated the job's latest formation (core/coordinating.py).
+    coordinator: str | None = None
     #: What `auto` compression chose, by the name asked.
     compression: dict[str, CompressionPicks] = dataclasses.field(default_factory=dict)
 
@@ -148,9 +150,12 @@ class StatsRecorder:
         on this host: what it announces with its jobs."""
         self.codec = {"lanes": lanes, "rates_Bps": dict(rates), "peers_on_this_host": loopback}
 
-    def job_formed(self, job: str, alpha_s: float, beta_s_per_byte: float) -> None:
-        """A multi-node job formed; `auto`'s first figures are these."""
+    def job_formed(self, job: str, alpha_s: float, beta_s_per_byte: float,
+                   coordinator: str | None = None) -> None:
+        """A multi-node job formed, coordinated by `coordinator`; `auto`'s first
+        figures are these."""
         self.jobs[job].formed_costs = (alpha_s, beta_s_per_byte)
+        self.jobs[job].coordinator = coordinator
 
     def peer_traffic(
         self, job: str, peer: str, sent: int = 0, received: int = 0,
@@ -232,6 +237,9 @@ class StatsRecorder:
         self._choices(stats, entry)
         if job is not None:
             entry.update(_live_job(service, job, now))
+            # Where the job is announced now (core/coordinating.py), formed or not.
+            if service.cluster is not None and name in service.cluster.forming.coordinators:
+                entry["coordinator"] = service.cluster.forming.coordinators[name]
         return entry
 
     @staticmethod
@@ -240,6 +248,7 @@ class StatsRecorder:
         if stats.formed_costs is not None:
             entry["formed_costs"] = {"alpha_s": stats.formed_costs[0],
                                      "beta_s_per_byte": stats.formed_costs[1]}
+            entry["coordinator"] = stats.coordinator
         if stats.auto:
             entry["auto"] = {
                 str(nbytes): {"picks": dict(auto.picks), "basis": dict(auto.basis),

@@ -542,3 +542,36 @@ def test_announcements_follow_the_coordinator_when_it_is_lost(
     transport.down.clear()
     cluster.peer_up(PEER)
     assert [to for to, _ in transport.of_kind("announce")] == [PEER, PEER]
+
+
+def test_news_of_a_generation_that_ended_before_it_formed_here_ends_the_run(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """The formation came, but our link to PEER is not up yet, so the job waits to
+    form here; PEER leaves meanwhile: the run here fails now, not at its deadline."""
+    cluster, transport, jobs = core(loop)
+    job = local_job(cluster, jobs, loop, THEIRS)
+    transport.down.add(PEER)
+    parts = formed_by_peer(job, wire.Announce(THEIRS, 5, BOOT, 2, (1,), 5e-5, 1e-9))
+    for part in parts:
+        cluster.on_message(PEER, part, ())
+    assert job.across.formation is None and job.broken is None
+    cluster.on_message(PEER, wire.Left(THEIRS, parts[0]["gen"], PEER, "rank 1 died",
+                                       RankLostError.code, PEER, False).to_wire(), ())
+    assert isinstance(job.broken, RankLostError) and "rank 1 died" in job.broken.message
+    with pytest.raises(RankLostError):
+        job.across.formed.result()
+
+
+def test_a_coordinator_keeps_a_bounded_number_of_jobs(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradsync.daemon.core import coordinating
+
+    monkeypatch.setattr(coordinating, "JOBS_KEPT", 3)
+    cluster, _, _ = core(loop)
+    for index in range(5):  # jobs of a world of 1, formed at once, never withdrawn
+        cluster.on_message(PEER, wire.Announce(f"j{index}", 1, BOOT, 1, (0,), 5e-5, 1e-9)
+                           .to_wire(), ())
+    assert list(cluster.coordination.tables) == ["j2", "j3", "j4"]
+    assert list(cluster.coordination.formed) == ["j2", "j3", "j4"]

@@ -25,6 +25,7 @@ from cluster import free_ports, peer_args
 from benchmarks.topology import namespaces, namespaces_unavailable
 from conftest import DaemonProcess, poll_until
 from gradsync.client.cli.keygen import generate_keypair
+from gradsync.protocol.peer import PEER_PROTOCOL_VERSION
 
 pytestmark = pytest.mark.timeout(120)
 StartDaemon = Callable[..., DaemonProcess]
@@ -235,7 +236,7 @@ def test_a_peer_in_another_protocol_version(start_daemon: StartDaemon, older_pee
     poll_until(lambda: version().get("status") == "problem", 60,
                "the doctor to report the older peer's version")
     found = version()
-    assert "v2" in found["detail"] and "v3" in found["detail"], found
+    assert "v2" in found["detail"] and f"v{PEER_PROTOCOL_VERSION}" in found["detail"], found
     assert "same gradsync version" in found["fix"]
 
 

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DaemonProcess, collect
 from gradsync.client.ping import query
+from gradsync.daemon.core.membership import coordinator_of
 
 StartDaemon = Callable[..., DaemonProcess]
 
@@ -88,6 +89,13 @@ def test_auto_reprices_with_figures_every_member_agreed(start_daemon: StartDaemo
     formed = {(job["formed_costs"]["alpha_s"], job["formed_costs"]["beta_s_per_byte"])
               for job in jobs}
     assert len(formed) == 1 and next(iter(formed))[1] > 0, formed
+    # One coordinator, the same for all, picked from the job's name among them.
+    from gradsync.client.cli.stats import fetch_snapshot
+
+    endpoints = {peer for d in daemons
+                 for peer in fetch_snapshot(d.endpoint + ".stats", 5.0)["peers"]}
+    assert len(endpoints) == 3, endpoints
+    assert {job["coordinator"] for job in jobs} == {coordinator_of("calib", endpoints)}, jobs
     last_epoch = (6 * rounds - 1) // EPOCH_KEYS
     for offset, size in ((4, "4096"), (5, "262144")):
         priced = {(e[size]["alpha_s"], e[size]["beta_s_per_byte"], e[size]["epoch"])

@@ -474,6 +474,27 @@ def test_a_daemon_that_hears_a_peer_leave_withdraws_only_after_its_own_last_slic
     daemon.assert_alive()
 
 
+@pytest.mark.timeout(120)
+def test_a_job_that_never_forms_times_out_naming_the_missing_ranks_and_coordinator(
+    start_daemon: StartDaemon,
+) -> None:
+    """Rank 0 of a world of 3 joins; ranks 1 and 2 never do, anywhere: at its
+    deadline rank 0 hears which ranks it waited for and where it announced."""
+    from gradsync.client import Client
+    from gradsync.protocol.errors import CollectiveTimeoutError
+
+    endpoints, daemons = insecure_daemons(start_daemon, 2)
+    poll_until(lambda: fetch_snapshot(daemons[0].endpoint + ".stats", 5.0)["peers"]
+               .get(endpoints[1], {}).get("state") == "up", 30, "the link A -> B is up")
+    with Client(daemon=daemons[0].endpoint, job="alone", rank=0, world_size=3, local_rank=0,
+                local_world_size=1, timeout_s=3) as rank0, pytest.raises(
+            CollectiveTimeoutError, match=r"never formed: of ranks \[1, 2\]") as caught:
+        rank0.all_reduce(np.ones(4, np.float32))
+    assert f"coordinator ({coordinator_of('alone', endpoints)})" in caught.value.message
+    for daemon in daemons:
+        daemon.assert_alive()
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(120)
 def test_a_job_that_never_formed_fails_once_the_peer_for_its_missing_ranks_is_lost(

@@ -31,6 +31,9 @@ from gradsync.protocol.peer import Announce, Left, Unformable, Withdraw
 
 #: Sends one membership message to a daemon (this one included: `ClusterJobs.send`).
 Send = Callable[[str, dict[str, Any]], None]
+#: Jobs whose announcements or formation are kept, at most (the oldest go first:
+#: a job whose members' withdrawals went to another coordinator is never ended here).
+JOBS_KEPT = 4096
 
 
 class JobCoordination:
@@ -52,6 +55,8 @@ class JobCoordination:
             self.context.counters.stale_membership += 1  # its withdrawal overtook it
             return
         name = message.job
+        if name not in self.tables and len(self.tables) >= JOBS_KEPT:
+            del self.tables[next(iter(self.tables))]
         table = self.tables.setdefault(name, {})
         table[daemon] = Announcement(daemon, message)
         formation = self.formed.get(name)
@@ -80,7 +85,10 @@ class JobCoordination:
         if sent is not None and sent.generation == formation.generation:
             self._tell_formed(name, formation, (announcer,))  # it asks again
             return
+        self.formed.pop(name, None)
         self.formed[name] = formation
+        while len(self.formed) > JOBS_KEPT:
+            del self.formed[next(iter(self.formed))]
         log.debug("job %r formed across %d daemons (generation %x), coordinated here",
                   name, len(formation.daemons), formation.generation)
         self._tell_formed(name, formation, formation.daemons)

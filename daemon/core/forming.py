@@ -240,7 +240,8 @@ class JobForming:
             len(formation.daemons), formation.generation, ", ".join(formation.daemons),
         )
         if self.context.stats is not None:
-            self.context.stats.job_formed(job.name, formation.alpha_s, formation.beta_s_per_byte)
+            self.context.stats.job_formed(job.name, formation.alpha_s, formation.beta_s_per_byte,
+                                          self.coordinators.get(job.name))
         if not job.across.formed.done():
             job.across.formed.set_result(formation)
         for peer, message, frames in job.across.early.take_unformed():
@@ -254,6 +255,15 @@ class JobForming:
         which the news overtook): it asks the member for its withdrawal
         (`Drain`), which comes behind the last of it (`on_withdraw`)."""
         formation = job.across.formation if job is not None else None
+        if job is not None and formation is None:
+            heard = self.heard.get(job.name)
+            if heard is not None and heard.generation == message.gen:
+                # It ended before our links let it form here: it never will.
+                del self.heard[job.name]
+                error, _ = self._ended_by(job, message.origin, message.reason, message.code,
+                                          message.clean)
+                self.failures.break_job(job, error)
+                return
         if job is None or formation is None or message.gen != formation.generation:
             self.context.counters.stale_generation += 1
             return

@@ -138,9 +138,10 @@ class CrossDaemonRunner:
             missing = ranks_not_announced({}, job.members, job.world_size)
             raise CollectiveTimeoutError(
                 f"key {ready.key!r} of {job.describe()} timed out after "
-                f"{ready.deadline_s:g}s: the job never formed; of ranks {missing}, held by "
-                "no rank here, some did not join on any peer daemon (or its coordinator "
-                f"{self.cluster.forming.coordinators.get(job.name, 'none')} was not reachable)",
+                f"{ready.deadline_s:g}s: the job never formed: of ranks {missing} (the ones "
+                "not on this daemon) some did not join on any peer daemon, or the job's "
+                f"coordinator ({self.cluster.forming.coordinators.get(job.name, 'none')}) "
+                "could not reach them all",
                 {"job": job.name, "key": ready.key, "missing": missing},
             ) from None
 
