@@ -257,6 +257,7 @@ def test_a_withdrawal_that_overtook_its_announcement_drops_the_announcement(
     # The peer's ranks come back: a newer incarnation of the same boot forms.
     cluster.on_message(PEER, announce(6), ())
     assert job.across.formation is not None
+    assert cluster.coordination.held[OURS] == 2  # ranks 0 and 1, each counted once
 
 
 def test_an_old_withdrawal_arriving_after_a_newer_announcement_is_dropped(
@@ -575,3 +576,4 @@ def test_a_coordinator_keeps_a_bounded_number_of_jobs(
                            .to_wire(), ())
     assert list(cluster.coordination.tables) == ["j2", "j3", "j4"]
     assert list(cluster.coordination.formed) == ["j2", "j3", "j4"]
+    assert cluster.coordination.held == {"j2": 1, "j3": 1, "j4": 1}

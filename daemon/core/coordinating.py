@@ -45,6 +45,9 @@ class JobCoordination:
         self.send = send
         #: Each job's announcements, by daemon.
         self.tables: dict[str, dict[str, Announcement]] = {}
+        #: How many ranks each job's announcements hold in all (kept as they
+        #: change, so that an announcement costs O(1) until they may cover all).
+        self.held: dict[str, int] = {}
         #: The newest incarnation of each (job, daemon) that daemon withdrew.
         self.withdrawn = Withdrawals()
         #: The generation of each job last formed and sent, until it ends.
@@ -56,9 +59,13 @@ class JobCoordination:
             return
         name = message.job
         if name not in self.tables and len(self.tables) >= JOBS_KEPT:
-            del self.tables[next(iter(self.tables))]
+            oldest = next(iter(self.tables))
+            del self.tables[oldest], self.held[oldest]
         table = self.tables.setdefault(name, {})
+        previous = table.get(daemon)
         table[daemon] = Announcement(daemon, message)
+        self.held[name] = (self.held.get(name, 0) + len(message.ranks)
+                           - (len(previous.share.ranks) if previous is not None else 0))
         formation = self.formed.get(name)
         if (formation is not None and daemon in formation.daemons
                 and formation.run_of(daemon) != (message.boot, message.incarnation)):
@@ -72,7 +79,7 @@ class JobCoordination:
     def _try_form(self, name: str, announcer: str) -> None:
         table = self.tables[name]
         world_size = table[announcer].share.world_size
-        if sum(len(a.share.ranks) for a in table.values()) < world_size:
+        if self.held[name] < world_size:
             return
         problem = conflicts(table, world_size)
         if problem is not None:
@@ -123,9 +130,7 @@ class JobCoordination:
             return
         self.withdrawn.remember(name, daemon, boot, incarnation)
         if held is not None:
-            del table[daemon]
-            if not table:
-                del self.tables[name]
+            self._drop(name, daemon)
         formation = self.formed.get(name)
         if (formation is not None and daemon in formation.daemons
                 and formation.run_of(daemon) == (boot, incarnation)):
@@ -142,14 +147,20 @@ class JobCoordination:
             if member != daemon:
                 self.send(member, left)
 
+    def _drop(self, name: str, daemon: str) -> None:
+        table = self.tables[name]
+        self.held[name] -= len(table.pop(daemon).share.ranks)
+        if not table:
+            del self.tables[name], self.held[name]
+
     def peer_lost(self, peer: str, why: str) -> None:
         """`peer` was lost: its announcements are void, and a job it announced that
         has not formed never will: every other announcer's ranks fail now."""
         told: list[tuple[str, Unformable]] = []
         for name, table in list(self.tables.items()):
-            lost = table.pop(peer, None)
-            if not table:
-                del self.tables[name]
+            lost = table.get(peer)
+            if lost is not None:
+                self._drop(name, peer)
             if lost is None or name in self.formed:
                 continue  # a formed job's members see the loss themselves
             error = PeerLostError(

@@ -18,7 +18,8 @@ from gradsync.protocol.errors import ProtocolError
 from gradsync.protocol.peer import MAX_FORMED_MEMBERS, Formed, FormedMember
 
 #: Header bytes a part's members may take, by the estimate below (a header
-#: frame holds 64 KiB; the rest of the fields take well under 1 KiB).
+#: frame holds 64 KiB; the other fields, a job name of 128 characters among
+#: them, take under 2 KiB).
 PART_BYTES = 62 * 1024
 
 
