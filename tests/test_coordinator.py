@@ -1,0 +1,62 @@
+"""A job's coordinator (daemon/core/coordinating.py) with real daemons: one that
+holds none of the job's ranks forms it, and once it is gone the survivors' next
+job forms at the next coordinator (issue 48, part 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from cluster import free_ports, peer_args, run_spread
+
+from conftest import DaemonProcess, poll_until
+from gradsync.client.cli.stats import fetch_snapshot
+from gradsync.daemon.core.membership import coordinator_of
+
+pytestmark = pytest.mark.timeout(180)
+StartDaemon = Callable[..., DaemonProcess]
+
+
+def _peer_states(daemon: DaemonProcess) -> dict[str, str]:
+    peers = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["peers"]
+    return {name: entry["state"] for name, entry in peers.items()}
+
+
+def _job_named(endpoints: list[str], coordinator: str, prefix: str) -> str:
+    return next(name for name in (f"{prefix}-{i}" for i in range(1000))
+                if coordinator_of(name, endpoints) == coordinator)
+
+
+def test_a_daemon_without_ranks_coordinates_and_its_loss_moves_the_next_job(
+    start_daemon: StartDaemon,
+) -> None:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(3)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(3)]
+    for daemon in daemons:
+        poll_until(lambda d=daemon: set(_peer_states(d).values()) == {"up"}, 30,  # type: ignore[misc]
+                   f"every link of {daemon.endpoint} up")
+    pair, third = daemons[:2], daemons[2]
+
+    # Ranks on the first two daemons; the job's name makes the third coordinate it.
+    job = _job_named(endpoints, endpoints[2], "elsewhere")
+    results = run_spread(pair, (1, 1), "multinode_allreduce.py", ["ring,star", "float32", "sum"],
+                         job=job)
+    assert [r.records()[-1]["failures"] for r in results] == [0, 0]
+    entries = [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][job] for d in pair]
+    assert [e["coordinator"] for e in entries] == [endpoints[2]] * 2, entries
+    assert job not in fetch_snapshot(third.endpoint + ".stats", 5.0)["jobs"]  # no rank there
+
+    # The third daemon goes: a job it would coordinate forms at the next one.
+    third.process.kill()
+    third.process.wait()
+    for daemon in pair:
+        poll_until(lambda d=daemon: _peer_states(d)[endpoints[2]] == "lost", 30,  # type: ignore[misc]
+                   f"{daemon.endpoint} to see the third daemon lost")
+    moved = _job_named(endpoints, endpoints[2], "moved")
+    results = run_spread(pair, (1, 1), "multinode_allreduce.py", ["ring", "float32", "sum"],
+                         job=moved)
+    assert [r.records()[-1]["failures"] for r in results] == [0, 0]
+    entries = [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][moved] for d in pair]
+    assert [e["coordinator"] for e in entries] == [coordinator_of(moved, endpoints[:2])] * 2
+    for daemon in pair:
+        daemon.assert_alive()
