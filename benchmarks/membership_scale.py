@@ -18,8 +18,8 @@ own work.  Nothing is sent on a socket.
   survivor's core is told the peer was lost and ends the job (the failure
   news: withdrawals to the coordinator, and its word to the members).
 - **rest**: heartbeats and the DEALER's pings per second per daemon, from the
-  links' schedule (daemon/peers/health.py): one of each per peer per interval,
-  each answered.
+  links' schedule (daemon/peers/health.py): one of each per watched peer (its
+  ring neighbours, daemon/core/watching.py) per interval, each answered.
 
     python -m benchmarks.membership_scale            # the RESULTS.md table
     python -m benchmarks.membership_scale --sizes 4,64 --json
@@ -47,6 +47,7 @@ from gradsync.daemon.core.failure_detector import (
     Verdict,
 )
 from gradsync.daemon.core.matching import CollectiveCall, Job, Member
+from gradsync.daemon.core.watching import ring_neighbours
 from gradsync.daemon.peers.health import _DEALER_PING_IVL_S
 from gradsync.protocol.errors import GradsyncError
 
@@ -254,11 +255,16 @@ def detect(size: int) -> tuple[float, int]:
 
 def at_rest_per_daemon_s(size: int) -> float:
     """Messages a daemon sends and receives per second with no job: a heartbeat
-    on `live` every `ping_ivl_s` and a DEALER ping every second, to every peer,
-    each answered (daemon/peers/health.py)."""
+    on `live` every `ping_ivl_s` and a DEALER ping every second, to every peer it
+    watches (its ring neighbours: daemon/core/watching.py, or every peer in a
+    small cluster), each answered (daemon/peers/health.py); its neighbours do
+    the same to it."""
     timings = DetectorTimings.for_timeout(DaemonConfig().peer_timeout_s)
     per_peer = 1 / timings.ping_ivl_s + 1 / _DEALER_PING_IVL_S
-    return 2 * 2 * per_peer * (size - 1)  # sent and received; pings and answers
+    me, *others = (endpoint_of(i) for i in range(size))
+    neighbours = ring_neighbours(me, others)
+    watched = len(others) if neighbours is None else len(neighbours)
+    return 2 * 2 * per_peer * watched  # sent and received; pings and answers
 
 
 def measure(size: int) -> Row:

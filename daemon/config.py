@@ -103,6 +103,9 @@ class DaemonConfig:
     #: `adaptive` (suspicion, witnesses, local health), or `timeout`: a silent peer is
     #: declared at `peer_timeout_s` alone, with heartbeats once a second.
     failure_detector: DetectorKind = "adaptive"
+    #: Ring neighbours heartbeated on either side when no job uses a peer
+    #: (daemon/core/watching.py); 0: log2 of the daemons.
+    watch_neighbours: int = 0
     #: 4 MiB rather than 1 or 2: each slice costs the daemon's Python about 80
     #: calls at either end, and 4 MiB slices measured 6 to 20 % faster than
     #: 2 MiB ones where the CPUs bind, the same where the wire does
@@ -309,6 +312,10 @@ def _codec_lanes(value: Any) -> int:
     return number
 
 
+def _count_or_zero(value: Any) -> int:
+    return 0 if value in (0, "0") else _positive_int(value)
+
+
 def _failure_detector(value: Any) -> DetectorKind:
     name = str(value).lower()
     if name not in DETECTORS:
@@ -351,6 +358,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "data_advertise": _host_port,
     "peer_timeout_s": _positive_float,
     "failure_detector": _failure_detector,
+    "watch_neighbours": _count_or_zero,
     "pipeline_slice_bytes": _positive_size,
     "algorithm": _algorithm,
     "auto_explore_factor": _factor,

@@ -134,6 +134,10 @@ def _add_peer_options(peers: argparse._ArgumentGroup) -> None:
                        "with other peers, a vanished peer declared in about 2 s; timeout: "
                        "heartbeats once a second, no suspicion, a silent peer declared "
                        "at about --peer-timeout-s")
+    peers.add_argument("--watch-neighbours", metavar="N",
+                       help="with no job using a peer, heartbeat only the N nearest daemons "
+                       "on either side of a ring of all of them (default 0: log2 of the "
+                       "daemons; every daemon is watched by 2N others)")
     _add_algorithm_options(peers)
 
 

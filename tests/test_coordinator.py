@@ -1,13 +1,15 @@
-"""A job's coordinator (daemon/core/coordinating.py) with real daemons: one that
-holds none of the job's ranks forms it, and once it is gone the survivors' next
-job forms at the next coordinator (issue 48, part 2)."""
+"""Membership that scales (issue 48, part 2), with real daemons: a job's
+coordinator (daemon/core/coordinating.py) that holds none of its ranks forms
+it, and once it is gone the survivors' next job forms at the next one; at rest
+a daemon heartbeats its ring neighbours only (daemon/core/watching.py)."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 import pytest
-from cluster import free_ports, peer_args, run_spread
+from cluster import free_ports, peer_args, run_spread, spawn_spread
 
 from conftest import DaemonProcess, poll_until
 from gradsync.client.cli.stats import fetch_snapshot
@@ -59,4 +61,53 @@ def test_a_daemon_without_ranks_coordinates_and_its_loss_moves_the_next_job(
     entries = [fetch_snapshot(d.endpoint + ".stats", 5.0)["jobs"][moved] for d in pair]
     assert [e["coordinator"] for e in entries] == [coordinator_of(moved, endpoints[:2])] * 2
     for daemon in pair:
+        daemon.assert_alive()
+
+
+def _counter(daemon: DaemonProcess, name: str) -> int:
+    return int(fetch_snapshot(daemon.endpoint + ".stats", 5.0)["counters"][name])
+
+
+def test_at_rest_a_daemon_heartbeats_its_ring_neighbours_and_the_peers_its_jobs_use(
+    start_daemon: StartDaemon,
+) -> None:
+    """Four daemons, one ring neighbour on either side (`--watch-neighbours 1`): at
+    rest the daemon opposite on the ring is not heartbeated nor judged, but it is
+    while a job spans both; stopped at rest, it is suspected by its neighbours
+    and by no one else."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(4)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
+               for i in range(4)]
+    by_endpoint = dict(zip(endpoints, daemons, strict=True))
+    ring = sorted(endpoints)
+    me, opposite = by_endpoint[ring[0]], by_endpoint[ring[2]]
+
+    def watched(daemon: DaemonProcess) -> dict[str, bool]:
+        peers = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["peers"]
+        return {name: entry["watched"] for name, entry in peers.items()
+                if entry["state"] == "up"}
+
+    at_rest = {ring[1]: True, ring[2]: False, ring[3]: True}
+    poll_until(lambda: watched(me) == at_rest, 30, "the ring neighbours alone watched")
+
+    ranks = spawn_spread([me, opposite], (1, 1), "multinode_hold.py", ["1024"], job="across")
+    try:
+        poll_until(lambda: watched(me).get(ring[2]) is True, 30,
+                   "the peer the job uses to be watched")
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    poll_until(lambda: watched(me) == at_rest, 30, "the job's peer no longer watched")
+
+    before = {d.endpoint: _counter(d, "links_peer_suspected") for d in daemons}
+    opposite.process.send_signal(signal.SIGSTOP)
+    try:
+        poll_until(lambda: all(_counter(by_endpoint[n], "links_peer_suspected")
+                               > before[by_endpoint[n].endpoint] for n in (ring[1], ring[3])),
+                   30, "the stopped daemon's neighbours to suspect it")
+    finally:
+        opposite.process.send_signal(signal.SIGCONT)
+    assert _counter(me, "links_peer_suspected") == before[me.endpoint]
+    for daemon in daemons:
         daemon.assert_alive()

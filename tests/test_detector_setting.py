@@ -77,7 +77,7 @@ def test_timeout_detector_declares_a_stopped_peer_at_the_peer_timeout(
     assert snapshot["peers"][endpoints[1]]["suspect_after_s"] == PEER_TIMEOUT_S
     assert re.search(
         r"failure detector 'timeout': a silent peer is declared after 6s "
-        r"\(heartbeats every 1s\)",
+        r"\(heartbeats every 1s, to every peer\)",
         watcher.log(),
     ), watcher.log()
 

@@ -161,6 +161,23 @@ class ClusterJobs:
         """Where a slice's payload can go before it arrives (`SliceRouting.place`)."""
         return self.routing.place(peer, header, sizes)
 
+    def peers_in_use(self) -> set[str]:
+        """The peers this daemon's jobs use now: the members of its formed jobs, the
+        coordinators it announced to, and the members and announcers of the jobs
+        it coordinates.  The links heartbeat them whatever their place on the ring
+        (core/watching.py)."""
+        used: set[str] = set()
+        for job in self.jobs.values():
+            if job.across.formation is not None:
+                used.update(job.across.formation.daemons)
+        used.update(self.forming.coordinators.values())
+        for formation in self.coordination.formed.values():
+            used.update(formation.daemons)
+        for table in self.coordination.tables.values():
+            used.update(table)
+        used.discard(self.transport.endpoint)
+        return used
+
     def send_membership(self, daemon: str, header: dict[str, Any]) -> None:
         """Send a membership message to `daemon`; one to this daemon (it coordinates
         a job it is a member of) is handled here at once, as if it came in."""

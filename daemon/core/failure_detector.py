@@ -41,7 +41,7 @@ import collections
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Literal
 
 #: The fastest declaration with the default settings (suspicion + confirmation).
@@ -243,6 +243,9 @@ class FailureDetector:
         #: (when, how late) of this daemon's own ticks.
         self._lags: collections.deque[tuple[float, float]] = collections.deque()
         self._refuted: list[Refuted] = []
+        #: The peers sure to hear a given peer (its ring neighbours: core/watching.py),
+        #: asked about it first; None: any peer watched here is as good.
+        self.watchers: Callable[[str], Collection[str]] | None = None
         #: The last tick was late and judged no one.
         self._skipped = False
         self.counts = DetectorCounts()
@@ -377,11 +380,13 @@ class FailureDetector:
         return None
 
     def _ask(self, peer: str, state: _Peer, now: float, silent: float, first: bool) -> Ask:
-        """Pick the witnesses: the other peers heard most recently, not suspected."""
+        """Pick the witnesses: the other peers heard most recently, not suspected,
+        those sure to hear the suspect first."""
+        watchers = self.watchers(peer) if self.watchers is not None else ()
         others = sorted(
-            ((other.last_heard, name) for name, other in self._peers.items()
+            ((name in watchers, other.last_heard, name) for name, other in self._peers.items()
              if name != peer and other.suspected_at is None), reverse=True)
-        state.asked = tuple(name for _, name in others[:WITNESSES])
+        state.asked = tuple(name for _, _, name in others[:WITNESSES])
         state.asked_at = now
         if first:
             state.answers = {}  # later, an answer stands until the witness answers again

@@ -106,11 +106,13 @@ class Peering:
             bulk_kinds=(CkptChunk.kind,),
             peer_timeout_s=config.peer_timeout_s,
             failure_detector=config.failure_detector,
+            watch_neighbours=config.watch_neighbours,
             data_port=config.data_port,
             data_advertise=config.data_advertise,
         )
         events = PeeringEvents(self.cluster)
         self.links = PeerLinks(settings, events=events)
+        self.links.in_use = self.cluster.peers_in_use
         self.cluster.connect(self.links, service.runs)
         self.checkpoints = events.checkpoints = CheckpointPeers(
             service.checkpoints, service.replicas, self.links, config.checkpoint_replicas,

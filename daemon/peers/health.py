@@ -37,7 +37,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, Literal
 
 import zmq
@@ -128,6 +128,8 @@ class Link:
     live_heard: float = 0.0
     #: The peer said goodbye (it is shutting down): its link ending is no failure.
     leaving: bool = False
+    #: Heartbeated and judged by the failure detector now (`LinkHealth.watched`).
+    watched: bool = False
     #: Why the link is being declared lost (the detector's verdict), while it is.
     lost_why: str | None = None
     #: What `gradsync doctor` reads (`facts`): why the last handshake failed (a
@@ -163,16 +165,22 @@ class LinkHealth:
         on_lost: Callable[[Link], None],
         closed: Callable[[], bool],
         detector: DetectorKind = "adaptive",
+        neighbours: frozenset[str] | None = None,
     ) -> None:
         """`endpoint`: this daemon's name on the pings; `peer_timeout_s`: the upper
         bound; `heartbeat_ivl_s`: ZeroMQ's own heartbeats; `detector`: `adaptive`,
         or `timeout` (the upper bound alone: DetectorTimings); `counters`: the links'
         (`handshake_failed`, `peer_lost`, `peer_suspected` and `peer_unreachable`
         are counted here); `on_up(link)` and `on_lost(link)` follow each change of
-        state; `closed()` says whether the links are closing (no reconnecting then)."""
+        state; `closed()` says whether the links are closing (no reconnecting then);
+        `neighbours`: the peers heartbeated even when no job uses them (None: every
+        peer; daemon/core/watching.py)."""
         self._endpoint = endpoint
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_ivl_s = heartbeat_ivl_s
+        self.neighbours = neighbours
+        #: The peers this daemon's jobs use now (the cluster core's, once wired in).
+        self.in_use: Callable[[], Collection[str]] = frozenset
         self.detector = FailureDetector(
             DetectorTimings.for_timeout(peer_timeout_s, detector), time.monotonic)
         self._counters = counters
@@ -296,8 +304,9 @@ class LinkHealth:
             for action in self.detector.tick():
                 self._act(links, action)
             now = time.monotonic()
+            in_use = None if self.neighbours is None else set(self.in_use())
             for link in links.values():
-                if link.state != "up":
+                if link.state != "up" or not self._watch(link, in_use):
                     continue
                 ping = [encode_header(self._endpoint, Probe(PING, next(link.seq)).to_wire())]
                 # Sent without blocking: a ping that does not fit in the queue is skipped.
@@ -306,6 +315,22 @@ class LinkHealth:
                 live_quiet = now - link.live_heard > 5 * ping_ivl_s
                 if (tick % dealer_every == 0 or live_quiet) and link.dealer is not None:
                     link.dealer.try_send(ping)
+
+    def watched(self, name: str, in_use: Collection[str] | None) -> bool:
+        """Whether the peer is heartbeated now: a ring neighbour, or used by a job."""
+        return self.neighbours is None or name in self.neighbours or (
+            name in (self.in_use() if in_use is None else in_use))
+
+    def _watch(self, link: Link, in_use: Collection[str] | None) -> bool:
+        """Heartbeat the peer and have the detector judge it, or neither: a peer
+        heartbeated again is judged from now (its silence meanwhile was ours)."""
+        watched = self.watched(link.name, in_use)
+        if watched and not link.watched:
+            self.detector.watch(link.name)
+        elif link.watched and not watched:
+            self.detector.forget(link.name)
+        link.watched = watched
+        return watched
 
     def _act(self, links: Mapping[str, Link], action: Action) -> None:
         """Carry out one decision of the failure detector."""
@@ -394,13 +419,15 @@ class LinkHealth:
         link.leaving = False
         link.last_heard = time.monotonic()  # its answer to `confirm` just came
         link.down = asyncio.get_running_loop().create_future()
-        self.detector.watch(link.name)
+        link.watched = False
+        self._watch(link, None)
         log.info("peer %s is up", link.name)
         self._on_up(link)
 
     def mark_lost(self, link: Link) -> None:
         """The link is lost: `link.lost_why` says why if the detector decided."""
         link.state = "lost"
+        link.watched = False
         self.detector.forget(link.name)
         self._counters.add("peer_lost")
         if link.leaving:

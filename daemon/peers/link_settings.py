@@ -47,6 +47,9 @@ class LinkSettings:
     peer_timeout_s: float = 10.0
     #: `adaptive`, or `timeout`: the upper bound alone (DetectorTimings.for_timeout).
     failure_detector: DetectorKind = "adaptive"
+    #: Ring neighbours heartbeated on either side when no job uses a peer
+    #: (daemon/core/watching.py); 0: log2 of the daemons.
+    watch_neighbours: int = 0
     #: ZeroMQ's own heartbeats (ZMTP); None: a quarter of `peer_timeout_s`.
     heartbeat_ivl_s: float | None = None
     probe_rounds: int = 5

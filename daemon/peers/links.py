@@ -41,11 +41,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import zmq
 
+from gradsync.daemon.core.watching import ring_neighbours
 from gradsync.daemon.errors import ConfigError
 from gradsync.daemon.peers.data_plane import DataPlane
 from gradsync.daemon.peers.events import PeerEvents
@@ -133,7 +134,11 @@ class PeerLinks:
             self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self._counters,
             warn_once=self._counters.warn_once, on_up=self._link_up, on_lost=self._link_lost,
             closed=lambda: self._closed, detector=settings.failure_detector,
+            neighbours=ring_neighbours(self.endpoint, self._links, settings.watch_neighbours),
         )
+        everyone = (self.endpoint, *self._links)
+        self._health.detector.watchers = lambda peer: (
+            ring_neighbours(peer, everyone, settings.watch_neighbours) or everyone)
         self._sockets = LinkSockets(
             self._listen, self.endpoint, self._links, keys, self._health, self._counters,
             max_payload_bytes=max_payload_bytes, io_threads=settings.io_threads,
@@ -189,9 +194,12 @@ class PeerLinks:
         else:
             declares = (f"failure detector 'timeout': a silent peer is declared after "
                         f"{self._peer_timeout_s:g}s")
-        log.info("peer links of %s: %d peers, %s; %s (heartbeats every %gs)", self.endpoint,
-                 len(self._links), "insecure" if self.insecure else "CURVE", declares,
-                 timings.ping_ivl_s)
+        neighbours = self._health.neighbours
+        log.info("peer links of %s: %d peers, %s; %s (heartbeats every %gs, %s)",
+                 self.endpoint, len(self._links), "insecure" if self.insecure else "CURVE",
+                 declares, timings.ping_ivl_s,
+                 "to every peer" if neighbours is None else
+                 f"to {len(neighbours)} ring neighbours and the peers jobs use")
 
     def _start_data_plane(self, loop: asyncio.AbstractEventLoop) -> None:
         """Listen for data streams; without them the slices stay on ZeroMQ."""
@@ -230,6 +238,16 @@ class PeerLinks:
     def peers(self) -> tuple[str, ...]:
         """The other peers, by the endpoint strings given in `peers`."""
         return tuple(self._links)
+
+    @property
+    def in_use(self) -> Callable[[], Collection[str]]:
+        """The peers this daemon's jobs use now: heartbeated whatever their place
+        on the ring (daemon/core/watching.py)."""
+        return self._health.in_use
+
+    @in_use.setter
+    def in_use(self, peers: Callable[[], Collection[str]]) -> None:
+        self._health.in_use = peers
 
     def peer_state(self, peer: str) -> PeerState:
         """`connecting` (never up yet), `up`, or `lost` (was up, then went away)."""
@@ -304,11 +322,13 @@ class PeerLinks:
         return self._table.get(peer).facts(self.stream_open(peer))
 
     def detector_facts(self, peer: str) -> dict[str, float | bool | None]:
-        """What the failure detector thinks of `peer` now: suspected, and the
-        silence after which it would be (None: the link is not up)."""
+        """What the failure detector thinks of `peer` now: suspected, the silence
+        after which it would be (None: the link is not up or not watched), and
+        whether it is heartbeated and judged now (core/watching.py)."""
         detector = self._health.detector
         return {"suspected": detector.suspected(peer),
-                "suspect_after_s": detector.suspect_after_s(peer)}
+                "suspect_after_s": detector.suspect_after_s(peer),
+                "watched": self._table.get(peer).watched}
 
     def heard_age_s(self, peer: str) -> float | None:
         """Seconds since anything last came from `peer` (None: nothing yet).
