@@ -8,11 +8,13 @@ so heartbeats cost O(M log M).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import pytest
 
-from benchmarks.membership_scale import Cluster, at_rest_per_daemon_s, detect, measure
+from benchmarks.membership_scale import Cluster, Row, detect, measure
 
 
 @pytest.mark.parametrize("size", [2, 5, 16, 64])
@@ -47,17 +49,28 @@ def grows_within_m_log_m(small: int, large: int, cost_small: float, cost_large: 
     return cost_large / cost_small <= 1.5 * bound
 
 
-def test_forming_and_failure_news_grow_no_faster_than_m_log_m() -> None:
-    small, large = measure(16), measure(256)
-    assert grows_within_m_log_m(16, 256, small.form.total, large.form.total)
-    assert grows_within_m_log_m(16, 256, small.news.total, large.news.total)
+#: The sizes the issue names, each measured once for the module.
+SIZES = (4, 64, 256, 1024)
+
+
+@functools.cache
+def measured(size: int) -> Row:
+    return measure(size)
+
+
+@pytest.mark.parametrize(("small", "large"), list(itertools.pairwise(SIZES)))
+def test_membership_messages_grow_no_faster_than_m_log_m(small: int, large: int) -> None:
+    """To form a job, to spread the news of a lost daemon, and per second at rest:
+    messages in all, from each size to the next."""
+    before, after = measured(small), measured(large)
+    assert grows_within_m_log_m(small, large, before.form.total, after.form.total)
+    assert grows_within_m_log_m(small, large, before.news.total, after.news.total)
+    assert grows_within_m_log_m(small, large, small * before.rest_per_daemon_s,
+                                large * after.rest_per_daemon_s)
+    assert after.declare_s <= 3.0  # detection does not grow at all
 
 
 def test_the_growth_check_fails_all_to_all_messages() -> None:
     """The check above would catch the old protocol: every daemon to every other."""
-    assert not grows_within_m_log_m(16, 256, 16 * 15, 256 * 255)
-
-
-def test_heartbeats_at_rest_grow_no_faster_than_m_log_m() -> None:
-    assert grows_within_m_log_m(16, 256, 16 * at_rest_per_daemon_s(16),
-                                256 * at_rest_per_daemon_s(256))
+    assert not grows_within_m_log_m(64, 256, 64 * 63, 256 * 255)
+    assert not grows_within_m_log_m(64, 256, 22 * 64 * 63, 22 * 256 * 255)

@@ -130,15 +130,7 @@ class PeerLinks:
         self._events = events
         keys = self._table.load_keys(curve) if curve is not None and self._links else None
         self._counters = LinkCounters()
-        self._health = LinkHealth(
-            self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self._counters,
-            warn_once=self._counters.warn_once, on_up=self._link_up, on_lost=self._link_lost,
-            closed=lambda: self._closed, detector=settings.failure_detector,
-            neighbours=ring_neighbours(self.endpoint, self._links, settings.watch_neighbours),
-        )
-        everyone = (self.endpoint, *self._links)
-        self._health.detector.watchers = lambda peer: (
-            ring_neighbours(peer, everyone, settings.watch_neighbours) or everyone)
+        self._health = self._link_health(settings)
         self._sockets = LinkSockets(
             self._listen, self.endpoint, self._links, keys, self._health, self._counters,
             max_payload_bytes=max_payload_bytes, io_threads=settings.io_threads,
@@ -155,6 +147,21 @@ class PeerLinks:
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------
+
+    def _link_health(self, settings: LinkSettings) -> LinkHealth:
+        """Heartbeats and the failure detector, for the ring neighbours and the
+        peers jobs use (daemon/core/watching.py): a suspect's own neighbours are
+        the witnesses asked first."""
+        count = settings.watch_neighbours
+        health = LinkHealth(
+            self.endpoint, self._peer_timeout_s, self._heartbeat_ivl_s, self._counters,
+            warn_once=self._counters.warn_once, on_up=self._link_up, on_lost=self._link_lost,
+            closed=lambda: self._closed, detector=settings.failure_detector,
+            neighbours=ring_neighbours(self.endpoint, self._links, count),
+        )
+        everyone = (self.endpoint, *self._links)
+        health.detector.watchers = lambda peer: ring_neighbours(peer, everyone, count) or everyone
+        return health
 
     @property
     def counters(self) -> dict[str, int]:
