@@ -234,6 +234,12 @@ class Withdraw(WireMessage):
     #: The daemon where the end began (a rank lost there, say).
     origin: str
     clean: bool
+    #: A member declared lost or cut off where that ended the job (its data will
+    #: not come: members waiting for it fail now); "" if none.  Sent only when set.
+    lost: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return _without_empty_lost(super().to_wire())
 
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Withdraw:
@@ -242,7 +248,20 @@ class Withdraw(WireMessage):
         _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
         return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
                    _int(fields, "boot", kind), _text(fields, "reason", kind),
-                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean))
+                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean),
+                   _lost(fields, kind))
+
+
+def _without_empty_lost(fields: dict[str, Any]) -> dict[str, Any]:
+    if not fields["lost"]:
+        del fields["lost"]
+    return fields
+
+
+def _lost(fields: Mapping[str, Any], kind: str) -> str:
+    lost = fields.get("lost", "")
+    _need(isinstance(lost, str) and len(lost) <= 1024, kind, "'lost' must be a string")
+    return str(lost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +450,11 @@ class Left(WireMessage):
     code: str
     origin: str
     clean: bool
+    #: As the withdrawal's `lost` (sent only when set).
+    lost: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return _without_empty_lost(super().to_wire())
 
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Left:
@@ -439,7 +463,8 @@ class Left(WireMessage):
         _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
         return cls(_text(fields, "job", kind), _int(fields, "gen", kind),
                    _text(fields, "daemon", kind), _text(fields, "reason", kind),
-                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean))
+                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean),
+                   _lost(fields, kind))
 
 
 #: (algorithm, buffer bytes): what one timing of `auto`'s calibration is of.

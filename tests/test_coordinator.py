@@ -6,12 +6,14 @@ a daemon heartbeats its ring neighbours only (daemon/core/watching.py)."""
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
-from conftest import DaemonProcess, poll_until
+from conftest import DaemonProcess, collect, poll_until
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.daemon.core.membership import coordinator_of
 
@@ -109,5 +111,50 @@ def test_at_rest_a_daemon_heartbeats_its_ring_neighbours_and_the_peers_its_jobs_
     finally:
         opposite.process.send_signal(signal.SIGCONT)
     assert _counter(me, "links_peer_suspected") == before[me.endpoint]
+    for daemon in daemons:
+        daemon.assert_alive()
+
+
+@pytest.mark.fault
+def test_a_member_lost_where_no_one_here_watches_it_fails_every_member_at_once(
+    start_daemon: StartDaemon, tmp_path: Path,
+) -> None:
+    """A job on four daemons, each watching one job neighbour on either side: the
+    daemon opposite the first is stopped mid-training.  The first does not watch
+    it, yet its rank fails within seconds, naming it, on its neighbours' word
+    (passed on by the coordinator), not at the collective's deadline."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(4)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
+               for i in range(4)]
+    by_endpoint = dict(zip(endpoints, daemons, strict=True))
+    ring = sorted(endpoints)
+    for daemon in daemons:
+        poll_until(lambda d=daemon: set(_peer_states(d).values()) == {"up"}, 30,  # type: ignore[misc]
+                   f"every link of {daemon.endpoint} up")
+    victim = by_endpoint[ring[2]]
+    job = next(name for name in (f"four-{i}" for i in range(1000))
+               if coordinator_of(name, endpoints) != ring[2])
+    ranks = spawn_spread([by_endpoint[e] for e in ring], (1, 1, 1, 1), "multinode_hold.py",
+                         ["65536", str(tmp_path)], job=job)
+    try:
+        poll_until(lambda: len(list(tmp_path.glob("started-*"))) == 4, 60,
+                   "every rank's first allreduce")
+        before = _counter(by_endpoint[ring[0]], "links_peer_suspected")
+        stopped = time.monotonic()
+        victim.process.send_signal(signal.SIGSTOP)
+        try:
+            results = collect([ranks[0], ranks[1], ranks[3]], timeout_s=60)
+        finally:
+            victim.process.send_signal(signal.SIGCONT)
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    first = results[0].records()[-1]
+    assert first["error"] in ("PeerLostError", "RankLostError"), first
+    assert ring[2] in first["message"], first
+    assert first["at"] - stopped < 15, first  # the declaration takes about 2 s
+    assert _counter(by_endpoint[ring[0]], "links_peer_suspected") == before
     for daemon in daemons:
         daemon.assert_alive()

@@ -577,3 +577,44 @@ def test_a_coordinator_keeps_a_bounded_number_of_jobs(
     assert list(cluster.coordination.tables) == ["j2", "j3", "j4"]
     assert list(cluster.coordination.formed) == ["j2", "j3", "j4"]
     assert cluster.coordination.held == {"j2": 1, "j3": 1, "j4": 1}
+
+
+def test_news_of_a_member_declared_lost_fails_what_waits_for_it_here(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A job of three daemons: this one need not watch the third (core/watching.py).
+    PEER declares the third lost and withdraws; the coordinator's word of it fails
+    our collective waiting for the third's data now, not at its deadline, and our
+    own withdrawal passes the loss on."""
+    third = "tcp://10.0.0.4:7000"
+    cluster, transport, jobs = core(loop)
+    job = Job(THEIRS, 3, 1, still_clock)
+    job.add_member(Member(0, 0, 100, 1))
+    jobs[THEIRS] = job
+    cluster.local_complete(job)
+    for part in formed_by_peer(job, wire.Announce(THEIRS, 5, BOOT, 3, (1,), 5e-5, 1e-9),
+                               wire.Announce(THEIRS, 9, BOOT, 3, (2,), 5e-5, 1e-9)):
+        cluster.on_message(PEER, part, ())
+    formation = job.across.formation
+    assert formation is not None and formation.daemons == (HERE, PEER, third)
+    buffer = np.full(8, 1.0, np.float32)
+    fingerprint = wire.Fingerprint("allreduce", "float32", 8, "sum", "star")
+    run = ScheduleRun(ALGORITHMS["star"](0, 3, 8), buffer, ReduceOp.SUM,
+                      lambda peer, header, payload, zero_copy: transport.post(
+                          formation.daemons[peer], header, (payload,)),
+                      1 << 20, loop, fingerprint=fingerprint, algorithm="star")
+    cluster.run_started(job, 0, run)
+    run.start()
+    theirs = np.full(8, 2.0, np.float32)
+    cluster.on_message(PEER, wire.Slice(THEIRS, formation.generation, 0, fingerprint, 0, 0, 0)
+                       .to_wire(), (theirs.tobytes(),))
+    assert not run.done.done()  # it waits for the third's part
+    cluster.on_message(PEER, wire.Left(
+        THEIRS, formation.generation, PEER, f"peer daemon {third} was lost", "peer_lost", PEER,
+        False, third).to_wire(), ())
+    error = run.done.exception()
+    assert isinstance(error, PeerLostError) and third in error.message, error
+    assert transport.of_kind("drain") == []  # nothing more is needed from PEER
+    cluster.run_ended(job, 0)
+    [(to, ours)] = transport.of_kind("withdraw")
+    assert to == PEER and ours.lost == third and ours.origin == PEER

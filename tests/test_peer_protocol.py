@@ -29,9 +29,15 @@ MESSAGES: list[peer.Message] = [
                 5e-5, 1e-9, (("bf16", 2e9),), False, True),
     peer.Left("job", 1 << 62, "tcp://10.0.0.2:7000", "rank 1 died", "rank_lost",
               "tcp://10.0.0.2:7000", False),
+    peer.Left("job", 1 << 62, "tcp://10.0.0.2:7000", "peer daemon tcp://10.0.0.3:7000 was lost",
+              "peer_lost", "tcp://10.0.0.2:7000", False, "tcp://10.0.0.3:7000"),
+    peer.Withdraw("job", 7, 3, "peer daemon tcp://10.0.0.3:7000 was lost", "peer_lost",
+                  "tcp://10.0.0.1:7000", False, "tcp://10.0.0.3:7000"),
     peer.Drain("job", 1 << 61, 7),
 ]
 SENDER = "tcp://127.0.0.1:7000"
+#: Fields sent only when set: a message without one reads as without it.
+OPTIONAL = frozenset({"lost"})
 
 
 def over_the_wire(message: peer.Message) -> dict[str, Any]:
@@ -84,6 +90,11 @@ def test_a_missing_or_mistyped_field_is_refused_by_name(message: peer.Message) -
     for name in fields:
         if name == "kind":
             continue
+        with pytest.raises(ProtocolError):
+            peer.from_wire({**fields, name: [object.__name__]})
+        if name in OPTIONAL:
+            assert peer.from_wire(_without(fields, name)) != message
+            continue
         with pytest.raises(ProtocolError) as missing:
             peer.from_wire(_without(fields, name))
         assert missing.value.message.startswith(f"{message.kind}:") or "fingerprint" in str(
@@ -104,7 +115,7 @@ def test_a_missing_or_mistyped_field_is_refused_by_name(message: peer.Message) -
     ("formed", {"part": [["tcp://10.0.0.2:7000", 1, 1, [1, 1]]]}),
     ("formed", {"part": [["tcp://10.0.0.2:7000", 1, 1]]}), ("formed", {"part": []}),
     ("formed", {"first": 2}), ("formed", {"members": 0}), ("formed", {"loopback": 0}),
-    ("left", {"clean": 1}),
+    ("left", {"clean": 1}), ("left", {"lost": 7}), ("withdraw", {"lost": ["x"]}),
 ])
 def test_out_of_range_values_are_refused(kind: str, change: dict[str, Any]) -> None:
     (message,) = [m for m in MESSAGES if m.kind == kind][:1]

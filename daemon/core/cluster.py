@@ -35,6 +35,7 @@ from gradsync.daemon.core.interfaces import (
 )
 from gradsync.daemon.core.job_failures import JobFailures
 from gradsync.daemon.core.slice_routing import SliceRouting
+from gradsync.daemon.core.watching import ring_neighbours
 from gradsync.daemon.stats import StatsRecorder
 from gradsync.protocol import peer as peer_wire
 from gradsync.protocol.errors import CollectiveError, GradsyncError, ProtocolError
@@ -162,19 +163,24 @@ class ClusterJobs:
         return self.routing.place(peer, header, sizes)
 
     def peers_in_use(self) -> set[str]:
-        """The peers this daemon's jobs use now: the members of its formed jobs, the
-        coordinators it announced to, and the members and announcers of the jobs
-        it coordinates.  The links heartbeat them whatever their place on the ring
-        (core/watching.py)."""
+        """The peers this daemon's jobs use now: of each formed job's members, its
+        neighbours on the job's own ring (every member, in a job of a few daemons);
+        the coordinators it announced to; the announcers of the jobs it coordinates
+        that have not formed.  The links heartbeat them whatever their place on the ring
+        of all daemons (core/watching.py)."""
         used: set[str] = set()
+        endpoint, count = self.transport.endpoint, self.config.watch_neighbours
         for job in self.jobs.values():
-            if job.across.formation is not None:
-                used.update(job.across.formation.daemons)
+            formation = job.across.formation
+            if formation is not None and endpoint in formation.daemons:
+                # Its members nearest on the ring of the job: each member is watched
+                # by some, and their news of a loss reaches every member.
+                used.update(ring_neighbours(endpoint, formation.daemons, count)
+                            or formation.daemons)
         used.update(self.forming.coordinators.values())
-        for formation in self.coordination.formed.values():
-            used.update(formation.daemons)
-        for table in self.coordination.tables.values():
-            used.update(table)
+        for name, table in self.coordination.tables.items():
+            if name not in self.coordination.formed:
+                used.update(table)  # one lost before the job forms: `Unformable`
         used.discard(self.transport.endpoint)
         return used
 
@@ -201,7 +207,7 @@ class ClusterJobs:
         self.forming.forget_peer(peer)
         why = why or "its connection closed"
         self.coordination.peer_lost(peer, why)
-        self.job_failures.break_jobs_with(peer, f"was lost ({why})")
+        self.job_failures.break_jobs_with(peer, f"was lost ({why})", lost=True)
         self.forming.coordinators_moved()
         for job in list(self.jobs.values()):
             self.forming.fail_if_unformable(job, why)

@@ -79,6 +79,9 @@ class ClusterJob:
         #: (daemon, reason) of the peer's withdrawal that ended the job here; passed on
         #: as it came, so that daemons further on name where the end began.
         self.end_origin: tuple[str, str] | None = None
+        #: The member declared lost or cut off that ended the job (here, or as a
+        #: peer's withdrawal said): its data will not come.  Passed on as it came.
+        self.lost = ""
         self.formation: Formation | None = None
         #: Settled with the formation (or the error that ended the job before it).
         self.formed: Outcome[Formation] = Outcome()

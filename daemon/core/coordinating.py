@@ -142,7 +142,7 @@ class JobCoordination:
         (once: they withdraw in turn, and that is no news to anyone)."""
         del self.formed[name]
         left = Left(name, formation.generation, daemon, message.reason, message.code,
-                    message.origin, message.clean).to_wire()
+                    message.origin, message.clean, message.lost).to_wire()
         for member in formation.daemons:
             if member != daemon:
                 self.send(member, left)

@@ -165,7 +165,7 @@ class JobForming:
         transport = self.context.transport
         origin, reason = job.across.end_origin or (transport.endpoint, error.message)
         withdraw = Withdraw(job.name, job.across.incarnation, BOOT, reason, error.code, origin,
-                            job.across.ended_cleanly).to_wire()
+                            job.across.ended_cleanly, job.across.lost).to_wire()
         self.withdrawals_sent[(job.name, job.across.incarnation)] = withdraw
         while len(self.withdrawals_sent) > WITHDRAWALS_KEPT:
             self.withdrawals_sent.popitem(last=False)
@@ -275,6 +275,7 @@ class JobForming:
         error, level = self._ended_by(job, message.origin, message.reason, message.code,
                                       message.clean)
         self.failures.break_job(job, error, fail_runs=False, level=level)
+        self._lost_member(job, message.lost, error)
         index = formation.index_of(message.daemon)
         if peer == self.context.transport.endpoint:
             return  # coordinated here: the leaver's own withdrawal is in hand (`on_withdraw`)
@@ -321,8 +322,23 @@ class JobForming:
         error, level = self._ended_by(job, message.origin, message.reason, message.code,
                                       message.clean)
         self.failures.break_job(job, error, fail_runs=False, level=level)
+        self._lost_member(job, message.lost, error)
         for run in list(job.across.runs.values()):
             job.across.fail_if_waiting_on_gone(run, error)
+
+    def _lost_member(self, job: Job, lost: str, error: GradsyncError) -> None:
+        """A member says `lost` was declared lost or cut off: the generation's
+        collectives fail here now, as where this daemon declares a member itself
+        (it may not watch that one: core/watching.py), since their data, or data
+        that depends on it, will not come.  Passed on with our own withdrawal."""
+        formation = job.across.formation
+        if (not lost or formation is None or lost not in formation.daemons
+                or lost == self.context.transport.endpoint):
+            return
+        job.across.lost = job.across.lost or lost
+        job.across.gone.add(lost)
+        for run in list(job.across.runs.values()):
+            run.fail(error)
 
     def on_unformable(self, peer: str, message: Unformable, job: Job | None) -> None:
         """The coordinator says this run of the job can never form (a daemon that

@@ -75,9 +75,10 @@ class JobFailures:
             self.abort(job, key, as_collective_error(error))
         self.withdraw(job, error)
 
-    def break_jobs_with(self, peer: str, what: str) -> None:
+    def break_jobs_with(self, peer: str, what: str, lost: bool = False) -> None:
         """End the generation of every formed job that spans `peer`; `what`
-        happened to it goes into the errors."""
+        happened to it goes into the errors; `lost`: the peer was declared lost or
+        cut off (the members hear it with our withdrawal: its data will not come)."""
         for job in list(self.context.jobs.values()):
             if job.across.formation is None or peer not in job.across.formation.daemons:
                 continue
@@ -86,6 +87,8 @@ class JobFailures:
                 for key, run in job.across.runs.items()
             ) or "between collectives"
             job.across.gone.add(peer)
+            if lost and not job.across.lost:
+                job.across.lost = peer
             self.break_job(job, PeerLostError(
                 f"peer daemon {peer} of {job.describe()} {what}; {steps}",
                 {"job": job.name, "peer": peer},

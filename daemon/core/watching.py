@@ -5,9 +5,11 @@ O(M) messages a second, O(M²) in all: 45,000 a second per daemon at 1,024.
 At rest a daemon needs to hear only enough peers that every daemon is watched
 by some: its `count` nearest on either side of a ring of every daemon in
 sorted order, `count` being log2 of the daemons by default, so that each
-daemon is watched by 2 log2(M) others.  The peers a job uses (its members,
-its coordinator, the announcers of a job coordinated here) are heartbeated
-while the job lasts, as before, whatever their place on the ring.
+daemon is watched by 2 log2(M) others.  The peers a job uses are heartbeated
+while the job lasts, whatever their place on that ring: the same number of
+nearest members on the job's own ring (so a job of every daemon costs no more),
+the coordinator announced to, and the announcers of a job coordinated here
+until it forms (ClusterJobs.peers_in_use).
 
 The ring is the same for everyone (every daemon sorts the same endpoints), so
 watching is mutual: a daemon's neighbours are those whose neighbour it is,
