@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gradsync.daemon.core.interfaces import NOT_CONNECTED, FailedCollectives, PeerTransport
@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 #: A slice's payload as the links hand it on: a buffer (memoryview, bytes, a
 #: ZeroMQ frame's buffer) or, for a slice received in place, its placement.
 Frame = Any
+#: Sends one membership message to a daemon, this one included
+#: (`ClusterJobs.send_membership`).
+Send = Callable[[str, dict[str, Any]], None]
 
 log = logging.getLogger("gradsync.daemon.cluster")
 

@@ -13,10 +13,9 @@ M daemons, and ending it, so take O(M) messages, not O(M²).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from gradsync.daemon.core.cluster_context import ClusterContext, log
+from gradsync.daemon.core.cluster_context import ClusterContext, Send, log
 from gradsync.daemon.core.formed_parts import formed_parts
 from gradsync.daemon.core.membership import (
     Announcement,
@@ -29,8 +28,6 @@ from gradsync.daemon.core.unformed import UnformedJobs
 from gradsync.protocol.errors import PeerLostError
 from gradsync.protocol.peer import Announce, Left, Unformable, Withdraw
 
-#: Sends one membership message to a daemon (this one included: `ClusterJobs.send`).
-Send = Callable[[str, dict[str, Any]], None]
 #: Jobs whose announcements or formation are kept, at most (the oldest go first:
 #: a job whose members' withdrawals went to another coordinator is never ended here).
 JOBS_KEPT = 4096

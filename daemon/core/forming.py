@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gradsync.daemon.core.cluster_context import ClusterContext, Frame, log
+from gradsync.daemon.core.cluster_context import ClusterContext, Frame, Send, log
 from gradsync.daemon.core.formed_parts import FormedAssembly
 from gradsync.daemon.core.job_failures import JobFailures
 from gradsync.daemon.core.membership import (
@@ -45,8 +45,6 @@ from gradsync.protocol.peer import (
 if TYPE_CHECKING:
     from gradsync.daemon.core.matching import Job
 
-#: Sends one membership message to a daemon (this one included: `ClusterJobs.send`).
-Send = Callable[[str, dict[str, Any]], None]
 
 #: Link costs assumed until a peer's have been measured.
 DEFAULT_ALPHA_S = 50e-6
