@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from cluster import free_ports, peer_args, run_spread, spawn_spread
 
-from conftest import DaemonProcess, collect, poll_until
+from conftest import DaemonProcess, collect, poll_until, spawn_rank
 from gradsync.client.cli.stats import fetch_snapshot
-from gradsync.daemon.core.membership import coordinator_of
+from gradsync.daemon.core.membership import coordinator_of, coordinators_of
 
 pytestmark = pytest.mark.timeout(180)
 StartDaemon = Callable[..., DaemonProcess]
@@ -158,3 +158,43 @@ def test_a_member_lost_where_no_one_here_watches_it_fails_every_member_at_once(
     assert _counter(by_endpoint[ring[0]], "links_peer_suspected") == before
     for daemon in daemons:
         daemon.assert_alive()
+
+
+@pytest.mark.fault
+def test_a_coordinator_lost_before_its_job_forms_is_named_by_its_standby(
+    start_daemon: StartDaemon,
+) -> None:
+    """Ranks 0 and 2 of a world of 3 have joined, on the standby and on the
+    coordinator; rank 1 has not.  The coordinator is killed: the standby knew that
+    rank 2 was announced there, so rank 0 fails now, naming the lost daemon and
+    the rank, not at its deadline (300 s)."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(3)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(3)]
+    by_endpoint = dict(zip(endpoints, daemons, strict=True))
+    for daemon in daemons:
+        poll_until(lambda d=daemon: set(_peer_states(d).values()) == {"up"}, 30,  # type: ignore[misc]
+                   f"every link of {daemon.endpoint} up")
+    job, (coordinator, standby) = next(
+        (name, coordinators_of(name, endpoints)) for name in (f"early-{i}" for i in range(1000))
+        if coordinators_of(name, endpoints)[0] != endpoints[0])
+    ranks = [spawn_rank("multinode_hold.py", ["1024"], by_endpoint[where].endpoint, rank, 3, 0, 1,
+                        job) for rank, where in ((0, standby), (2, coordinator))]
+    try:
+        for rank, where in ((0, standby), (2, coordinator)):
+            poll_until(lambda r=rank, w=where: str(r) in fetch_snapshot(  # type: ignore[misc]
+                by_endpoint[w].endpoint + ".stats", 5.0)["jobs"].get(job, {}).get("members", {}),
+                30, f"rank {rank} to join")
+        killed = time.monotonic()
+        by_endpoint[coordinator].process.kill()
+        by_endpoint[coordinator].process.wait()
+        (result,) = collect(ranks[:1], timeout_s=60)
+    finally:
+        for rank_process in ranks:
+            if rank_process.poll() is None:
+                rank_process.kill()
+                rank_process.wait()
+    outcome = result.records()[-1]
+    assert outcome["error"] == "PeerLostError", result.stdout + result.stderr
+    assert coordinator in outcome["message"] and "ranks [2]" in outcome["message"], outcome
+    assert outcome["at"] - killed < 30, outcome
+    by_endpoint[standby].assert_alive()

@@ -6,9 +6,9 @@ produce (a withdrawal over a data stream overtaking an announcement over
 ZeroMQ, a restarted peer, a peer leaving right after its last slices) — races
 that otherwise need ghost ZeroMQ peers and luck to reproduce.
 
-Job "train" is coordinated here (HERE is its coordinator among HERE and PEER:
-membership.py `coordinator_of`), job "three" by PEER; the tests use the one
-whose side they drive.
+Job "train" is coordinated here (HERE is its coordinator among HERE and PEER,
+and PEER its standby: membership.py `coordinators_of`), job "three" by PEER
+(HERE its standby); the tests use the one whose side they drive.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gradsync.daemon.core.cluster import ClusterJobs
 from gradsync.daemon.core.formed_parts import formed_parts
 from gradsync.daemon.core.matching import CollectiveCall, Job, Member, Submission
 from gradsync.daemon.core.membership import BOOT as OUR_BOOT
-from gradsync.daemon.core.membership import Announcement, coordinator_of, form
+from gradsync.daemon.core.membership import Announcement, coordinator_of, coordinators_of, form
 from gradsync.daemon.run.executor import ScheduleRun
 from gradsync.protocol import peer as wire
 from gradsync.protocol.dtypes import ReduceOp
@@ -147,7 +147,8 @@ def test_a_job_coordinated_here_forms_and_the_member_hears_the_formation(
 ) -> None:
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop)
-    assert transport.kinds() == []  # our announcement stays here, with the coordinator
+    # Our announcement stays here, with the coordinator, and goes to PEER, its standby.
+    assert [to for to, _ in transport.of_kind("announce")] == [PEER]
     assert job.across.formation is None
     cluster.on_message(PEER, announce(5), ())
     assert job.across.formation is not None and job.across.formation.daemons == (HERE, PEER)
@@ -534,15 +535,17 @@ def test_announcements_follow_the_coordinator_when_it_is_lost(
     job.add_member(Member(0, 0, 100, 1))
     jobs[name] = job
     cluster.local_complete(job)
+    # To PEER, and to its standby: here, among the three.
     assert [to for to, _ in transport.of_kind("announce")] == [PEER]
+    assert HERE in cluster.coordination.tables[name] and job.across.formation is None
     transport.down.add(PEER)
     cluster.peer_lost(PEER)
     assert job.broken is None  # ranks 1 and 2 may still join on the third daemon
     assert cluster.forming.coordinators[name] == HERE
-    assert HERE in cluster.coordination.tables[name]
+    assert [to for to, _ in transport.of_kind("announce")] == [PEER, third]  # the new standby
     transport.down.clear()
     cluster.peer_up(PEER)
-    assert [to for to, _ in transport.of_kind("announce")] == [PEER, PEER]
+    assert [to for to, _ in transport.of_kind("announce")] == [PEER, third, PEER]
 
 
 def test_news_of_a_generation_that_ended_before_it_formed_here_ends_the_run(
@@ -571,12 +574,14 @@ def test_a_coordinator_keeps_a_bounded_number_of_jobs(
 
     monkeypatch.setattr(coordinating, "JOBS_KEPT", 3)
     cluster, _, _ = core(loop)
-    for index in range(5):  # jobs of a world of 1, formed at once, never withdrawn
-        cluster.on_message(PEER, wire.Announce(f"j{index}", 1, BOOT, 1, (0,), 5e-5, 1e-9)
+    names = [n for n in (f"j{i}" for i in range(100))
+             if coordinator_of(n, [HERE, PEER]) == HERE][:5]
+    for name in names:  # jobs of a world of 1, formed at once, never withdrawn
+        cluster.on_message(PEER, wire.Announce(name, 1, BOOT, 1, (0,), 5e-5, 1e-9)
                            .to_wire(), ())
-    assert list(cluster.coordination.tables) == ["j2", "j3", "j4"]
-    assert list(cluster.coordination.formed) == ["j2", "j3", "j4"]
-    assert cluster.coordination.held == {"j2": 1, "j3": 1, "j4": 1}
+    assert list(cluster.coordination.tables) == names[2:]
+    assert list(cluster.coordination.formed) == names[2:]
+    assert cluster.coordination.held == dict.fromkeys(names[2:], 1)
 
 
 def test_news_of_a_member_declared_lost_fails_what_waits_for_it_here(
@@ -618,3 +623,34 @@ def test_news_of_a_member_declared_lost_fails_what_waits_for_it_here(
     cluster.run_ended(job, 0)
     [(to, ours)] = transport.of_kind("withdraw")
     assert to == PEER and ours.lost == third and ours.origin == PEER
+
+
+def test_the_standby_keeps_the_announcements_and_speaks_once_the_coordinator_is_lost(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Three daemons; PEER coordinates the job, this one is its standby.  Every
+    announcement comes here too, and this daemon forms nothing while PEER is up.
+    PEER (holding rank 1) is lost before the job forms: this daemon, now the
+    coordinator, knows rank 1 was PEER's, and says so to every announcer."""
+    third = "tcp://10.0.0.3:7000"
+    transport = FakeTransport(HERE, [HERE, PEER, third])
+    jobs: dict[str, Job] = {}
+    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
+    cluster.connect(transport, RecordedFailures())
+    name = next(n for n in (f"j{i}" for i in range(100))
+                if coordinators_of(n, [HERE, PEER, third]) == (PEER, HERE))
+    job = Job(name, 4, 1, still_clock)
+    job.add_member(Member(0, 0, 100, 1))
+    jobs[name] = job
+    cluster.local_complete(job)
+    assert [to for to, _ in transport.of_kind("announce")] == [PEER]
+    cluster.on_message(PEER, wire.Announce(name, 5, BOOT, 4, (1,), 5e-5, 1e-9).to_wire(), ())
+    cluster.on_message(third, wire.Announce(name, 9, BOOT, 4, (2, 3), 5e-5, 1e-9).to_wire(),
+                       ())
+    assert transport.of_kind("formed") == [] and job.across.formation is None  # standby
+    transport.down.add(PEER)
+    cluster.peer_lost(PEER, "declared lost")
+    assert isinstance(job.broken, PeerLostError) and PEER in job.broken.message
+    assert "ranks [1]" in job.broken.message
+    [(to, told)] = transport.of_kind("unformable")
+    assert to == third and told.peer == PEER and (told.boot, told.incarnation) == (BOOT, 9)

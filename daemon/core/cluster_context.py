@@ -74,3 +74,10 @@ class ClusterContext:
     transport: PeerTransport = NOT_CONNECTED
     #: The daemon's one failure path for collectives (`ClusterJobs.connect`).
     failures: FailedCollectives | None = None
+
+    def reachable(self) -> list[str]:
+        """This daemon and the peers it can reach now: where a job's coordinator
+        is picked from (membership.py `coordinators_of`)."""
+        transport = self.transport
+        return [transport.endpoint, *(peer for peer in transport.peers
+                                      if peer != transport.endpoint and transport.is_up(peer))]

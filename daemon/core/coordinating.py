@@ -2,13 +2,17 @@
 them, tells the members, and passes on the first member's withdrawal.
 
 Every daemon of a job sends its announcement and its withdrawal to the job's
-coordinator only (membership.py `coordinator_of`), which may hold no rank of
-the job itself.  The coordinator keeps what every daemon used to keep of
-every peer: the announcements by daemon, and which withdrawal overtook which
-announcement.  From them it forms the job and sends each member the formation
-(`Formed`); the first withdrawal of a formed generation it passes on to the
-other members (`Left`), who then withdraw too, to it alone.  Forming a job of
-M daemons, and ending it, so take O(M) messages, not O(M²).
+coordinator and its standby only (membership.py `coordinators_of`), which may
+hold no rank of the job.  The standby keeps the announcements and does
+nothing else while the coordinator is up: once it is lost, the standby is the
+coordinator, and knows which of the job's ranks were announced where.
+
+The coordinator keeps what every daemon used to keep of every peer: the
+announcements by daemon, and which withdrawal overtook which announcement.
+From them it forms the job and sends each member the formation (`Formed`);
+the first withdrawal of a formed generation it passes on to the other members
+(`Left`), who then withdraw too, to it (and the standby) alone.  Forming a job
+of M daemons, and ending it, so take O(M) messages, not O(M²).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from gradsync.daemon.core.membership import (
     Formation,
     Withdrawals,
     conflicts,
+    coordinator_of,
     form,
 )
 from gradsync.daemon.core.unformed import UnformedJobs
@@ -78,6 +83,8 @@ class JobCoordination:
         world_size = table[announcer].share.world_size
         if self.held[name] < world_size:
             return
+        if coordinator_of(name, self.context.reachable()) != self.context.transport.endpoint:
+            return  # the standby: it only keeps the announcements, should it take over
         problem = conflicts(table, world_size)
         if problem is not None:
             log.warning("job %r cannot form yet: %s", name, problem)
@@ -152,14 +159,18 @@ class JobCoordination:
 
     def peer_lost(self, peer: str, why: str) -> None:
         """`peer` was lost: its announcements are void, and a job it announced that
-        has not formed never will: every other announcer's ranks fail now."""
+        has not formed never will: every other announcer's ranks fail now.  Said
+        by the job's coordinator, or by its standby where the lost one was the
+        coordinator."""
         told: list[tuple[str, Unformable]] = []
+        reachable, endpoint = self.context.reachable(), self.context.transport.endpoint
         for name, table in list(self.tables.items()):
             lost = table.get(peer)
             if lost is not None:
                 self._drop(name, peer)
-            if lost is None or name in self.formed:
-                continue  # a formed job's members see the loss themselves
+            if (lost is None or name in self.formed  # its members see the loss themselves
+                    or coordinator_of(name, reachable) != endpoint):  # the coordinator's to say
+                continue
             error = PeerLostError(
                 f"peer daemon {peer} of job {name!r} was lost ({why}) before the job "
                 f"formed; ranks {list(lost.share.ranks)} can join on no other daemon",

@@ -19,7 +19,7 @@ from gradsync.daemon.core.membership import (
     WITHDRAWALS_KEPT,
     Announcement,
     Formation,
-    coordinator_of,
+    coordinators_of,
     new_incarnation,
     ranks_not_announced,
 )
@@ -68,8 +68,10 @@ class JobForming:
         self.send = send
         #: Each job's formation as the coordinator sent it (until it forms here).
         self.heard: dict[str, Formation] = {}
-        #: The daemon each job's announcement went to last.
+        #: The coordinator each job's announcement went to last.
         self.coordinators: dict[str, str] = {}
+        #: ... and with its standby (`coordinators_for`).
+        self.pairs: dict[str, tuple[str, ...]] = {}
         #: Every daemon this run of each job was announced to (more than one
         #: where the coordinator moved): each hears the withdrawal.
         self.announced_to: dict[str, set[str]] = {}
@@ -87,13 +89,11 @@ class JobForming:
         #: wired in.
         self.codec_facts: CodecFacts = lambda: ((), False)
 
-    def coordinator_for(self, name: str) -> str:
-        """The coordinator of job `name` as this daemon sees it: picked among
-        itself and the peers it can reach now (membership.py `coordinator_of`)."""
-        transport = self.context.transport
-        reachable = [transport.endpoint, *(p for p in transport.peers
-                                           if p != transport.endpoint and transport.is_up(p))]
-        return coordinator_of(name, reachable)
+    def coordinators_for(self, name: str) -> tuple[str, ...]:
+        """The coordinator of job `name` as this daemon sees it, and its standby:
+        picked among itself and the peers it can reach now (membership.py
+        `coordinators_of`)."""
+        return coordinators_of(name, self.context.reachable())
 
     def local_complete(self, job: Job) -> None:
         """All local ranks joined: announce this daemon's share to the coordinator."""
@@ -117,10 +117,15 @@ class JobForming:
         self.fail_if_unformable(job)
 
     def _announce(self, job: Job) -> None:
+        """To the job's coordinator, and to its standby: should the coordinator be
+        lost before the job forms, the standby knows who announced what."""
         assert job.across.announcement is not None
-        coordinator = self.coordinators[job.name] = self.coordinator_for(job.name)
-        self.announced_to.setdefault(job.name, set()).add(coordinator)
-        self.send(coordinator, job.across.announcement.share.to_wire())
+        pair = self.pairs[job.name] = self.coordinators_for(job.name)
+        self.coordinators[job.name] = pair[0]
+        self.announced_to.setdefault(job.name, set()).update(pair)
+        announce = job.across.announcement.share.to_wire()
+        for daemon in pair:
+            self.send(daemon, announce)
 
     def _announcing(self) -> list[Job]:
         """This daemon's jobs whose announcement stands (made, not withdrawn)."""
@@ -132,7 +137,7 @@ class JobForming:
         """The peers reachable changed: announce again where a job's coordinator
         is now another daemon (it may form the job, or pass its news on)."""
         for job in self._announcing():
-            if self.coordinator_for(job.name) != self.coordinators.get(job.name):
+            if self.coordinators_for(job.name) != self.pairs.get(job.name):
                 self._announce(job)
 
     def peer_up(self, peer: str) -> None:
@@ -145,8 +150,8 @@ class JobForming:
                 peer, lambda name: name not in jobs or jobs[name].broken is not None):
             self.send(peer, broke.to_wire())
         for job in self._announcing():
-            coordinator = self.coordinator_for(job.name)
-            if coordinator == peer or coordinator != self.coordinators.get(job.name):
+            pair = self.coordinators_for(job.name)
+            if peer in pair or pair != self.pairs.get(job.name):
                 self._announce(job)
             self.try_form(job)  # it may have waited for this very link
 
@@ -168,11 +173,12 @@ class JobForming:
         while len(self.withdrawals_sent) > WITHDRAWALS_KEPT:
             self.withdrawals_sent.popitem(last=False)
         self.coordinators.pop(job.name, None)
+        self.pairs.pop(job.name, None)
         self.heard.pop(job.name, None)
         self.parts.forget(job.name)
         receivers = {daemon for daemon in self.announced_to.pop(job.name, ())
                      if daemon == transport.endpoint or transport.is_up(daemon)}
-        for daemon in sorted(receivers or {self.coordinator_for(job.name)}):
+        for daemon in sorted(receivers or set(self.coordinators_for(job.name))):
             self.send(daemon, withdraw)
 
     def withdraw_when_idle(self, job: Job) -> None:

@@ -2,14 +2,14 @@
 
 Each daemon announces a job once all of its local ranks have joined: the
 ranks it holds, an incarnation number (new every time the job is created on
-that daemon) and its measured link costs.  It sends the announcement to one
-daemon only, the job's coordinator (`coordinator_of`: picked from the job's
-name among the daemons it can reach, so every daemon picks the same one, and
-jobs spread over daemons).  A job is formed when the coordinator's
+that daemon) and its measured link costs.  It sends the announcement to two
+daemons only: the job's coordinator and its standby (`coordinators_of`: picked
+from the job's name among the daemons it can reach, so every daemon picks the
+same ones, and jobs spread over daemons).  A job is formed when the coordinator's
 announcements cover every rank exactly once: it derives the member order (by
 lowest rank held), the generation (a hash of every member's incarnation) and
 the cost-model inputs (`form`), and sends them to every member (`Formed`).
-So forming a job of M daemons takes 2(M - 1) messages, not M(M - 1).  After a
+So forming a job of M daemons takes 3(M - 1) messages, not M(M - 1).  After a
 failure the job is created anew on each daemon, with new incarnations, hence
 a new generation: messages of the old one are recognisable and dropped.
 
@@ -85,13 +85,20 @@ def generation_of(members: Iterable[tuple[str, int, int]]) -> int:
     return int.from_bytes(digest.digest(), "big") >> 1
 
 
+def coordinators_of(job: str, daemons: Iterable[str], count: int = 2) -> tuple[str, ...]:
+    """Of `daemons`, the `count` with the highest hashes of the job's name with
+    theirs (rendezvous hashing), best first: the job's coordinator, then its
+    standby.  Every daemon that can reach the same daemons picks the same ones,
+    jobs spread over daemons, and a daemon lost moves only the jobs it
+    coordinated, to their standby, which already holds their announcements."""
+    return tuple(sorted(daemons, key=lambda daemon: (
+        hashlib.blake2b(f"{job}|{daemon}".encode(), digest_size=8).digest(), daemon),
+        reverse=True)[:count])
+
+
 def coordinator_of(job: str, daemons: Iterable[str]) -> str:
-    """Of `daemons`, the one that gathers `job`'s announcements: the highest hash
-    of the job's name with the daemon's (rendezvous hashing), so that every
-    daemon that can reach the same daemons picks the same one, jobs spread over
-    daemons, and a daemon lost moves only the jobs it coordinated."""
-    return max(daemons, key=lambda daemon: (
-        hashlib.blake2b(f"{job}|{daemon}".encode(), digest_size=8).digest(), daemon))
+    """The job's coordinator among `daemons` (`coordinators_of`)."""
+    return coordinators_of(job, daemons, 1)[0]
 
 
 def form(announcements: dict[str, Announcement], world_size: int) -> Formation | None:
