@@ -89,3 +89,24 @@ def test_at_rest_a_daemon_heartbeats_2_log2_m_peers(size: int) -> None:
 
     per_peer = 4 * (10 + 1)  # sent and received, pings and answers, live and DEALER
     assert at_rest_per_daemon_s(size) == per_peer * 2 * neighbour_count(size)
+
+
+def test_a_standby_watches_the_coordinator_not_the_announcers() -> None:
+    from test_core_membership import FakeTransport, RecordedFailures, still_clock
+
+    import gradsync.protocol.peer as wire
+    from gradsync.daemon.config import DaemonConfig
+    from gradsync.daemon.core.cluster import ClusterJobs
+    from gradsync.daemon.core.membership import coordinators_of
+
+    third = "tcp://10.0.0.3:7000"
+    cluster = ClusterJobs(DaemonConfig(), {}, still_clock)
+    cluster.connect(FakeTransport(HERE, [HERE, PEER, third]), RecordedFailures())
+    standby = next(n for n in (f"s{i}" for i in range(100))
+                   if coordinators_of(n, [HERE, PEER, third]) == (PEER, HERE))
+    acting = next(n for n in (f"a{i}" for i in range(100))
+                  if coordinators_of(n, [HERE, PEER, third])[0] == HERE)
+    cluster.on_message(third, wire.Announce(standby, 5, 1, 3, (1,), 5e-5, 1e-9).to_wire(), ())
+    assert cluster.peers_in_use() == {PEER}  # the coordinator, should it be lost
+    cluster.on_message(third, wire.Announce(acting, 5, 1, 3, (1,), 5e-5, 1e-9).to_wire(), ())
+    assert cluster.peers_in_use() == {PEER, third}  # and the announcer here

@@ -34,6 +34,7 @@ from gradsync.daemon.core.interfaces import (
     PlacedPayload,
 )
 from gradsync.daemon.core.job_failures import JobFailures
+from gradsync.daemon.core.membership import coordinator_of
 from gradsync.daemon.core.slice_routing import SliceRouting
 from gradsync.daemon.core.watching import ring_neighbours
 from gradsync.daemon.stats import StatsRecorder
@@ -166,8 +167,9 @@ class ClusterJobs:
         """The peers this daemon's jobs use now: of each formed job's members, its
         neighbours on the job's own ring (every member, in a job of a few daemons);
         the coordinators it announced to; the announcers of the jobs it coordinates
-        that have not formed.  The links heartbeat them whatever their place on the ring
-        of all daemons (core/watching.py)."""
+        that have not formed, or their coordinator where this daemon is the
+        standby.  The links heartbeat them whatever their place on the ring of all
+        daemons (core/watching.py)."""
         used: set[str] = set()
         endpoint, count = self.transport.endpoint, self.config.watch_neighbours
         for job in self.jobs.values():
@@ -178,9 +180,15 @@ class ClusterJobs:
                 used.update(ring_neighbours(endpoint, formation.daemons, count)
                             or formation.daemons)
         used.update(self.forming.coordinators.values())
+        reachable = self.context.reachable()
         for name, table in self.coordination.tables.items():
-            if name not in self.coordination.formed:
+            if name in self.coordination.formed:
+                continue
+            coordinator = coordinator_of(name, reachable)
+            if coordinator == endpoint:
                 used.update(table)  # one lost before the job forms: `Unformable`
+            else:
+                used.add(coordinator)  # the standby: it takes over if that one is lost
         used.discard(self.transport.endpoint)
         return used
 
