@@ -99,6 +99,16 @@ UPSTREAM_RACES: dict[str, tuple[str, str]] = {
         "before replica 0's first quorum request gets to the lighthouse; replica 0 then "
         "waits alone for a quorum of 2 until its 10 s quorum timeout (seen on gloo on 2 "
         "busy cores, in about one run in two)"),
+    "torchft/local_sgd_integ_test.py::LocalSGDIntegTest::test_streaming_diloco_commit_failure_": (
+        r"^KeyError: \d+ \(.*local_sgd_integ_test\.py:\d+\)$",
+        "each replica's injector reports an error to torchft's test process group at step 1 "
+        "(ErrorSwallowingProcessGroupWrapper.report_future_error), for the callback of the "
+        "next allreduce's future to raise; Streaming DiLoCo issues one allreduce per "
+        "fragment and the Manager's configure() clears the error, so when the futures "
+        "complete late (a thread of ours settles them) one callback finds no error "
+        "(AssertionError in it) and one replica commits step 1 while the other fails it, "
+        "heals past step 2 and lacks the state the test compares (seen twice in full suite "
+        "runs on 2 busy cores, 2026-12-06; passed in three runs alone)"),
 }
 
 #: Skip reasons (regular expressions) accepted, each with why.
