@@ -91,14 +91,17 @@ def coordinators_of(job: str, daemons: Iterable[str], count: int = 2) -> tuple[s
     standby.  Every daemon that can reach the same daemons picks the same ones,
     jobs spread over daemons, and a daemon lost moves only the jobs it
     coordinated, to their standby, which already holds their announcements."""
-    return tuple(sorted(daemons, key=lambda daemon: (
-        hashlib.blake2b(f"{job}|{daemon}".encode(), digest_size=8).digest(), daemon),
-        reverse=True)[:count])
+    return tuple(sorted(daemons, key=lambda daemon: _rank(job, daemon), reverse=True)[:count])
 
 
 def coordinator_of(job: str, daemons: Iterable[str]) -> str:
-    """The job's coordinator among `daemons` (`coordinators_of`)."""
-    return coordinators_of(job, daemons, 1)[0]
+    """The job's coordinator among `daemons` (`coordinators_of`), in one pass: the
+    links ask for it every heartbeat interval (ClusterJobs.peers_in_use)."""
+    return max(daemons, key=lambda daemon: _rank(job, daemon))
+
+
+def _rank(job: str, daemon: str) -> tuple[bytes, str]:
+    return hashlib.blake2b(f"{job}|{daemon}".encode(), digest_size=8).digest(), daemon
 
 
 def form(announcements: dict[str, Announcement], world_size: int) -> Formation | None:
