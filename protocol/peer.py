@@ -244,12 +244,8 @@ class Withdraw(WireMessage):
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Withdraw:
         kind = cls.kind
-        clean = fields.get("clean")
-        _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
         return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
-                   _int(fields, "boot", kind), _text(fields, "reason", kind),
-                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean),
-                   _lost(fields, kind))
+                   _int(fields, "boot", kind), *_why_it_ended(fields, kind))
 
 
 def _without_empty_lost(fields: dict[str, Any]) -> dict[str, Any]:
@@ -258,10 +254,14 @@ def _without_empty_lost(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _lost(fields: Mapping[str, Any], kind: str) -> str:
-    lost = fields.get("lost", "")
+def _why_it_ended(fields: Mapping[str, Any], kind: str) -> tuple[str, str, str, bool, str]:
+    """What a `Withdraw` and the `Left` passing it on both say: reason, code,
+    origin, clean, lost (optional)."""
+    clean, lost = fields.get("clean"), fields.get("lost", "")
+    _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
     _need(isinstance(lost, str) and len(lost) <= 1024, kind, "'lost' must be a string")
-    return str(lost)
+    return (_text(fields, "reason", kind), _text(fields, "code", kind),
+            _text(fields, "origin", kind), bool(clean), str(lost))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,12 +459,8 @@ class Left(WireMessage):
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> Left:
         kind = cls.kind
-        clean = fields.get("clean")
-        _need(isinstance(clean, bool), kind, "'clean' must be a boolean")
         return cls(_text(fields, "job", kind), _int(fields, "gen", kind),
-                   _text(fields, "daemon", kind), _text(fields, "reason", kind),
-                   _text(fields, "code", kind), _text(fields, "origin", kind), bool(clean),
-                   _lost(fields, kind))
+                   _text(fields, "daemon", kind), *_why_it_ended(fields, kind))
 
 
 #: (algorithm, buffer bytes): what one timing of `auto`'s calibration is of.
