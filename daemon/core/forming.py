@@ -21,7 +21,7 @@ from gradsync.daemon.core.membership import (
     Formation,
     coordinators_of,
     new_incarnation,
-    ranks_not_announced,
+    ranks_not_here,
 )
 from gradsync.daemon.core.unformed import HeardBreaks, UnformedJobs
 from gradsync.protocol.errors import (
@@ -383,7 +383,7 @@ class JobForming:
         across = job.across
         if across.formation is not None or across.announcement is None or job.broken is not None:
             return
-        missing = ranks_not_announced({}, job.members, job.world_size)
+        missing = ranks_not_here(job.members, job.world_size)
         transport = self.context.transport
         others = [p for p in transport.peers if p != transport.endpoint]
         if not missing or not others or any(p not in self.lost for p in others):

@@ -158,15 +158,10 @@ def conflicts(announcements: dict[str, Announcement], world_size: int) -> str | 
     return None
 
 
-def ranks_not_announced(
-    remote: dict[str, Announcement], members: Iterable[int], world_size: int
-) -> list[int]:
-    """Ranks of a job of `world_size` that neither this daemon's `members` nor
-    any peer's announcement in `remote` holds."""
-    held = set(members)
-    for announcement in remote.values():
-        held |= set(announcement.share.ranks)
-    return sorted(set(range(world_size)) - held)
+def ranks_not_here(members: Iterable[int], world_size: int) -> list[int]:
+    """Ranks of a job of `world_size` that this daemon's `members` do not hold:
+    a member knows no more of a job that has not formed (its coordinator does)."""
+    return sorted(set(range(world_size)) - set(members))
 
 
 #: Withdrawals remembered, to drop an announcement they overtook.

@@ -36,7 +36,7 @@ from gradsync.daemon.core.collectives import (
 )
 from gradsync.daemon.core.compression_policy import choose_format
 from gradsync.daemon.core.interfaces import PeerTransport
-from gradsync.daemon.core.membership import Formation, ranks_not_announced
+from gradsync.daemon.core.membership import Formation, ranks_not_here
 from gradsync.daemon.run.codec_rates import measure_codec_rates, peers_on_this_host
 from gradsync.daemon.run.executor import ScheduleRun, SendFailed, raw_nbytes
 from gradsync.daemon.run.outcomes import settled
@@ -135,7 +135,7 @@ class CrossDaemonRunner:
         try:
             return await settled(job.across.formed, deadline - time.monotonic())
         except TimeoutError:
-            missing = ranks_not_announced({}, job.members, job.world_size)
+            missing = ranks_not_here(job.members, job.world_size)
             raise CollectiveTimeoutError(
                 f"key {ready.key!r} of {job.describe()} timed out after "
                 f"{ready.deadline_s:g}s: the job never formed: of ranks {missing} (the ones "
