@@ -78,6 +78,8 @@ class ClusterJobs:
                                   self.routing.replay, self.send_membership)
         self.coordination = JobCoordination(self.context, self.forming.unformed,
                                             self.send_membership)
+        #: Each formed job's members heartbeated, by generation (`peers_in_use`).
+        self._job_watch: dict[int, frozenset[str]] = {}
 
     def connect(self, transport: PeerTransport, failures: FailedCollectives) -> None:
         """Send through `transport` (the peer links, which report to this object:
@@ -172,13 +174,20 @@ class ClusterJobs:
         daemons (core/watching.py)."""
         used: set[str] = set()
         endpoint, count = self.transport.endpoint, self.config.watch_neighbours
+        # Asked every heartbeat interval: each generation's ring is sorted once.
+        known, self._job_watch = self._job_watch, {}
         for job in self.jobs.values():
             formation = job.across.formation
             if formation is not None and endpoint in formation.daemons:
                 # Its members nearest on the ring of the job: each member is watched
                 # by some, and their news of a loss reaches every member.
-                used.update(ring_neighbours(endpoint, formation.daemons, count)
-                            or formation.daemons)
+                generation = formation.generation
+                watch = known.get(generation)
+                if watch is None:
+                    watch = frozenset(ring_neighbours(endpoint, formation.daemons, count)
+                                      or formation.daemons)
+                self._job_watch[generation] = watch
+                used.update(watch)
         used.update(self.forming.coordinators.values())
         reachable = self.context.reachable()
         for name, table in self.coordination.tables.items():
