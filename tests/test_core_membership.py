@@ -98,7 +98,12 @@ def still_clock() -> float:
 
 
 def core(loop: asyncio.AbstractEventLoop) -> tuple[ClusterJobs, FakeTransport, dict[str, Job]]:
-    transport = FakeTransport(HERE, [HERE, PEER])
+    return core_among([HERE, PEER])
+
+
+def core_among(daemons: Sequence[str]) -> tuple[ClusterJobs, FakeTransport, dict[str, Job]]:
+    """This daemon's core, HERE among `daemons`, every one up."""
+    transport = FakeTransport(HERE, daemons)
     jobs: dict[str, Job] = {}
     cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
     cluster.connect(transport, RecordedFailures())
@@ -454,10 +459,7 @@ def test_the_coordinator_passes_on_the_first_withdrawal_of_a_generation_only(
     """Three daemons, coordinated here: the first member to leave is news to the
     others; the withdrawals that answer it are news to no one."""
     third = "tcp://10.0.0.3:7000"
-    transport = FakeTransport(HERE, [HERE, PEER, third])
-    jobs: dict[str, Job] = {}
-    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
-    cluster.connect(transport, RecordedFailures())
+    cluster, transport, jobs = core_among([HERE, PEER, third])
     name = next(n for n in (f"j{i}" for i in range(100))
                 if coordinator_of(n, [HERE, PEER, third]) == HERE)
     job = Job(name, 3, 1, still_clock)
@@ -524,10 +526,7 @@ def test_announcements_follow_the_coordinator_when_it_is_lost(
     goes to the next one (here, of the two left), and again to PEER once it is
     back."""
     third = "tcp://10.0.0.3:7000"
-    transport = FakeTransport(HERE, [HERE, PEER, third])
-    jobs: dict[str, Job] = {}
-    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
-    cluster.connect(transport, RecordedFailures())
+    cluster, transport, jobs = core_among([HERE, PEER, third])
     name = next(n for n in (f"j{i}" for i in range(100))
                 if coordinator_of(n, [HERE, PEER, third]) == PEER
                 and coordinator_of(n, [HERE, third]) == HERE)
@@ -633,10 +632,7 @@ def test_the_standby_keeps_the_announcements_and_speaks_once_the_coordinator_is_
     PEER (holding rank 1) is lost before the job forms: this daemon, now the
     coordinator, knows rank 1 was PEER's, and says so to every announcer."""
     third = "tcp://10.0.0.3:7000"
-    transport = FakeTransport(HERE, [HERE, PEER, third])
-    jobs: dict[str, Job] = {}
-    cluster = ClusterJobs(DaemonConfig(), jobs, still_clock)
-    cluster.connect(transport, RecordedFailures())
+    cluster, transport, jobs = core_among([HERE, PEER, third])
     name = next(n for n in (f"j{i}" for i in range(100))
                 if coordinators_of(n, [HERE, PEER, third]) == (PEER, HERE))
     job = Job(name, 4, 1, still_clock)

@@ -92,16 +92,13 @@ def test_at_rest_a_daemon_heartbeats_2_log2_m_peers(size: int) -> None:
 
 
 def test_a_standby_watches_the_coordinator_not_the_announcers() -> None:
-    from test_core_membership import FakeTransport, RecordedFailures, still_clock
+    from test_core_membership import core_among
 
     import gradsync.protocol.peer as wire
-    from gradsync.daemon.config import DaemonConfig
-    from gradsync.daemon.core.cluster import ClusterJobs
     from gradsync.daemon.core.membership import coordinators_of
 
     third = "tcp://10.0.0.3:7000"
-    cluster = ClusterJobs(DaemonConfig(), {}, still_clock)
-    cluster.connect(FakeTransport(HERE, [HERE, PEER, third]), RecordedFailures())
+    cluster, _, _ = core_among([HERE, PEER, third])
     standby = next(n for n in (f"s{i}" for i in range(100))
                    if coordinators_of(n, [HERE, PEER, third]) == (PEER, HERE))
     acting = next(n for n in (f"a{i}" for i in range(100))
