@@ -70,37 +70,60 @@ def _counter(daemon: DaemonProcess, name: str) -> int:
     return int(fetch_snapshot(daemon.endpoint + ".stats", 5.0)["counters"][name])
 
 
-def test_at_rest_a_daemon_heartbeats_its_ring_neighbours_and_the_peers_its_jobs_use(
+def _links(daemon: DaemonProcess) -> dict[str, tuple[str, bool]]:
+    """Each peer's link state, and whether it is heartbeated now."""
+    peers = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["peers"]
+    return {name: (entry["state"], entry["watched"]) for name, entry in peers.items()}
+
+
+def _neighbours_up(daemon: DaemonProcess, me: str, ring: list[str]) -> bool:
+    """The links of the daemon (`me` among peers) to its two ring neighbours are up
+    (`--watch-neighbours 1`)."""
+    at = ring.index(me)
+    states = _peer_states(daemon)
+    return all(states[ring[(at + step) % len(ring)]] == "up" for step in (-1, 1))
+
+
+def _ring_of(start_daemon: StartDaemon, count: int) -> tuple[list[str], dict[str, DaemonProcess]]:
+    """`count` daemons heartbeating one ring neighbour on either side, once each
+    one's links to its neighbours are up: the ring (sorted endpoints) and the
+    daemons by endpoint."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
+               for i in range(count)]
+    by_endpoint = dict(zip(endpoints, daemons, strict=True))
+    ring = sorted(endpoints)
+    for endpoint, daemon in by_endpoint.items():
+        poll_until(lambda d=daemon, e=endpoint: _neighbours_up(d, e, ring),  # type: ignore[misc]
+                   30, f"the links of {endpoint} to its ring neighbours up")
+    return ring, by_endpoint
+
+
+def test_at_rest_a_daemon_links_and_heartbeats_its_ring_neighbours_alone(
     start_daemon: StartDaemon,
 ) -> None:
     """Four daemons, one ring neighbour on either side (`--watch-neighbours 1`): at
-    rest the daemon opposite on the ring is not heartbeated nor judged, but it is
-    while a job spans both; stopped at rest, it is suspected by its neighbours
-    and by no one else."""
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(4)]
-    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
-               for i in range(4)]
-    by_endpoint = dict(zip(endpoints, daemons, strict=True))
-    ring = sorted(endpoints)
+    rest the daemon opposite on the ring is not even connected; a job spanning
+    both opens the link and heartbeats it while the job lasts; stopped at rest,
+    it is suspected by its neighbours and by no one else."""
+    ring, by_endpoint = _ring_of(start_daemon, 4)
+    daemons = list(by_endpoint.values())
     me, opposite = by_endpoint[ring[0]], by_endpoint[ring[2]]
 
-    def watched(daemon: DaemonProcess) -> dict[str, bool]:
-        peers = fetch_snapshot(daemon.endpoint + ".stats", 5.0)["peers"]
-        return {name: entry["watched"] for name, entry in peers.items()
-                if entry["state"] == "up"}
-
-    at_rest = {ring[1]: True, ring[2]: False, ring[3]: True}
-    poll_until(lambda: watched(me) == at_rest, 30, "the ring neighbours alone watched")
+    at_rest = {ring[1]: ("up", True), ring[2]: ("idle", False), ring[3]: ("up", True)}
+    poll_until(lambda: _links(me) == at_rest, 30, "the ring neighbours alone linked and watched")
+    assert _links(opposite)[ring[0]] == ("idle", False)
 
     ranks = spawn_spread([me, opposite], (1, 1), "multinode_hold.py", ["1024"], job="across")
     try:
-        poll_until(lambda: watched(me).get(ring[2]) is True, 30,
-                   "the peer the job uses to be watched")
+        poll_until(lambda: _links(me)[ring[2]] == ("up", True), 30,
+                   "the link the job uses to open, and its peer to be watched")
     finally:
         for rank in ranks:
             rank.kill()
             rank.wait()
-    poll_until(lambda: watched(me) == at_rest, 30, "the job's peer no longer watched")
+    poll_until(lambda: _links(me)[ring[2]] == ("up", False), 30,
+               "the job's peer no longer watched")
 
     before = {d.endpoint: _counter(d, "links_peer_suspected") for d in daemons}
     opposite.process.send_signal(signal.SIGSTOP)
@@ -123,17 +146,11 @@ def test_a_member_lost_where_no_one_here_watches_it_fails_every_member_at_once(
     daemon opposite the first is stopped mid-training.  The first does not watch
     it, yet its rank fails within seconds, naming it, on its neighbours' word
     (passed on by the coordinator), not at the collective's deadline."""
-    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(4)]
-    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
-               for i in range(4)]
-    by_endpoint = dict(zip(endpoints, daemons, strict=True))
-    ring = sorted(endpoints)
-    for daemon in daemons:
-        poll_until(lambda d=daemon: set(_peer_states(d).values()) == {"up"}, 30,  # type: ignore[misc]
-                   f"every link of {daemon.endpoint} up")
+    ring, by_endpoint = _ring_of(start_daemon, 4)
+    daemons = list(by_endpoint.values())
     victim = by_endpoint[ring[2]]
     job = next(name for name in (f"four-{i}" for i in range(1000))
-               if coordinator_of(name, endpoints) != ring[2])
+               if coordinator_of(name, ring) != ring[2])
     ranks = spawn_spread([by_endpoint[e] for e in ring], (1, 1, 1, 1), "multinode_hold.py",
                          ["65536", str(tmp_path)], job=job)
     try:
@@ -198,3 +215,46 @@ def test_a_coordinator_lost_before_its_job_forms_is_named_by_its_standby(
     assert coordinator in outcome["message"] and "ranks [2]" in outcome["message"], outcome
     assert outcome["at"] - killed < 30, outcome
     by_endpoint[standby].assert_alive()
+
+
+@pytest.mark.fault
+def test_links_open_on_first_use_and_a_dead_coordinator_never_linked_is_given_up_on(
+    start_daemon: StartDaemon,
+) -> None:
+    """Five daemons, one ring neighbour on either side: two that are not neighbours
+    run a job over a link neither opened at start.  Then a daemon no member ever
+    linked to is killed, and a job it would coordinate is started: the members
+    open a link to it, give up on it when no handshake comes
+    (`open_deadline_s`, 4 s by default), and the job forms at the next
+    coordinator."""
+    ring, by_endpoint = _ring_of(start_daemon, 5)
+    endpoints = list(by_endpoint)
+    first, second, third = (by_endpoint[ring[i]] for i in (0, 1, 2))
+    assert _peer_states(first)[ring[2]] == "idle" and _peer_states(third)[ring[0]] == "idle"
+
+    # Not neighbours: the job's first messages open the links.
+    apart = next(name for name in (f"apart-{i}" for i in range(1000))
+                 if coordinators_of(name, endpoints) == (ring[0], ring[2]))
+    results = run_spread([first, third], (1, 1), "multinode_allreduce.py",
+                         ["ring,star", "float32", "sum"], job=apart)
+    assert [r.records()[-1]["failures"] for r in results] == [0, 0]
+    assert _peer_states(first)[ring[2]] == "up" and _peer_states(third)[ring[0]] == "up"
+
+    # ring[3] is a neighbour of neither ring[0] nor ring[1]: they have no link to it.
+    dead = by_endpoint[ring[3]]
+    assert _peer_states(first)[ring[3]] == _peer_states(second)[ring[3]] == "idle"
+    dead.process.kill()
+    dead.process.wait()
+    job = next(name for name in (f"orphan-{i}" for i in range(1000))
+               if coordinators_of(name, endpoints)[0] == ring[3]
+               and coordinators_of(name, endpoints)[1] in (ring[0], ring[1]))
+    started = time.monotonic()
+    results = run_spread([first, second], (1, 1), "multinode_allreduce.py",
+                         ["ring", "float32", "sum"], job=job)
+    assert [r.records()[-1]["failures"] for r in results] == [0, 0]
+    assert time.monotonic() - started < 60
+    for daemon in (first, second):
+        assert _peer_states(daemon)[ring[3]] == "lost"
+        assert f"peer {ring[3]} lost: no answer within 4s of opening the link" in daemon.log()
+    for daemon in (first, second, third):
+        daemon.assert_alive()

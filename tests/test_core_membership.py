@@ -60,7 +60,7 @@ class FakeTransport:
     def link_costs(self) -> tuple[float, float] | None:
         return 5e-5, 1e-9
 
-    def is_up(self, peer: str) -> bool:
+    def reachable(self, peer: str) -> bool:
         return peer not in self.down
 
     def kinds(self) -> list[str]:

@@ -552,3 +552,56 @@ def test_sends_waiting_for_a_lost_peer_fail_instead_of_hanging() -> None:
 
     with child_links(names[1], names, peer_timeout_s) as child:
         run(main(child))
+
+
+# -- links opened on first use ------------------------------------------------------
+
+
+def test_past_a_few_daemons_links_open_on_first_use_and_one_that_never_comes_up_is_given_up_on(
+) -> None:
+    """Five daemons, one ring neighbour on either side, one never started: the
+    first links its two neighbours at start only.  Messages to a peer further
+    round open its link and arrive in order once it is up; messages to the
+    daemon that never started fail with PeerLostError once the link is given up
+    on (`open_deadline_s`), and that peer is no longer reachable."""
+    names = endpoints(5)
+    ring = sorted(names)
+    absent = ring[3]
+
+    async def main() -> None:
+        events = [Events() for _ in names]
+        links = {
+            name: PeerLinks(LinkSettings(
+                name, names, insecure=True, kinds=KINDS, watch_neighbours=1,
+                **{**FAST, "probe_rounds": 1},
+            ), events=inbox)
+            for name, inbox in zip(names, events, strict=True) if name != absent
+        }
+        inbox = dict(zip(names, events, strict=True))
+        for link in links.values():
+            await link.start()
+        try:
+            first = links[ring[0]]
+            await first.wait_up(READY_S, [ring[1], ring[4]])
+            assert [first.peer_state(p) for p in ring[1:]] == ["up", "idle", "idle", "up"]
+            assert first.reachable(ring[2]) and first.reachable(absent)
+
+            sends = [first.send_nowait(ring[2], {"kind": "note", "n": n}) for n in range(5)]
+            await first.send(ring[2], {"kind": "chunk", "n": 5}, [b"payload"])
+            assert first.peer_state(ring[2]) == "up"
+            await asyncio.gather(*sends)
+            got = [(await inbox[ring[2]].next()).header["n"] for _ in range(6)]
+            assert got == list(range(6))
+
+            lost = first.send_nowait(absent, {"kind": "note", "n": 0})
+            assert first.peer_state(absent) == "connecting" and first.reachable(absent)
+            with pytest.raises(PeerLostError, match=absent):
+                await asyncio.wait_for(lost, first.open_deadline_s + 5)
+            assert first.peer_state(absent) == "lost" and not first.reachable(absent)
+            assert any("no answer within" in why for why in inbox[ring[0]].why)
+            with pytest.raises(PeerLostError):
+                first.send_nowait(absent, {"kind": "note", "n": 1})
+        finally:
+            await close_all(list(links.values()))
+
+    run(main(), timeout_s=25.0)

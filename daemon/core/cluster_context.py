@@ -80,4 +80,4 @@ class ClusterContext:
         is picked from (membership.py `coordinators_of`)."""
         transport = self.transport
         return [transport.endpoint, *(peer for peer in transport.peers
-                                      if peer != transport.endpoint and transport.is_up(peer))]
+                                      if peer != transport.endpoint and transport.reachable(peer))]

@@ -177,7 +177,7 @@ class JobForming:
         self.heard.pop(job.name, None)
         self.parts.forget(job.name)
         receivers = {daemon for daemon in self.announced_to.pop(job.name, ())
-                     if daemon == transport.endpoint or transport.is_up(daemon)}
+                     if daemon == transport.endpoint or transport.reachable(daemon)}
         for daemon in sorted(receivers or set(self.coordinators_for(job.name))):
             self.send(daemon, withdraw)
 
@@ -231,10 +231,12 @@ class JobForming:
                 or job.broken is not None or formation is None):
             return
         transport = self.context.transport
-        down = [d for d in formation.daemons if d != transport.endpoint and not transport.is_up(d)]
+        down = [d for d in formation.daemons
+                if d != transport.endpoint and not transport.reachable(d)]
         if down:
             # The formation can come before our links to every member are up; the
-            # job forms once this daemon can send to every member (see peer_up).
+            # job forms once this daemon can send to every member (see peer_up).  A
+            # link opened on first use counts: what is sent waits in it until it is up.
             log.debug("%s waits for links to %s before forming", job.describe(), down)
             return
         job.across.formation = formation

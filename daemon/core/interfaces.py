@@ -116,7 +116,10 @@ class PeerTransport(Protocol):
 
     def link_costs(self) -> tuple[float, float] | None: ...
 
-    def is_up(self, peer: str) -> bool: ...
+    def reachable(self, peer: str) -> bool:
+        """Whether what is posted to `peer` is expected to arrive: its link is up,
+        or opens on first use and has not been given up on."""
+        ...
 
 
 class FailedCollectives(Protocol):
@@ -140,7 +143,7 @@ class _NotConnected:
     def link_costs(self) -> tuple[float, float] | None:
         return None
 
-    def is_up(self, peer: str) -> bool:
+    def reachable(self, peer: str) -> bool:
         return False
 
 

@@ -63,7 +63,8 @@ from gradsync.protocol.peer import MAX_WHY, Probe
 
 log = logging.getLogger("gradsync.daemon.peers")
 
-PeerState = Literal["connecting", "up", "lost"]
+#: `idle`: no connection made yet (a link opened on first use, links.py).
+PeerState = Literal["idle", "connecting", "up", "lost"]
 
 _RECONNECT_IVL_MS = 100
 _RECONNECT_IVL_MAX_MS = 1000
@@ -132,6 +133,15 @@ class Link:
     watched: bool = False
     #: Why the link is being declared lost (the detector's verdict), while it is.
     lost_why: str | None = None
+    #: Opened on first use rather than at start (links.py `PeerLinks.open`): until it
+    #: is up or given up on, messages wait in `waiting` and the peer counts as reachable.
+    on_demand: bool = False
+    #: What was sent before an on-demand link came up: frames, whether tracked, and
+    #: the future that hands on ZeroMQ's answer once they are sent.
+    waiting: list[tuple[list[Any], bool, asyncio.Future[Any]]] = dataclasses.field(
+        default_factory=list)
+    #: Gives up on an on-demand link that does not come up in time.
+    give_up: asyncio.TimerHandle | None = None
     #: What `gradsync doctor` reads (`facts`): why the last handshake failed (a
     #: monitor event's name, None once one succeeds), the last message refused for
     #: its protocol version, why our last data stream to the peer failed, and where
@@ -181,6 +191,8 @@ class LinkHealth:
         self.neighbours = neighbours
         #: The peers this daemon's jobs use now (the cluster core's, once wired in).
         self.in_use: Callable[[], Collection[str]] = frozenset
+        #: Connects a link not connected yet (`idle`) that is to be watched now.
+        self.open: Callable[[Link], None] = lambda link: None
         self.detector = FailureDetector(
             DetectorTimings.for_timeout(peer_timeout_s, detector), time.monotonic)
         self._counters = counters
@@ -305,6 +317,11 @@ class LinkHealth:
                 self._act(links, action)
             now = time.monotonic()
             in_use = None if self.neighbours is None else set(self.in_use())
+            if in_use is not None:
+                for name in in_use:
+                    link = links.get(name)
+                    if link is not None and link.state == "idle":
+                        self.open(link)
             for link in links.values():
                 if link.state != "up" or not self._watch(link, in_use):
                     continue
@@ -342,6 +359,8 @@ class LinkHealth:
                             if action.witnesses else " (no other peer to ask)")
             for name in action.witnesses:
                 witness = links[name]
+                if witness.state == "idle":
+                    self.open(witness)  # its answer comes to a later question
                 ask = [encode_header(self._endpoint,
                                      Probe(ASK, next(witness.seq), about=action.peer).to_wire())]
                 sock = witness.live if witness.live is not None else witness.dealer

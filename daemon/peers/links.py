@@ -185,12 +185,15 @@ class PeerLinks:
         if self._stream_kinds:
             self._start_data_plane(loop)
         self._incoming.attach(router, self._data)
+        # Past a few daemons, links open at start to the ring neighbours only; the
+        # rest open on first use (`open`): a daemon holds O(log M) links at rest.
+        neighbours = self._health.neighbours
         for link in self._links.values():
-            self._sockets.connect(loop, link, self._incoming.on_dealer_frames,
-                                  self._incoming.on_live_frames)
-            link.tasks = [
-                loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"),
-            ]
+            if neighbours is None or link.name in neighbours:
+                self._connect(loop, link)
+            else:
+                link.state = "idle"
+        self._health.open = self._open
         self._liveness = loop.create_task(self._health.liveness(self._links),
                                           name="peer-liveness")
         timings = self._health.detector.timings
@@ -201,12 +204,46 @@ class PeerLinks:
         else:
             declares = (f"failure detector 'timeout': a silent peer is declared after "
                         f"{self._peer_timeout_s:g}s")
-        neighbours = self._health.neighbours
         log.info("peer links of %s: %d peers, %s; %s (heartbeats every %gs, %s)",
                  self.endpoint, len(self._links), "insecure" if self.insecure else "CURVE",
                  declares, timings.ping_ivl_s,
                  "to every peer" if neighbours is None else
-                 f"to {len(neighbours)} ring neighbours and the peers jobs use")
+                 f"to {len(neighbours)} ring neighbours and the peers jobs use, the other "
+                 "links opened on first use")
+
+    def _connect(self, loop: asyncio.AbstractEventLoop, link: Link) -> None:
+        """Connect the link's sockets and follow its monitor (`health.py`)."""
+        self._sockets.connect(loop, link, self._incoming.on_dealer_frames,
+                              self._incoming.on_live_frames)
+        link.tasks.append(
+            loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"))
+
+    def _open(self, link: Link) -> None:
+        """Connect a link not connected yet (`idle`), because something is sent to
+        its peer or a job now uses it.  Until it is up, what is sent waits in the
+        link, and the peer counts as reachable; one that does not come up within
+        `open_deadline_s` is given up on: declared lost, like a silent peer."""
+        if link.state != "idle" or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        link.state, link.on_demand = "connecting", True
+        self._connect(loop, link)
+        link.give_up = loop.call_later(self.open_deadline_s, self._give_up, link)
+        log.info("opening the link to %s (first use)", link.name)
+
+    @property
+    def open_deadline_s(self) -> float:
+        """How long a link opened on first use may take to come up: as long as the
+        failure detector waits, at most, for a silent peer that others still hear."""
+        timings = self._health.detector.timings
+        return min(self._peer_timeout_s, timings.declare_s + timings.unreachable_extra_s)
+
+    def _give_up(self, link: Link) -> None:
+        link.give_up = None
+        if link.state == "connecting" and not self._closed:
+            link.lost_why = (f"no answer within {self.open_deadline_s:g}s of opening the link "
+                             f"({link.handshake_error or 'no handshake'})")
+            self._health.mark_lost(link)
 
     def _start_data_plane(self, loop: asyncio.AbstractEventLoop) -> None:
         """Listen for data streams; without them the slices stay on ZeroMQ."""
@@ -257,7 +294,8 @@ class PeerLinks:
         self._health.in_use = peers
 
     def peer_state(self, peer: str) -> PeerState:
-        """`connecting` (never up yet), `up`, or `lost` (was up, then went away)."""
+        """`idle` (not connected yet: opened on first use), `connecting` (never up
+        yet), `up`, or `lost` (went away, or an opened link never came up)."""
         return self._table.get(peer).state
 
     def link_stats(self, peer: str) -> LinkStats | None:
@@ -274,7 +312,7 @@ class PeerLinks:
         to a peer that is not up is dropped (it fails its own collectives, and hears
         the announcements again once back); with `zero_copy`, the future tells when
         the payload buffers may be reused."""
-        if header["kind"] in CONTROL_KINDS and self.peer_state(peer) != "up":
+        if header["kind"] in CONTROL_KINDS and not self._sendable(self._table.get(peer)):
             return None
         sending = self.send_nowait(peer, header, payloads, track=zero_copy)
         if not zero_copy:
@@ -285,6 +323,15 @@ class PeerLinks:
 
     def is_up(self, peer: str) -> bool:
         return self.peer_state(peer) == "up"
+
+    def reachable(self, peer: str) -> bool:
+        """Whether messages to `peer` are expected to arrive: its link is up, or
+        not connected yet (opened on first use), or opened so and not given up on."""
+        return self._sendable(self._table.get(peer))
+
+    @staticmethod
+    def _sendable(link: Link) -> bool:
+        return link.state in ("up", "idle") or (link.state == "connecting" and link.on_demand)
 
     def link_costs(self) -> tuple[float, float] | None:
         """Latency (alpha = rtt/2) and inverse bandwidth (beta) of the least disturbed link.
@@ -297,7 +344,7 @@ class PeerLinks:
         price a job's first collectives only: later ones use figures fitted to
         the collectives themselves (daemon/core/cost_epochs.py).
         """
-        stats = [self.link_stats(peer) for peer in self.peers]
+        stats = [link.stats for link in self._links.values() if link.state != "idle"]
         measured = [s for s in stats if s is not None]
         if not measured or len(measured) < len(stats):
             return None
@@ -390,6 +437,10 @@ class PeerLinks:
         `PeerLostError` if the peer is not up or is lost before the message left.
         """
         link = self._table.get(peer)
+        if link.state == "idle":
+            self._open(link)
+        while link.state == "connecting" and link.on_demand and not self._closed:
+            await self._changed.wait()  # up, or given up on (`open_deadline_s`)
         if self._stream_for(link, header) is not None:
             written = self.send_nowait(peer, header, payloads)  # checks and counts it
             down = link.down
@@ -416,11 +467,19 @@ class PeerLinks:
         buffers may be overwritten once the future is done and the tracker too.
         Raises `PeerLostError` if the peer is not up; the future fails with it if
         the peer is lost while the message still waits for room in ZeroMQ's queue.
+        A link not connected yet is opened, and the message waits for it to come up.
         """
         link = self._table.get(peer)
         frames = self._framer.frames(header, payloads)
         if self._closed:
             raise DaemonShuttingDownError("peer links are closed")
+        if link.state == "idle" or (link.state == "connecting" and link.on_demand):
+            self._open(link)
+            waiting: asyncio.Future[zmq.MessageTracker | None] = (
+                asyncio.get_running_loop().create_future())
+            link.waiting.append((frames, track, waiting))
+            self._counters.sent()
+            return waiting
         if link.state != "up" or link.dealer is None:
             raise PeerLostError(
                 f"peer {link.name} is {link.state}", {"peer": link.name, "state": link.state}
@@ -514,7 +573,16 @@ class PeerLinks:
             self._call(self._events.stream_broken, peer, why)
 
     def _link_up(self, link: Link) -> None:
-        """The link just came up (`LinkHealth.mark_up`): measure it, tell the daemon."""
+        """The link just came up (`LinkHealth.mark_up`): send what waited for it,
+        measure it, tell the daemon."""
+        if link.give_up is not None:
+            link.give_up.cancel()
+            link.give_up = None
+        link.on_demand = False
+        waiting, link.waiting = link.waiting, []
+        for frames, track, future in waiting:
+            assert link.dealer is not None
+            _hand_on(link.dealer.send(frames, track), future)
         if link.probe is not None:
             link.probe.cancel()
         link.probe = asyncio.get_running_loop().create_task(
@@ -538,6 +606,14 @@ class PeerLinks:
             link.dealer.fail_backlog(exc)
         if self._data is not None:
             self._data.drop(link.name, exc)
+        if link.give_up is not None:
+            link.give_up.cancel()
+            link.give_up = None
+        waiting, link.waiting = link.waiting, []
+        for _, _, future in waiting:
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()
         if link.down is not None and not link.down.done():
             link.down.set_exception(exc)
             link.down.exception()  # retrieved: no "never retrieved" warning if nobody waits
@@ -590,6 +666,22 @@ class PeerLinks:
             link.name, stats.rtt_s * 1e6, stats.bytes_per_s / 1e6,
         )
         self._notify()
+
+
+def _hand_on(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+    """Settle `target` as `source` settles."""
+
+    def settle(done: asyncio.Future[Any]) -> None:
+        if target.done():
+            return
+        if done.cancelled():
+            target.cancel()
+        elif done.exception() is not None:
+            target.set_exception(cast(BaseException, done.exception()))
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(settle)
 
 
 def _quiet(future: asyncio.Future[Any]) -> None:
