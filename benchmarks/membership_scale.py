@@ -20,6 +20,9 @@ own work.  Nothing is sent on a socket.
 - **rest**: heartbeats and the DEALER's pings per second per daemon, from the
   links' schedule (daemon/peers/health.py): one of each per watched peer (its
   ring neighbours, daemon/core/watching.py) per interval, each answered.
+- **links**: the connections a daemon holds (daemon/peers/links.py): to its
+  ring neighbours from the start, and to each other daemon it sent to, opened
+  on first use; ZeroMQ's own heartbeats run on each.
 
     python -m benchmarks.membership_scale            # the RESULTS.md table
     python -m benchmarks.membership_scale --sizes 4,64 --json
@@ -74,8 +77,12 @@ class Network:
         self.received: collections.Counter[str] = collections.Counter()
         #: Daemons gone: the links drop what is sent to them.
         self.down: set[str] = set()
+        #: The peers each daemon holds a link to: opened at start or on first use.
+        self.linked: dict[str, set[str]] = collections.defaultdict(set)
 
     def post(self, src: str, dst: str, header: dict[str, Any]) -> None:
+        if dst != src:
+            self.linked[src].add(dst)
         if dst != src and dst not in self.down:  # nor what a daemon sends itself
             self.sent[src] += 1
             self.received[dst] += 1
@@ -122,7 +129,7 @@ class SimTransport:
     def link_costs(self) -> tuple[float, float] | None:
         return ALPHA_S, 1e-9
 
-    def is_up(self, peer: str) -> bool:
+    def reachable(self, peer: str) -> bool:
         return peer not in self._network.down
 
 
@@ -152,6 +159,11 @@ class Row:
     witnesses_asked: int
     news: Phase
     rest_per_daemon_s: float
+    #: Links a daemon opens at start (its ring neighbours), and after the job
+    #: formed and ended: the most any daemon holds (the coordinator), and in all.
+    links_at_start: int
+    links_most: int
+    links_total: int
     wall_s: float
 
 
@@ -167,6 +179,8 @@ class Cluster:
             jobs: dict[str, Job] = {}
             core = ClusterJobs(DaemonConfig(), jobs, lambda: self.network.now)
             core.connect(SimTransport(endpoint, self.endpoints, self.network), NoCollectives())
+            self.network.linked[endpoint].update(
+                ring_neighbours(endpoint, self.endpoints) or set(self.endpoints) - {endpoint})
             job = Job(JOB, size, 1, lambda: self.network.now)
             job.add_member(Member(rank, 0, 1000 + rank, rank))
             jobs[JOB] = job
@@ -270,18 +284,21 @@ def at_rest_per_daemon_s(size: int) -> float:
 def measure(size: int) -> Row:
     started = time.perf_counter()
     cluster = Cluster(size)
+    at_start = len(cluster.network.linked[cluster.endpoints[0]])
     form = cluster.form()
     declare_s, asked = detect(size)
     news = cluster.lose(cluster.endpoints[-1], form.time_s + declare_s)
-    return Row(size, form, declare_s, asked, news,
-               at_rest_per_daemon_s(size), time.perf_counter() - started)
+    links = [len(peers) for peers in cluster.network.linked.values()]
+    return Row(size, form, declare_s, asked, news, at_rest_per_daemon_s(size),
+               at_start, max(links), sum(links), time.perf_counter() - started)
 
 
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| M | form: sent / received per daemon | form: all | form: time | declare | "
-        "witnesses asked | news: sent per daemon | news: all | at rest, per daemon |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "witnesses asked | news: sent per daemon | news: all | at rest, per daemon | "
+        "links: at start / most / all |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(
@@ -290,7 +307,8 @@ def table(rows: Sequence[Row]) -> str:
             f"| {row.form.total:,} | {row.form.time_s * 1e3:.1f} ms "
             f"| {row.declare_s:.1f} s | {row.witnesses_asked} "
             f"| {row.news.sent_per_daemon} | {row.news.total:,} "
-            f"| {row.rest_per_daemon_s:,.0f} msg/s |")
+            f"| {row.rest_per_daemon_s:,.0f} msg/s "
+            f"| {row.links_at_start} / {row.links_most:,} / {row.links_total:,} |")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@ benchmarks/membership_scale.py: M daemons' real cores on a simulated network.
 
 Forming a job and its failure news go through the job's coordinator, so they
 cost O(M) messages; at rest a daemon heartbeats its 2 log2(M) ring neighbours,
-so heartbeats cost O(M log M).
+so heartbeats cost O(M log M); links open to the ring neighbours at start and
+to other daemons on first use, so they too number O(M log M).
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ def test_membership_messages_grow_no_faster_than_m_log_m(small: int, large: int)
     assert grows_within_m_log_m(small, large, small * before.rest_per_daemon_s,
                                 large * after.rest_per_daemon_s)
     assert after.declare_s <= 3.0  # detection does not grow at all
+
+
+@pytest.mark.parametrize(("small", "large"), list(itertools.pairwise(SIZES[1:])))
+def test_links_held_grow_no_faster_than_m_log_m(small: int, large: int) -> None:
+    """A daemon opens links to its ring neighbours at start, and to the others it
+    sends to on first use: the links of a cluster that formed and ended a job of
+    every daemon, in all, from each size to the next (from 64: a few daemons
+    link every pair, as they watch every other)."""
+    before, after = measured(small), measured(large)
+    assert grows_within_m_log_m(small, large, before.links_total, after.links_total)
+    assert after.links_at_start == min(large - 1, 2 * math.ceil(math.log2(large)))
+    assert after.links_most == large - 1  # the coordinator: the formation to every member
 
 
 def test_the_growth_check_fails_all_to_all_messages() -> None:
