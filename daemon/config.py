@@ -106,6 +106,9 @@ class DaemonConfig:
     #: Ring neighbours heartbeated on either side when no job uses a peer
     #: (daemon/core/watching.py); 0: log2 of the daemons.
     watch_neighbours: int = 0
+    #: A link opened on first use (past a few daemons: daemon/peers/links.py) is
+    #: closed after this long with nothing sent or heard, unless a job uses it.
+    link_idle_s: float = 60.0
     #: 4 MiB rather than 1 or 2: each slice costs the daemon's Python about 80
     #: calls at either end, and 4 MiB slices measured 6 to 20 % faster than
     #: 2 MiB ones where the CPUs bind, the same where the wire does
@@ -359,6 +362,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "peer_timeout_s": _positive_float,
     "failure_detector": _failure_detector,
     "watch_neighbours": _count_or_zero,
+    "link_idle_s": _positive_float,
     "pipeline_slice_bytes": _positive_size,
     "algorithm": _algorithm,
     "auto_explore_factor": _factor,

@@ -138,6 +138,10 @@ def _add_peer_options(peers: argparse._ArgumentGroup) -> None:
                        help="with no job using a peer, heartbeat only the N nearest daemons "
                        "on either side of a ring of all of them (default 0: log2 of the "
                        "daemons; every daemon is watched by 2N others)")
+    peers.add_argument("--link-idle-s", metavar="S",
+                       help="close a link to a peer that is not a ring neighbour after "
+                       "this long with nothing sent or heard, unless a job uses it; it "
+                       "opens again on first use (default 60)")
     _add_algorithm_options(peers)
 
 

@@ -140,6 +140,14 @@ def test_the_data_streams_port_and_advertised_address() -> None:
     assert (config.data_port, config.data_advertise) == (0, "gw.example.org:80")
 
 
+def test_the_quiet_time_before_a_link_closes() -> None:
+    """`link_idle_s` (--link-idle-s, GRADSYNC_LINK_IDLE_S): seconds, positive."""
+    assert load_config(flags={}, environ={}).link_idle_s == 60.0
+    assert load_config(flags={}, environ={"GRADSYNC_LINK_IDLE_S": "2.5"}).link_idle_s == 2.5
+    with pytest.raises(ConfigError, match="link_idle_s"):
+        load_config(flags={"link_idle_s": "0"}, environ={})
+
+
 def test_data_stream_settings_need_peer_links() -> None:
     from gradsync.daemon.io.peering import wants_peers
 

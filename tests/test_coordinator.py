@@ -84,13 +84,14 @@ def _neighbours_up(daemon: DaemonProcess, me: str, ring: list[str]) -> bool:
     return all(states[ring[(at + step) % len(ring)]] == "up" for step in (-1, 1))
 
 
-def _ring_of(start_daemon: StartDaemon, count: int) -> tuple[list[str], dict[str, DaemonProcess]]:
+def _ring_of(start_daemon: StartDaemon, count: int,
+             *flags: str) -> tuple[list[str], dict[str, DaemonProcess]]:
     """`count` daemons heartbeating one ring neighbour on either side, once each
     one's links to its neighbours are up: the ring (sorted endpoints) and the
     daemons by endpoint."""
     endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
-    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
-               for i in range(count)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1",
+                                       *flags)) for i in range(count)]
     by_endpoint = dict(zip(endpoints, daemons, strict=True))
     ring = sorted(endpoints)
     for endpoint, daemon in by_endpoint.items():
@@ -222,12 +223,13 @@ def test_links_open_on_first_use_and_a_dead_coordinator_never_linked_is_given_up
     start_daemon: StartDaemon,
 ) -> None:
     """Five daemons, one ring neighbour on either side: two that are not neighbours
-    run a job over a link neither opened at start.  Then a daemon no member ever
+    run a job over a link neither opened at start, and it closes once quiet
+    after the job (`--link-idle-s`).  Then a daemon no member ever
     linked to is killed, and a job it would coordinate is started: the members
     open a link to it, give up on it when no handshake comes
     (`open_deadline_s`, 4 s by default), and the job forms at the next
     coordinator."""
-    ring, by_endpoint = _ring_of(start_daemon, 5)
+    ring, by_endpoint = _ring_of(start_daemon, 5, "--link-idle-s", "1")
     endpoints = list(by_endpoint)
     first, second, third = (by_endpoint[ring[i]] for i in (0, 1, 2))
     assert _peer_states(first)[ring[2]] == "idle" and _peer_states(third)[ring[0]] == "idle"
@@ -238,7 +240,11 @@ def test_links_open_on_first_use_and_a_dead_coordinator_never_linked_is_given_up
     results = run_spread([first, third], (1, 1), "multinode_allreduce.py",
                          ["ring,star", "float32", "sum"], job=apart)
     assert [r.records()[-1]["failures"] for r in results] == [0, 0]
-    assert _peer_states(first)[ring[2]] == "up" and _peer_states(third)[ring[0]] == "up"
+    assert f"opening the link to {ring[2]} (first use)" in first.log()
+    assert f"opening the link to {ring[0]} (first use)" in third.log()
+    # The job over, nothing keeps those links: quiet for `--link-idle-s`, they close.
+    poll_until(lambda: _peer_states(first)[ring[2]] == _peer_states(third)[ring[0]] == "idle",
+               30, "the links the ended job used to close")
 
     # ring[3] is a neighbour of neither ring[0] nor ring[1]: they have no link to it.
     dead = by_endpoint[ring[3]]

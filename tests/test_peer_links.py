@@ -605,3 +605,40 @@ def test_past_a_few_daemons_links_open_on_first_use_and_one_that_never_comes_up_
             await close_all(list(links.values()))
 
     run(main(), timeout_s=25.0)
+
+
+def test_a_link_opened_on_first_use_closes_when_quiet_unless_kept_and_opens_again() -> None:
+    """`link_idle_s`: of two links the first daemon opened on first use, the quiet
+    one that nothing keeps is closed (its peer `idle` again, not lost), the kept
+    one stays up, and a message to the closed one opens it again and arrives."""
+    names = endpoints(5)
+    ring = sorted(names)
+
+    async def main() -> None:
+        events = {name: Events() for name in names}
+        links = {
+            name: PeerLinks(LinkSettings(
+                name, names, insecure=True, kinds=KINDS, watch_neighbours=1, link_idle_s=0.5,
+                **{**FAST, "probe_rounds": 1},
+            ), events=events[name])
+            for name in names
+        }
+        for link in links.values():
+            await link.start()
+        try:
+            first = links[ring[0]]
+            first.keep_open = lambda: {ring[2]}
+            for n, peer in enumerate((ring[2], ring[3])):
+                await first.send(peer, {"kind": "note", "n": n})
+                assert (await events[peer].next()).header["n"] == n
+            await poll(lambda: first.peer_state(ring[3]) == "idle", 10, "the quiet link closed")
+            assert first.peer_state(ring[2]) == "up"
+            assert not events[ring[0]].lost and first.reachable(ring[3])
+
+            await first.send(ring[3], {"kind": "note", "n": 2})
+            assert (await events[ring[3]].next()).header["n"] == 2
+            assert first.peer_state(ring[3]) == "up"
+        finally:
+            await close_all(list(links.values()))
+
+    run(main(), timeout_s=25.0)

@@ -201,6 +201,18 @@ class ClusterJobs:
         used.discard(self.transport.endpoint)
         return used
 
+    def peers_kept(self) -> set[str]:
+        """The peers whose links stay open however quiet (daemon/peers/links.py):
+        the peers in use, and every member of each formed job here, as any member
+        may send to any other (tree and halving-doubling partners, aborts)."""
+        kept = self.peers_in_use()
+        for job in self.jobs.values():
+            formation = job.across.formation
+            if formation is not None:
+                kept.update(formation.daemons)
+        kept.discard(self.transport.endpoint)
+        return kept
+
     def send_membership(self, daemon: str, header: dict[str, Any]) -> None:
         """Send a membership message to `daemon`; one to this daemon (it coordinates
         a job it is a member of) is handled here at once, as if it came in."""

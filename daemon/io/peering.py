@@ -107,12 +107,14 @@ class Peering:
             peer_timeout_s=config.peer_timeout_s,
             failure_detector=config.failure_detector,
             watch_neighbours=config.watch_neighbours,
+            link_idle_s=config.link_idle_s,
             data_port=config.data_port,
             data_advertise=config.data_advertise,
         )
         events = PeeringEvents(self.cluster)
         self.links = PeerLinks(settings, events=events)
         self.links.in_use = self.cluster.peers_in_use
+        self.links.keep_open = self.cluster.peers_kept
         self.cluster.connect(self.links, service.runs)
         self.checkpoints = events.checkpoints = CheckpointPeers(
             service.checkpoints, service.replicas, self.links, config.checkpoint_replicas,

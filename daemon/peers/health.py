@@ -142,6 +142,8 @@ class Link:
         default_factory=list)
     #: Gives up on an on-demand link that does not come up in time.
     give_up: asyncio.TimerHandle | None = None
+    #: `time.monotonic()` when a message was last sent to the peer (0: never).
+    last_sent: float = 0.0
     #: What `gradsync doctor` reads (`facts`): why the last handshake failed (a
     #: monitor event's name, None once one succeeds), the last message refused for
     #: its protocol version, why our last data stream to the peer failed, and where

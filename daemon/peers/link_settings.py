@@ -50,6 +50,9 @@ class LinkSettings:
     #: Ring neighbours heartbeated on either side when no job uses a peer
     #: (daemon/core/watching.py); 0: log2 of the daemons.
     watch_neighbours: int = 0
+    #: A link opened on first use closes after this long with nothing sent or
+    #: heard, unless it is kept (`PeerLinks.keep_open`).
+    link_idle_s: float = 60.0
     #: ZeroMQ's own heartbeats (ZMTP); None: a quarter of `peer_timeout_s`.
     heartbeat_ivl_s: float | None = None
     probe_rounds: int = 5

@@ -154,20 +154,25 @@ class LinkSockets:
             dealer.curve_serverkey = link.server_key
         return dealer
 
+    def disconnect(self, link: Link, error: Exception) -> None:
+        """Close one link's sockets (linger 0): its DEALERs and their monitor."""
+        if link.dealer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                link.dealer.sock.disable_monitor()
+            link.dealer.close(error)
+        if link.live is not None:
+            link.live.close(error)
+        if link.monitor is not None:
+            link.monitor.close(linger=0)
+        link.dealer = link.live = link.monitor = None
+
     async def close(self) -> None:
         """Stop the ZAP handler, close every socket (linger 0) and the context."""
         if self._zap is not None:
             await self._zap.close()
         closed = DaemonShuttingDownError("peer links are closed")
         for link in self._links.values():
-            if link.dealer is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    link.dealer.sock.disable_monitor()
-                link.dealer.close(closed)
-            if link.live is not None:
-                link.live.close(closed)
-            if link.monitor is not None:
-                link.monitor.close(linger=0)
+            self.disconnect(link, closed)
         if self._router is not None:
             self._router.close(closed)
         if self._context is not None:

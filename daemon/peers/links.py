@@ -143,6 +143,10 @@ class PeerLinks:
         )
         self._changed = asyncio.Event()
         self._liveness: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
+        self._link_idle_s = settings.link_idle_s
+        #: The peers whose links stay open however quiet (ClusterJobs.peers_kept).
+        self.keep_open: Callable[[], Collection[str]] = frozenset
         self._started = False
         self._closed = False
 
@@ -194,6 +198,9 @@ class PeerLinks:
             else:
                 link.state = "idle"
         self._health.open = self._open
+        if neighbours is not None:
+            self._closer = loop.create_task(self._close_quiet_links(neighbours),
+                                            name="peer-link-closer")
         self._liveness = loop.create_task(self._health.liveness(self._links),
                                           name="peer-liveness")
         timings = self._health.detector.timings
@@ -237,6 +244,40 @@ class PeerLinks:
         failure detector waits, at most, for a silent peer that others still hear."""
         timings = self._health.detector.timings
         return min(self._peer_timeout_s, timings.declare_s + timings.unreachable_extra_s)
+
+    async def _close_quiet_links(self, neighbours: Collection[str]) -> None:
+        """Close the links, opened on first use, that have been quiet for
+        `link_idle_s` (nothing sent, nothing heard) and that no job keeps: a
+        daemon holds links to its ring neighbours and to the peers its jobs use,
+        not to every daemon it ever spoke to.  They open again on first use."""
+        check_s = max(0.1, min(5.0, self._link_idle_s / 4))
+        while True:
+            await asyncio.sleep(check_s)
+            keep = set(neighbours) | set(self._health.in_use()) | set(self.keep_open())
+            quiet_since = time.monotonic() - self._link_idle_s
+            for link in self._links.values():
+                if (link.state == "up" and link.name not in keep and not link.waiting
+                        and max(link.last_sent, link.last_heard or 0.0) < quiet_since):
+                    self._close_link(link)
+
+    def _close_link(self, link: Link) -> None:
+        """Close a quiet link's sockets; the peer is `idle` again (not lost).  Its
+        data streams stay: the next link period finds them open."""
+        log.info("closing the link to %s: quiet for %gs and no job uses it",
+                 link.name, self._link_idle_s)
+        for task in (*link.tasks, link.probe, link.confirming):
+            if task is not None:
+                task.cancel()
+        link.tasks, link.probe, link.confirming = [], None, None
+        closed = PeerLostError(f"the link to {link.name} was closed", {"peer": link.name})
+        self._sockets.disconnect(link, closed)
+        if link.down is not None and not link.down.done():
+            link.down.set_exception(closed)
+            link.down.exception()
+        link.down = None
+        self._health.detector.forget(link.name)
+        link.state, link.watched = "idle", False
+        self._notify()
 
     def _give_up(self, link: Link) -> None:
         link.give_up = None
@@ -449,6 +490,7 @@ class PeerLinks:
             if not written.done() or written.exception() is not None:
                 raise_down(link, down)
             return
+        link.last_sent = time.monotonic()
         await send_frames(link, self._framer.frames(header, payloads), wait_sent, self._closed)
         self._counters.sent()
 
@@ -473,6 +515,7 @@ class PeerLinks:
         frames = self._framer.frames(header, payloads)
         if self._closed:
             raise DaemonShuttingDownError("peer links are closed")
+        link.last_sent = time.monotonic()
         if link.state == "idle" or (link.state == "connecting" and link.on_demand):
             self._open(link)
             waiting: asyncio.Future[zmq.MessageTracker | None] = (
@@ -508,7 +551,7 @@ class PeerLinks:
             return
         await self._say_goodbye()
         self._closed = True
-        tasks: list[asyncio.Task[None]] = [] if self._liveness is None else [self._liveness]
+        tasks = [task for task in (self._liveness, self._closer) if task is not None]
         for link in self._links.values():
             tasks += link.tasks
             tasks += [task for task in (link.probe, link.confirming) if task is not None]
