@@ -22,7 +22,8 @@ declared at `peer_timeout_s`.
 
 ZeroMQ's own heartbeats (ZMTP) and TCP keepalive and `TCP_USER_TIMEOUT` run
 on every connection with the upper bound, `peer_timeout_s`: the kernel and
-libzmq end a connection silent that long in any case.
+libzmq end a connection silent that long in any case.  A link not connected
+(`idle`: links.py opens it on first use) has none of this, and is not judged.
 
 `LinkHealth` owns these state changes of each `Link`; what a change means
 beyond the link's state (probes, waiting sends, the daemon's events) is the

@@ -5,6 +5,16 @@ to each other peer, with the DEALER's routing id set to its own endpoint.  A
 message from A to B travels A.DEALER → B.ROUTER, so B learns the sender from
 the connection; only link probes are answered back along the same connection.
 
+Which links are connected.  With a few daemons (up to 2N+1, N the ring
+neighbours watched on either side: daemon/core/watching.py), all of them, at
+start.  Past that, a daemon connects at start to its ring neighbours only; a
+link to any other peer is `idle` until first used (`_open`): the first message
+to it, or a job that starts to use it.  What is sent meanwhile waits in the
+link, and goes out once it is up; one that does not come up within
+`open_deadline_s` is given up on and its peer declared lost.  Such a link
+closes again once quiet for `link_idle_s`, unless a job uses its peer or has
+it as a member (`keep_open`).  So a daemon holds O(log M) links at rest, not M.
+
 Keys (CURVE).  Each daemon has one keypair, written by
 `gradsync keygen DIR --name NAME --endpoint tcp://HOST:PORT`; it serves its
 ROUTER with it and presents it as client key on its DEALERs.  Every daemon's
