@@ -181,13 +181,16 @@ class Announce(WireMessage):
     codec_Bps: tuple[tuple[str, float], ...] = ()
     loopback: bool = False
     unmeasured: bool = False
+    #: The sender picked the receiver as the job's coordinator, not its standby
+    #: (daemon/core/coordinating.py: behind a partial cut, views differ).
+    lead: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         fields = {**super().to_wire(), "ranks": list(self.ranks)}
-        del fields["codec_Bps"], fields["loopback"], fields["unmeasured"]
+        del fields["codec_Bps"], fields["loopback"], fields["unmeasured"], fields["lead"]
         if self.codec_Bps:
             fields["codec_Bps"] = dict(self.codec_Bps)
-        for flag in ("loopback", "unmeasured"):
+        for flag in ("loopback", "unmeasured", "lead"):
             if getattr(self, flag):
                 fields[flag] = True
         return fields
@@ -210,14 +213,14 @@ class Announce(WireMessage):
               and all(isinstance(name, str) and len(name) <= 32 and is_number(rate)
                       and 0 < rate < float("inf") for name, rate in rates.items()), kind,
               "'codec_Bps' must map at most 8 rate names to positive numbers")
-        loopback, unmeasured = fields.get("loopback", False), fields.get("unmeasured", False)
-        _need(isinstance(loopback, bool) and isinstance(unmeasured, bool), kind,
-              "'loopback' and 'unmeasured' must be booleans")
+        flags = [fields.get(flag, False) for flag in ("loopback", "unmeasured", "lead")]
+        _need(all(isinstance(flag, bool) for flag in flags), kind,
+              "'loopback', 'unmeasured' and 'lead' must be booleans")
         return cls(_text(fields, "job", kind), _int(fields, "incarnation", kind),
                    _int(fields, "boot", kind), world, tuple(sorted(ranks)),
                    float(alpha), float(beta),  # type: ignore[arg-type]
                    tuple(sorted((name, float(rate)) for name, rate in rates.items())),
-                   loopback, unmeasured)
+                   *flags)
 
 
 @dataclasses.dataclass(frozen=True)

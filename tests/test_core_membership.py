@@ -14,6 +14,7 @@ and PEER its standby: membership.py `coordinators_of`), job "three" by PEER
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -172,7 +173,8 @@ def test_a_job_coordinated_by_the_peer_forms_on_its_word_only(
     cluster, transport, jobs = core(loop)
     job = local_job(cluster, jobs, loop, THEIRS)
     [(to, ours)] = transport.of_kind("announce")
-    assert to == PEER and ours == job.across.announcement.share  # type: ignore[union-attr]
+    assert job.across.announcement is not None
+    assert to == PEER and ours == dataclasses.replace(job.across.announcement.share, lead=True)
     share = wire.Announce(THEIRS, 5, BOOT, 2, (1,), 5e-5, 1e-9)
     cluster.on_message(PEER, share.to_wire(), ())  # an announcement: not ours to gather
     assert job.across.formation is None
@@ -650,3 +652,29 @@ def test_the_standby_keeps_the_announcements_and_speaks_once_the_coordinator_is_
     assert "ranks [1]" in job.broken.message
     [(to, told)] = transport.of_kind("unformable")
     assert to == third and told.peer == PEER and (told.boot, told.incarnation) == (BOOT, 9)
+
+
+def test_a_standby_picked_as_coordinator_by_a_member_behind_a_partial_cut_forms_the_job(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """HERE reaches THIRD, the job's coordinator, and is its standby; PEER cannot
+    reach THIRD, so it picked HERE as coordinator (`lead`).  HERE holds every
+    rank: it forms the job, or no one would.  Without PEER's `lead` it only keeps
+    the announcements."""
+    third = "tcp://10.0.0.3:7000"
+    name = next(n for n in (f"cut-{i}" for i in range(1000))
+                if coordinators_of(n, [HERE, PEER, third]) == (third, HERE)
+                and coordinator_of(n, [HERE, PEER]) == HERE)
+    for lead in (False, True):
+        cluster, transport, jobs = core_among([HERE, PEER, third])
+        job = local_job(cluster, jobs, loop, name)
+        assert [(to, m.lead) for to, m in transport.of_kind("announce")] == [(third, True)]
+        share = wire.Announce(name, 5, BOOT, 2, (1,), 5e-5, 1e-9, lead=lead)
+        cluster.on_message(PEER, share.to_wire(), ())
+        formed = [to for to, _ in transport.of_kind("formed")]
+        if lead:
+            assert job.across.formation is not None
+            assert job.across.formation.daemons == tuple(sorted((HERE, PEER)))
+            assert formed == [PEER]
+        else:
+            assert job.across.formation is None and formed == []

@@ -33,11 +33,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cluster import peer_args, spawn_spread
+from cluster import peer_args, run_spread, spawn_spread
 
 from benchmarks.topology import Topology, namespaces, namespaces_unavailable
 from conftest import DaemonProcess, collect, poll_until
+from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.ping import query
+from gradsync.daemon.core.membership import coordinators_of
 
 pytestmark = [pytest.mark.fault, pytest.mark.alone]
 
@@ -224,6 +226,7 @@ def test_a_cut_between_two_nodes_fails_the_job_everywhere_naming_the_pair(
         # in a one-way cut), not necessarily before the job's end reached their ranks.
         with contextlib.suppress(AssertionError):
             poll_until(lambda: unreachable() == [1, 1, 0], 15, "A and B to end their link")
+        next_job_failures = _a_job_across_the_cut_coordinator_forms(daemons, endpoints)
         logs = "\n".join(f"--- {d.endpoint}:\n{d.log()[-3000:]}" for d in daemons)
         counters = [query(daemon.endpoint, 10.0)["counters"] for daemon in daemons]
         stop_daemons(daemons)
@@ -240,3 +243,18 @@ def test_a_cut_between_two_nodes_fails_the_job_everywhere_naming_the_pair(
         assert endpoints[0] in message or endpoints[1] in message, (message, logs)
     assert [c["links_peer_unreachable"] for c in counters] == [1, 1, 0], (counters, logs)
     assert counters[2]["links_peer_lost"] == 0, (counters, logs)
+    assert next_job_failures == [0, 0], logs
+
+
+def _a_job_across_the_cut_coordinator_forms(daemons: list[DaemonProcess],
+                                            endpoints: list[str]) -> list[int]:
+    """Once A has given B up: a job of A and C whose coordinator is B.  C reaches
+    B, A does not, so they pick different coordinators; C, B's standby and A's
+    pick, forms it (coordinating.py `Announce.lead`).  Its ranks' failures."""
+    poll_until(lambda: fetch_snapshot(daemons[0].endpoint + ".stats", 10.0)["peers"][
+        endpoints[1]]["state"] == "lost", 30, "A to give B up")
+    job = next(name for name in (f"after-{i}" for i in range(1000))
+               if coordinators_of(name, endpoints) == (endpoints[1], endpoints[2]))
+    results = run_spread([daemons[0], daemons[2]], (1, 1), "multinode_allreduce.py",
+                         ["ring", "float32", "sum"], job=job, timeout_s=60)
+    return [int(result.records()[-1]["failures"]) for result in results]

@@ -5,7 +5,12 @@ Every daemon of a job sends its announcement and its withdrawal to the job's
 coordinator and its standby only (membership.py `coordinators_of`), which may
 hold no rank of the job.  The standby keeps the announcements and does
 nothing else while the coordinator is up: once it is lost, the standby is the
-coordinator, and knows which of the job's ranks were announced where.
+coordinator, and knows which of the job's ranks were announced where.  Behind
+a partial cut, daemons that reach different peers pick different
+coordinators: a member that cannot reach the coordinator others picked
+announces to the next daemon as its coordinator (`Announce.lead`), and a
+standby that holds every rank and was picked so by one of them forms the
+job, so a coordinator out of some members' reach does not stop it.
 
 The coordinator keeps what every daemon used to keep of every peer: the
 announcements by daemon, and which withdrawal overtook which announcement.
@@ -83,8 +88,12 @@ class JobCoordination:
         world_size = table[announcer].share.world_size
         if self.held[name] < world_size:
             return
-        if coordinator_of(name, self.context.reachable()) != self.context.transport.endpoint:
-            return  # the standby: it only keeps the announcements, should it take over
+        if (coordinator_of(name, self.context.reachable()) != self.context.transport.endpoint
+                and not any(announcement.share.lead for announcement in table.values())):
+            # The standby: it only keeps the announcements, should it take over.
+            # Unless a member picked it as coordinator: that member cannot reach
+            # the one picked here (a partial cut), which then never hears from it.
+            return
         problem = conflicts(table, world_size)
         if problem is not None:
             log.warning("job %r cannot form yet: %s", name, problem)

@@ -7,6 +7,7 @@ coordinating.py for the coordinator's side, membership.py for the rules).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -123,9 +124,9 @@ class JobForming:
         pair = self.pairs[job.name] = self.coordinators_for(job.name)
         self.coordinators[job.name] = pair[0]
         self.announced_to.setdefault(job.name, set()).update(pair)
-        announce = job.across.announcement.share.to_wire()
+        share = job.across.announcement.share
         for daemon in pair:
-            self.send(daemon, announce)
+            self.send(daemon, dataclasses.replace(share, lead=daemon == pair[0]).to_wire())
 
     def _announcing(self) -> list[Job]:
         """This daemon's jobs whose announcement stands (made, not withdrawn)."""
