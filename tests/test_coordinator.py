@@ -264,3 +264,25 @@ def test_links_open_on_first_use_and_a_dead_coordinator_never_linked_is_given_up
         assert f"peer {ring[3]} lost: no answer within 4s of opening the link" in daemon.log()
     for daemon in (first, second, third):
         daemon.assert_alive()
+
+
+def test_ten_daemons_on_the_shipped_defaults_link_their_neighbours_and_open_the_rest_on_use(
+    start_daemon: StartDaemon,
+) -> None:
+    """Past 2N+1 daemons (ten: N = log2 10 rounded up, 4) the shipped defaults
+    connect each daemon at start to its 8 ring neighbours only.  A job of all
+    ten, a rank each, runs ring, tree and halving-doubling allreduces, matching
+    numpy, over those links and the ones opened on first use (the coordinator's
+    formation to every member, partners beyond the neighbours)."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(10)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(10)]
+    for endpoint, daemon in zip(endpoints, daemons, strict=True):
+        poll_until(lambda d=daemon: sorted(_peer_states(d).values())  # type: ignore[misc]
+                   == ["idle"] + ["up"] * 8, 60,
+                   f"{endpoint} to link its 8 ring neighbours and no one else")
+    results = run_spread(daemons, (1,) * 10, "multinode_allreduce.py",
+                         ["ring,tree,rhd", "float32", "sum"], job="ten", timeout_s=180)
+    assert [r.records()[-1]["failures"] for r in results] == [0] * 10
+    assert any("(first use)" in daemon.log() for daemon in daemons)
+    for daemon in daemons:
+        daemon.assert_alive()
