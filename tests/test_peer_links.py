@@ -592,6 +592,8 @@ def test_past_a_few_daemons_links_open_on_first_use_and_one_that_never_comes_up_
             await asyncio.gather(*sends)
             got = [(await inbox[ring[2]].next()).header["n"] for _ in range(6)]
             assert got == list(range(6))
+            # Reachable all along: its coming up is no news to the daemon.
+            assert ring[2] not in inbox[ring[0]].up and ring[1] in inbox[ring[0]].up
 
             lost = first.send_nowait(absent, {"kind": "note", "n": 0})
             assert first.peer_state(absent) == "connecting" and first.reachable(absent)

@@ -145,6 +145,8 @@ class Link:
     give_up: asyncio.TimerHandle | None = None
     #: `time.monotonic()` when a message was last sent to the peer (0: never).
     last_sent: float = 0.0
+    #: `time.monotonic()` when the link was last closed for being quiet (links.py).
+    closed_at: float | None = None
     #: What `gradsync doctor` reads (`facts`): why the last handshake failed (a
     #: monitor event's name, None once one succeeds), the last message refused for
     #: its protocol version, why our last data stream to the peer failed, and where

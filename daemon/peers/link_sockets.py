@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -67,6 +68,7 @@ class LinkSockets:
         self._sockets: zmq.Context[Any] | None = None
         self._zap: ZapHandler | None = None
         self._router: LoopSocket | None = None
+        self._monitors = itertools.count()
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         """Options every peer socket shares: heartbeats (`health.py`), limits, no linger."""
@@ -123,24 +125,36 @@ class LinkSockets:
         link: Link,
         on_frames: Callable[[Link, list[zmq.Frame]], None],
         on_live_frames: Callable[[Link, list[zmq.Frame]], None],
+        delay_s: float = 0.0,
     ) -> None:
         """Connect the link's DEALER, read by `on_frames`, with a monitor on it, and
-        its heartbeat DEALER (`live`, read by `on_live_frames`: `health.py`)."""
+        its heartbeat DEALER (`live`, read by `on_live_frames`: `health.py`);
+        `delay_s` later where the peer's router may still hold our last connection
+        (it refuses a newcomer under a routing id in use)."""
         assert self._context is not None and self._sockets is not None
         dealer = self._dealer(link, self._endpoint.encode())
         live = self._dealer(link, self._endpoint.encode() + LIVE_ID_SUFFIX)
         self._health.configure_live(live)
-        live.connect(link.name)
         link.live = LoopSocket(live, loop, lambda frames: on_live_frames(link, frames),
                                f"the heartbeat link to {link.name}")
-        monitor_address = f"inproc://gradsync-monitor-{id(link):x}"
+        # Each connection its own: a closed link's monitor may hold its address a while.
+        monitor_address = f"inproc://gradsync-monitor-{id(link):x}-{next(self._monitors)}"
         dealer.monitor(monitor_address, DEALER_EVENTS)
         link.monitor = self._context.socket(zmq.PAIR)
         link.monitor.connect(monitor_address)
-        dealer.connect(link.name)
         link.dealer = LoopSocket(
             dealer, loop, lambda frames: on_frames(link, frames), f"the link to {link.name}"
         )
+        if delay_s > 0:
+            loop.call_later(delay_s, self._connect_now, link, live, dealer)
+        else:
+            self._connect_now(link, live, dealer)
+
+    @staticmethod
+    def _connect_now(link: Link, *sockets: zmq.Socket[Any]) -> None:
+        if link.dealer is not None and link.dealer.sock is sockets[-1]:  # not closed since
+            for sock in sockets:
+                sock.connect(link.name)
 
     def _dealer(self, link: Link, routing_id: bytes) -> zmq.Socket[Any]:
         """A DEALER to the link's peer, not yet connected."""

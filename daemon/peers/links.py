@@ -87,6 +87,8 @@ from gradsync.protocol.peer import CONTROL_KINDS, Probe
 
 #: How long a daemon that shuts down waits for its peers to answer its goodbye.
 _GOODBYE_TIMEOUT_S = 1.0
+#: A link closed for being quiet connects again no sooner than this after.
+_RECONNECT_AFTER_S = 1.0
 
 log = logging.getLogger("gradsync.daemon.peers")
 
@@ -229,9 +231,13 @@ class PeerLinks:
                  "links opened on first use")
 
     def _connect(self, loop: asyncio.AbstractEventLoop, link: Link) -> None:
-        """Connect the link's sockets and follow its monitor (`health.py`)."""
+        """Connect the link's sockets and follow its monitor (`health.py`); a link
+        closed for being quiet a moment ago, only once the peer's router is rid of
+        our last connection (as `LinkHealth.drop_link` waits)."""
+        since = None if link.closed_at is None else time.monotonic() - link.closed_at
+        delay_s = 0.0 if since is None else max(0.0, _RECONNECT_AFTER_S - since)
         self._sockets.connect(loop, link, self._incoming.on_dealer_frames,
-                              self._incoming.on_live_frames)
+                              self._incoming.on_live_frames, delay_s)
         link.tasks.append(
             loop.create_task(self._health.watch(link), name=f"peer-monitor {link.name}"))
 
@@ -243,8 +249,8 @@ class PeerLinks:
         if link.state != "idle" or self._closed:
             return
         loop = asyncio.get_running_loop()
-        link.state, link.on_demand = "connecting", True
         self._connect(loop, link)
+        link.state, link.on_demand = "connecting", True
         link.give_up = loop.call_later(self.open_deadline_s, self._give_up, link)
         log.info("opening the link to %s (first use)", link.name)
 
@@ -286,12 +292,13 @@ class PeerLinks:
             link.down.exception()
         link.down = None
         self._health.detector.forget(link.name)
-        link.state, link.watched = "idle", False
+        link.state, link.watched, link.closed_at = "idle", False, time.monotonic()
         self._notify()
 
     def _give_up(self, link: Link) -> None:
         link.give_up = None
         if link.state == "connecting" and not self._closed:
+            link.on_demand = False  # lost: should it come up later, that is news
             link.lost_why = (f"no answer within {self.open_deadline_s:g}s of opening the link "
                              f"({link.handshake_error or 'no handshake'})")
             self._health.mark_lost(link)
@@ -627,11 +634,13 @@ class PeerLinks:
 
     def _link_up(self, link: Link) -> None:
         """The link just came up (`LinkHealth.mark_up`): send what waited for it,
-        measure it, tell the daemon."""
+        measure it, tell the daemon, unless it was opened on first use: its peer
+        was reachable all along and missed nothing, and the daemon would only
+        send again what waited in the link."""
         if link.give_up is not None:
             link.give_up.cancel()
             link.give_up = None
-        link.on_demand = False
+        news, link.on_demand = not link.on_demand, False
         waiting, link.waiting = link.waiting, []
         for frames, track, future in waiting:
             assert link.dealer is not None
@@ -642,7 +651,8 @@ class PeerLinks:
             self._measure(link), name=f"peer-probe {link.name}"
         )
         self._notify()
-        self._call(self._events.peer_up, link.name)
+        if news:
+            self._call(self._events.peer_up, link.name)
 
     def _link_lost(self, link: Link) -> None:
         """The link was just lost (`LinkHealth.mark_lost`): fail what waits on it."""
