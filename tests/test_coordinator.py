@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cluster import free_ports, peer_args, run_spread, spawn_spread
+from cluster import curve_args, free_ports, peer_args, run_spread, spawn_spread
 
 from conftest import DaemonProcess, collect, poll_until, spawn_rank
 from gradsync.client.cli.stats import fetch_snapshot
@@ -267,15 +267,17 @@ def test_links_open_on_first_use_and_a_dead_coordinator_never_linked_is_given_up
 
 
 def test_ten_daemons_on_the_shipped_defaults_link_their_neighbours_and_open_the_rest_on_use(
-    start_daemon: StartDaemon,
+    start_daemon: StartDaemon, short_tmp: str,
 ) -> None:
     """Past 2N+1 daemons (ten: N = log2 10 rounded up, 4) the shipped defaults
-    connect each daemon at start to its 8 ring neighbours only.  A job of all
-    ten, a rank each, runs ring, tree and halving-doubling allreduces, matching
-    numpy, over those links and the ones opened on first use (the coordinator's
-    formation to every member, partners beyond the neighbours)."""
+    connect each daemon at start to its 8 ring neighbours only, over CURVE.  A
+    job of all ten, a rank each, runs ring, tree and halving-doubling
+    allreduces, matching numpy, over those links and the ones opened on first
+    use (the coordinator's formation to every member, partners beyond the
+    neighbours)."""
     endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(10)]
-    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure")) for i in range(10)]
+    keys = curve_args(Path(short_tmp) / "keys", endpoints)
+    daemons = [start_daemon(*peer_args(i, endpoints, *keys[i])) for i in range(10)]
     for endpoint, daemon in zip(endpoints, daemons, strict=True):
         poll_until(lambda d=daemon: sorted(_peer_states(d).values())  # type: ignore[misc]
                    == ["idle"] + ["up"] * 8, 60,
