@@ -109,6 +109,29 @@ def test_peer_link_and_port(start_daemon: StartDaemon) -> None:
     assert found[f"port {endpoints[1]}"]["status"] == "ok"
 
 
+def test_a_peer_not_linked_at_rest_is_no_problem(start_daemon: StartDaemon) -> None:
+    """Four daemons, one ring neighbour on either side: the first has no link to
+    the one opposite (it opens on first use).  Doctor says so and finds nothing
+    wrong; the Prometheus `peer_up` gauge leaves that peer out."""
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(4)]
+    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure", "--watch-neighbours", "1"))
+               for i in range(4)]
+    ring = sorted(endpoints)
+    first = daemons[endpoints.index(ring[0])]
+    poll_until(lambda: doctor("--daemon", first.endpoint)[0] == 0, 30,
+               "doctor to find the ring neighbours' links up")
+    _, found = doctor("--daemon", first.endpoint)
+    assert found[f"link {ring[2]}"]["status"] == "ok", found
+    assert "not connected" in found[f"link {ring[2]}"]["detail"], found
+    assert found[f"port {ring[2]}"]["status"] == "ok", found
+    prometheus = subprocess.run(
+        [sys.executable, "-m", "gradsync.client.cli", "stats", "--daemon", first.endpoint,
+         "--prometheus"], capture_output=True, text=True, timeout=60, check=True).stdout
+    up = [line for line in prometheus.splitlines() if line.startswith("gradsync_peer_up{")]
+    assert len(up) == 2 and all(line.endswith(" 1.0") for line in up), up
+    assert not any(ring[2] in line for line in up), up
+
+
 def test_secret_key_mode(tmp_path: Path) -> None:
     generate_keypair(str(tmp_path), "n0")
     secret = tmp_path / "n0.key_secret"

@@ -194,6 +194,10 @@ def check_links(snapshot: dict[str, Any]) -> Iterator[Finding]:
         if state == "up":
             yield Finding(f"link {peer}", OK, f"up (heard {info.get('heartbeat_age_s') or 0:.1f}"
                           " s ago)")
+        elif state == "idle":  # past 2N+1 daemons: not a ring neighbour, no job uses it
+            yield Finding(f"link {peer}", OK, "not connected: no job here uses it now, "
+                          "and it opens on first use (docs/multi-node.md, Who links to whom)")
+            continue
         elif failed:
             yield Finding(f"link {peer}", PROBLEM, f"the CURVE handshake failed ({failed})",
                           _HANDSHAKE_FIXES.get(failed, _KEY_FIX))

@@ -325,9 +325,10 @@ def render_prometheus(snapshot: dict[str, Any]) -> str:
     metric("peer_heartbeat_age_seconds", "gauge", "Seconds since anything came from the peer.",
            [({"peer": p}, link["heartbeat_age_s"]) for p, link in snapshot.get("peers", {}).items()
             if link.get("heartbeat_age_s") is not None])
-    metric("peer_up", "gauge", "1 when the link to the peer is up.",
+    metric("peer_up", "gauge", "1 when the link to the peer is up; a peer whose link is "
+           "not connected (idle: opened on first use) is left out.",
            [({"peer": p}, 1.0 if link["state"] == "up" else 0.0)
-            for p, link in snapshot.get("peers", {}).items()])
+            for p, link in snapshot.get("peers", {}).items() if link["state"] != "idle"])
     metric("peer_data_stream_open", "gauge",
            "1 while slices to the peer take a data stream, 0 while they take ZeroMQ.",
            [({"peer": p}, 1.0 if link.get("data_stream") else 0.0)
