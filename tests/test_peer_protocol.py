@@ -16,6 +16,7 @@ from gradsync.protocol.version import PROTOCOL_VERSION
 FP = peer.Fingerprint("allreduce", "float32", 1000, "sum", "ring", None)
 MESSAGES: list[peer.Message] = [
     peer.Announce("job", 7, 1 << 61, 4, (0, 2), 5e-5, 1e-9),
+    peer.Announce("job", 7, 1 << 61, 4, (0, 2), 5e-5, 1e-9, lead=True),
     peer.Withdraw("job", 7, 3, "rank 1 died", "rank_lost", "tcp://10.0.0.1:7000", False),
     peer.Slice("job", 1 << 62, 12, FP, 3, 1, 4096),
     peer.Slice("job", 5, "bucket:4", FP, -1, 0, 0),
@@ -37,7 +38,7 @@ MESSAGES: list[peer.Message] = [
 ]
 SENDER = "tcp://127.0.0.1:7000"
 #: Fields sent only when set: a message without one reads as without it.
-OPTIONAL = frozenset({"lost"})
+OPTIONAL = frozenset({"lost", "lead"})
 
 
 def over_the_wire(message: peer.Message) -> dict[str, Any]:
@@ -106,6 +107,7 @@ def test_a_missing_or_mistyped_field_is_refused_by_name(message: peer.Message) -
 @pytest.mark.parametrize(("kind", "change"), [
     ("announce", {"ranks": [0, 0]}), ("announce", {"ranks": [4]}), ("announce", {"ranks": []}),
     ("announce", {"world_size": 0}), ("announce", {"alpha_s": True}),
+    ("announce", {"lead": 1}),
     ("withdraw", {"clean": 1}), ("slice", {"key": 1.5}), ("slice", {"step": True}),
     ("abort", {"details": []}), ("costs", {"epoch": 0}), ("costs", {"alpha_s": 1e4}),
     ("costs", {"explore_factor": 0.5}), ("costs", {"times": [["warp", 4096, 1e-3]]}),
