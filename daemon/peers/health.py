@@ -134,7 +134,7 @@ class Link:
     watched: bool = False
     #: Why the link is being declared lost (the detector's verdict), while it is.
     lost_why: str | None = None
-    #: Opened on first use rather than at start (links.py `PeerLinks.open`): until it
+    #: Opened on first use rather than at start (links.py `PeerLinks._open`): until it
     #: is up or given up on, messages wait in `waiting` and the peer counts as reachable.
     on_demand: bool = False
     #: What was sent before an on-demand link came up: frames, whether tracked, and
