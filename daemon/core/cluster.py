@@ -202,10 +202,11 @@ class ClusterJobs:
         return used
 
     def peers_kept(self) -> set[str]:
-        """The peers whose links stay open however quiet (daemon/peers/links.py):
-        the peers in use, and every member of each formed job here, as any member
-        may send to any other (tree and halving-doubling partners, aborts)."""
-        kept = self.peers_in_use()
+        """The peers whose links stay open however quiet (daemon/peers/links.py),
+        besides those in use (`peers_in_use`, which the links ask anyway): every
+        member of each formed job here, as any member may send to any other (tree
+        and halving-doubling partners, aborts)."""
+        kept: set[str] = set()
         for job in self.jobs.values():
             formation = job.across.formation
             if formation is not None:

@@ -157,7 +157,8 @@ class PeerLinks:
         self._liveness: asyncio.Task[None] | None = None
         self._closer: asyncio.Task[None] | None = None
         self._link_idle_s = settings.link_idle_s
-        #: The peers whose links stay open however quiet (ClusterJobs.peers_kept).
+        #: The peers whose links stay open however quiet, besides those in use
+        #: (ClusterJobs.peers_kept).
         self.keep_open: Callable[[], Collection[str]] = frozenset
         self._started = False
         self._closed = False
@@ -286,10 +287,8 @@ class PeerLinks:
                 task.cancel()
         link.tasks, link.probe, link.confirming = [], None, None
         closed = PeerLostError(f"the link to {link.name} was closed", {"peer": link.name})
+        self._end_up_period(link, closed, keep_streams=True)
         self._sockets.disconnect(link, closed)
-        if link.down is not None and not link.down.done():
-            link.down.set_exception(closed)
-            link.down.exception()
         link.down = None
         self._health.detector.forget(link.name)
         link.state, link.watched, link.closed_at = "idle", False, time.monotonic()
@@ -663,11 +662,12 @@ class PeerLinks:
         self._notify()
         self._call(self._events.peer_lost, link.name, link.lost_why or "")
 
-    def _end_up_period(self, link: Link, exc: Exception) -> None:
-        """Wake whatever waits on the link: pending sends and probe answers."""
+    def _end_up_period(self, link: Link, exc: Exception, keep_streams: bool = False) -> None:
+        """Wake whatever waits on the link: pending sends and probe answers; close
+        its data streams unless `keep_streams` (a quiet link closed: `_close_link`)."""
         if link.dealer is not None:
             link.dealer.fail_backlog(exc)
-        if self._data is not None:
+        if self._data is not None and not keep_streams:
             self._data.drop(link.name, exc)
         if link.give_up is not None:
             link.give_up.cancel()
