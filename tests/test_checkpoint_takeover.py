@@ -207,6 +207,9 @@ def test_without_survive_exit_a_clean_exit_frees_the_checkpoints(start: Start) -
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.getuid() != 0, reason="making a file of another uid takes root")
+# Alone, as the corrupt manifest above: another worker's daemon starting meanwhile would
+# find this manifest not its user's, warn and remove it (seen in a suite run on 3 workers).
+@pytest.mark.alone
 def test_another_users_manifest_is_not_adopted(start: Start) -> None:
     first = start()
     save(first, "j", 1, b"mine")

@@ -183,6 +183,21 @@ def test_what_a_fork_cannot_give_starts_fresh(tmp_path: Path) -> None:
     assert sum(RANK_ZYGOTE.fallbacks.values()) == before + 1
 
 
+def test_a_thread_count_of_its_own_is_forked_by_a_zygote_started_with_it(tmp_path: Path) -> None:
+    threads = "1" if RANK_ZYGOTE.environ.get("OMP_NUM_THREADS") != "1" else "2"
+    path = program(tmp_path, "import os, torch; "
+                             "print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())")
+    before = sum(RANK_ZYGOTE.fallbacks.values())
+    children = [forked(path, env={"OMP_NUM_THREADS": threads}) for _ in range(2)]
+    assert all(child.forked for child in children), RANK_ZYGOTE.summary()
+    for child in children:
+        returncode, out, err = outcome(child)
+        assert returncode == 0, err
+        assert out.split() == [threads, threads]
+    assert sum(RANK_ZYGOTE.fallbacks.values()) == before
+    assert f"OMP_NUM_THREADS={threads}: a zygote of its own" in RANK_ZYGOTE.summary()
+
+
 def test_a_forked_child_costs_less_than_a_fresh_one(tmp_path: Path) -> None:
     path = program(tmp_path, "import torch, gradsync.client.torch")
     started = time.monotonic()

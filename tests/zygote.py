@@ -66,6 +66,12 @@ FRESH_ONLY = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "LANG", "LC_", "OMP_
 #: torch's switch for its `torch.backends` entry points, which `import torch` calls: the
 #: zygote imports torch without them and each child calls them, under its own environment.
 AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+#: Start-up variables a child may set to its own value and still be forked: by a zygote
+#: of its own, started (once) with that value.  The suite gives OMP_NUM_THREADS=1 to
+#: the ranks of every torchrun-like test, so those would otherwise all start fresh.
+VARIANT_VARIABLES = ("OMP_NUM_THREADS",)
+#: The most zygotes of their own a session starts for such values.
+MAX_VARIANTS = 2
 ENABLE_VARIABLE = "GRADSYNC_TEST_ZYGOTE"
 MAX_REQUEST = 1 << 20
 PR_SET_PDEATHSIG = 1
@@ -453,14 +459,21 @@ def main(argv: Sequence[str]) -> None:
 
 
 class Zygote:
-    """The session's zygote: started on first use, stopped at the end of the session."""
+    """The session's zygote: started on first use, stopped at the end of the session.
 
-    def __init__(self, enabled: bool = True) -> None:
+    A child whose only differing start-up variables are VARIANT_VARIABLES goes to a
+    variant: a zygote of its own, started with those values (counted in this one's
+    `forked` and `fallbacks`)."""
+
+    def __init__(self, enabled: bool = True, environ: Mapping[str, str] | None = None,
+                 root: Zygote | None = None) -> None:
         self.enabled = enabled
         #: The environment the zygote starts with (the session's, as it began).
-        self.environ = dict(os.environ)
+        self.environ = dict(os.environ if environ is None else environ)
         self.forked = 0
         self.fallbacks: collections.Counter[str] = collections.Counter()
+        self._root = self if root is None else root
+        self._variants: dict[tuple[tuple[str, str | None], ...], Zygote] = {}
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._folder: Path | None = None
@@ -469,8 +482,29 @@ class Zygote:
               ) -> subprocess.Popen[str]:
         """`subprocess.Popen(args, env=env, stdout=PIPE, stderr=PIPE, text=True)`, forked
         by the zygote where it can."""
-        return ZygoteProcess(list(args), self if self._ready() else None, env=env,
+        zygote = self._serving(env)
+        return ZygoteProcess(list(args), zygote if zygote._ready() else None, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def _serving(self, env: Mapping[str, str] | None) -> Zygote:
+        """This zygote, or the variant for `env`'s values of VARIANT_VARIABLES (where
+        those are all it changes, and a variant is or may be started for them)."""
+        differing = fresh_only_differences(os.environ if env is None else env, self.environ)
+        if not differing or not set(differing) <= set(VARIANT_VARIABLES) or not self.enabled:
+            return self
+        values = tuple((name, (os.environ if env is None else env).get(name))
+                       for name in differing)
+        with self._lock:
+            variant = self._variants.get(values)
+            if variant is None:
+                if len(self._variants) >= MAX_VARIANTS:
+                    return self
+                environ = {**self.environ, **{n: v for n, v in values if v is not None}}
+                for name, value in values:
+                    if value is None:
+                        environ.pop(name, None)
+                variant = self._variants[values] = Zygote(True, environ, self)
+            return variant
 
     @property
     def socket_path(self) -> Path:
@@ -484,7 +518,7 @@ class Zygote:
             if self._process is None:
                 if threading.current_thread() is not threading.main_thread():
                     # PR_SET_PDEATHSIG fires when the starting *thread* ends.
-                    self.fallbacks["asked first from a thread other than pytest's main"] += 1
+                    self._root.fallbacks["asked first from a thread other than pytest's main"] += 1
                     return False
                 self._start()
             return self.enabled
@@ -556,14 +590,14 @@ class Zygote:
             if not data:
                 self._broken("it closed the connection")
                 return None
-            self.fallbacks[str(reply.get("refused"))] += 1
+            self._root.fallbacks[str(reply.get("refused"))] += 1
             return None
         connection.settimeout(None)
-        self.forked += 1
+        self._root.forked += 1
         return int(reply["pid"]), connection, received[0] if received else None
 
     def _broken(self, problem: str) -> None:
-        self.fallbacks["the zygote broke"] += 1
+        self._root.fallbacks["the zygote broke"] += 1
         with self._lock:
             if self.enabled:
                 self.enabled = False
@@ -571,7 +605,10 @@ class Zygote:
                               "fresh processes from now on", stacklevel=5)
 
     def stop(self) -> None:
-        """End the zygote (children it forked run on, as rank processes outlive pytest)."""
+        """End the zygote and its variants (children they forked run on, as rank
+        processes outlive pytest)."""
+        for variant in self._variants.values():
+            variant.stop()
         process, self._process = self._process, None
         if process is not None:
             process.terminate()
@@ -586,8 +623,10 @@ class Zygote:
     def summary(self) -> str:
         fresh = sum(self.fallbacks.values())
         reasons = "; ".join(f"{count}× {reason}" for reason, count in self.fallbacks.items())
+        variants = "".join(f"; {', '.join(f'{n}={v}' for n, v in values)}: a zygote of its own"
+                           for values in self._variants)
         return (f"rank zygote: {self.forked} rank processes forked, {fresh} started fresh"
-                + (f" ({reasons})" if reasons else ""))
+                + (f" ({reasons})" if reasons else "") + variants)
 
 
 class _Stdio:
