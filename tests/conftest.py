@@ -33,7 +33,7 @@ PROGRAMS = Path(__file__).parent / "programs"
 #: Forks rank processes from a warm interpreter (tests/zygote.py); started on first use,
 #: stopped at the end of the session.  GRADSYNC_TEST_ZYGOTE=0: every rank starts fresh.
 RANK_ZYGOTE = Zygote(enabled=os.environ.get(ENABLE_VARIABLE, "1") != "0")
-#: Tests marked `alone` run with no other test beside them on the other xdist worker.
+#: Tests marked `alone` run with no other test beside them on the other xdist workers.
 ROOM = room_lock()
 READY_TIMEOUT_S = 20.0
 #: GRADSYNC_FAST_PATH for each path a small synchronous allreduce can take: the
@@ -170,6 +170,24 @@ def start_daemon(short_tmp: str) -> Iterator[object]:
 def daemon(start_daemon: object) -> DaemonProcess:
     """One daemon with default settings."""
     return start_daemon()  # type: ignore[operator, no-any-return]
+
+
+@pytest.fixture(scope="module")
+def module_daemon() -> Iterator[DaemonProcess]:
+    """One daemon with default settings, shared by a module's tests (each isolates its
+    jobs by name); at the module's end it must exit 0 on SIGTERM and leave no segment."""
+    folder = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    os.chmod(folder, 0o700)
+    started = launch_daemon(folder, name="m")
+    try:
+        yield started
+        started.assert_alive()
+        assert started.stop() == 0, started.log()
+        assert not segments_of(started.pid), f"segments left behind: {segments_of(started.pid)}"
+    finally:
+        if started.alive():
+            started.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- the fast tier ------------------------------------------------------------

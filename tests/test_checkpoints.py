@@ -37,9 +37,10 @@ def train(daemon: DaemonProcess, job: str, *options: str,
     return [result.records()[-1] for result in results]
 
 
-@pytest.fixture
-def truth(daemon: DaemonProcess) -> dict[str, object]:
-    records = train(daemon, "truth")
+@pytest.fixture(scope="module")
+def truth(module_daemon: DaemonProcess) -> dict[str, object]:
+    """The same training never interrupted (once for the module: it is deterministic)."""
+    records = train(module_daemon, "truth")
     assert records[0]["params"] == records[1]["params"]
     return records[0]
 
