@@ -1,14 +1,14 @@
 """Tests marked `alone` run with no other test beside them, under pytest-xdist too.
 
-The suite runs on two xdist workers (pyproject's addopts).  A few tests judge
+The suite runs on several xdist workers (pyproject's addopts).  A few tests judge
 wall-clock behaviour under a load they make themselves (the failure detector's
-no-false-positive soaks, the lost-node bound): a second worker's test beside
+no-false-positive soaks, the lost-node bound): another worker's test beside
 them would add load they did not design for.  So every test holds the run's
 room lock: shared for an ordinary test, exclusive for an `alone` one.
 
 The lock is fair (a turnstile taken before the room): once an `alone` test is
-waiting, no new ordinary test starts, so it gets the room as soon as the test
-now running on the other worker ends.  Plain `flock` files in the temp folder,
+waiting, no new ordinary test starts, so it gets the room as soon as the tests
+now running on the other workers end.  Plain `flock` files in the temp folder,
 named by the xdist run's id, so separate runs never wait for each other; the
 kernel releases them when a worker dies.  Outside xdist there is no one to
 wait for and nothing is locked.
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 #: xdist gives every worker of one run the same id.
 RUN_ID_VARIABLE = "PYTEST_XDIST_TESTRUNUID"
-#: The longest a test waits for the room: the other worker's longest test and then some.
+#: The longest a test waits for the room: the other workers' longest test and then some.
 WAIT_S = 900.0
 POLL_S = 0.05
 
@@ -53,8 +53,8 @@ class RoomLock:
                 return
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{what} waited {WAIT_S:.0f} s for the test on the other "
-                                       f"xdist worker to end (lock {name} of run "
+                    raise TimeoutError(f"{what} waited {WAIT_S:.0f} s for the tests on the other "
+                                       f"xdist workers to end (lock {name} of run "
                                        f"{self.run_id})") from None
                 time.sleep(POLL_S)
 
