@@ -26,7 +26,14 @@ from cluster import curve_args, peer_args
 from test_checkpoint_replicas import lose_node, records, replicated_on, stats
 
 from benchmarks.topology import Topology, list_namespaces, namespaces, namespaces_unavailable
-from conftest import PROGRAMS, DaemonProcess, assert_all_exited_0, collect, poll_until
+from conftest import (
+    PROGRAMS,
+    RANK_ZYGOTE,
+    DaemonProcess,
+    assert_all_exited_0,
+    collect,
+    poll_until,
+)
 
 pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
 
@@ -57,8 +64,8 @@ def hosts() -> Iterator[Topology]:
 
 def spawn_on_hosts(topo: Topology, daemons: Sequence[DaemonProcess], args: Sequence[str],
                    job: str, store_port: int) -> list[subprocess.Popen[str]]:
-    """Two ranks per node, numbered as torchrun numbers nodes, each started inside its
-    node's namespace (not forked by the suite's zygote, which lives in the host's)."""
+    """Two ranks per node, numbered as torchrun numbers nodes, each inside its node's
+    namespace (forked by the suite's zygote, which moves the child there)."""
     processes = []
     for node, daemon in enumerate(daemons):
         for local_rank in range(2):
@@ -67,9 +74,8 @@ def spawn_on_hosts(topo: Topology, daemons: Sequence[DaemonProcess], args: Seque
                    "GRADSYNC_DAEMON": daemon.endpoint, "GRADSYNC_JOB": job,
                    "MASTER_ADDR": topo.hosts[0], "MASTER_PORT": str(store_port),
                    "OMP_NUM_THREADS": "1"}
-            processes.append(subprocess.Popen(
-                [*topo.prefix(node), sys.executable, str(PROGRAMS / PROGRAM), *args],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            processes.append(RANK_ZYGOTE.popen([sys.executable, str(PROGRAMS / PROGRAM), *args],
+                                               env=env, netns=topo.namespaces[node]))
     return processes
 
 

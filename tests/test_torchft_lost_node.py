@@ -29,10 +29,11 @@ import pytest
 
 pytest.importorskip("torchft")
 
+from cluster import free_ports, peer_args
+
 from benchmarks.topology import namespaces, namespaces_unavailable
+from conftest import PROGRAMS, RANK_ZYGOTE, DaemonProcess, poll_until
 from gradsync.client.cli.stats import fetch_snapshot
-from tests.cluster import free_ports, peer_args
-from tests.conftest import PROGRAMS, DaemonProcess, poll_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.alone, pytest.mark.timeout(240)]
 
@@ -86,11 +87,11 @@ def test_a_vanished_node_costs_the_survivors_one_step_not_the_timeout(
                        "REPLICA_TIMEOUT_S": str(TORCHFT_TIMEOUT_S), "REPLICA_INIT_SYNC": "0",
                        "REPLICA_TRANSPORT": "pg"}  # heals across namespaces
                 victim = replica == 2
-                replicas.append(subprocess.Popen(
-                    [*topo.prefix(node), sys.executable, str(PROGRAMS / "torchft_replica.py"),
+                replicas.append(RANK_ZYGOTE.popen(
+                    [sys.executable, str(PROGRAMS / "torchft_replica.py"),
                      f"replica{replica}", str(STEPS), str(CUT_AT if victim else -1),
                      "stall" if victim else "0", str(markers), "3"],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                    env=env, netns=topo.namespaces[node]))
             try:
                 poll_until(lambda: (markers / "killed").exists(), 120,
                            "replica 2 to reach the step where its node is cut off")

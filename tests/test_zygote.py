@@ -8,6 +8,7 @@ and the two must agree.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -196,6 +197,38 @@ def test_a_thread_count_of_its_own_is_forked_by_a_zygote_started_with_it(tmp_pat
         assert out.split() == [threads, threads]
     assert sum(RANK_ZYGOTE.fallbacks.values()) == before
     assert f"OMP_NUM_THREADS={threads}: a zygote of its own" in RANK_ZYGOTE.summary()
+
+
+def test_a_child_asked_into_a_network_namespace_is_forked_there(tmp_path: Path) -> None:
+    """As `ip netns exec` would start it: its sockets live in the namespace (it sees
+    the node's own address), and a namespace that does not exist is refused."""
+    from benchmarks.topology import namespaces, namespaces_unavailable
+
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    path = program(tmp_path, """\
+        import os, socket
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((os.environ["PEER"], 9))  # no packet: picks the route only
+            print(os.readlink("/proc/self/ns/net"), probe.getsockname()[0])
+        """)
+    with namespaces(2) as topo:
+        node = topo.namespaces[1]
+        assert node is not None
+        expected = os.stat(f"/run/netns/{node}").st_ino
+        child = RANK_ZYGOTE.popen([sys.executable, str(path)], netns=node,
+                                  env={**RANK_ZYGOTE.environ, "PEER": topo.hosts[0]})
+        assert isinstance(child, ZygoteProcess) and child.forked, RANK_ZYGOTE.summary()
+        returncode, out, err = outcome(child)
+        assert returncode == 0, err
+        assert out.split() == [f"net:[{expected}]", topo.hosts[1]]
+    before = sum(RANK_ZYGOTE.fallbacks.values())
+    gone = RANK_ZYGOTE.popen([sys.executable, str(path)], netns=node,
+                             env={**RANK_ZYGOTE.environ, "PEER": topo.hosts[0]})
+    assert not gone.forked  # type: ignore[attr-defined]
+    assert outcome(gone)[0] != 0  # and `ip netns exec` fails as well
+    assert sum(RANK_ZYGOTE.fallbacks.values()) == before + 1
 
 
 def test_a_forked_child_costs_less_than_a_fresh_one(tmp_path: Path) -> None:

@@ -21,6 +21,11 @@ give: another interpreter, a variable read at interpreter or library start-up th
 differs from the zygote's (PYTHON*, LD_*, locale, OpenMP/BLAS, TORCH_*), or a server
 that is not single-threaded at the moment of the fork.
 
+A request may name a network namespace (`ip netns add`'s name): the child enters it
+(setns) before it becomes the program, so the "hosts" of the multi-node tests fork
+too.  A child that only sets OMP_NUM_THREADS otherwise goes to a variant zygote
+started with that value (`Zygote._serving`).
+
 Client: `Zygote`, started on first use, and `ZygoteProcess`, a subprocess.Popen whose
 child the zygote forked (the Popen API unchanged: pipes, communicate, wait with a
 timeout, kill, returncode -signum).  GRADSYNC_TEST_ZYGOTE=0 turns it off.
@@ -75,6 +80,9 @@ MAX_VARIANTS = 2
 ENABLE_VARIABLE = "GRADSYNC_TEST_ZYGOTE"
 MAX_REQUEST = 1 << 20
 PR_SET_PDEATHSIG = 1
+CLONE_NEWNET = 0x40000000
+#: Where `ip netns add NAME` keeps a network namespace (a child may be asked to enter one).
+NETNS_DIR = "/run/netns"
 
 
 def fresh_only_differences(env: Mapping[str, str], baseline: Mapping[str, str]) -> list[str]:
@@ -99,6 +107,18 @@ def _die_with(parent: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != parent:
         os._exit(0)
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into network namespace `name`, as
+    `ip netns exec NAME` does for the sockets it opens."""
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
 
 
 class Inherited:
@@ -299,6 +319,10 @@ class Server:
             return f"not a Python file the zygote can run: {program}"
         if not os.path.isdir(cwd):
             return f"no such folder: {cwd}"
+        netns = request.get("netns")
+        if netns is not None and not (isinstance(netns, str) and netns == os.path.basename(netns)
+                                      and os.path.exists(os.path.join(NETNS_DIR, netns))):
+            return f"no such network namespace: {netns!r}"
         differing = fresh_only_differences(env, os.environ)
         if differing:
             return f"start-up variables differ from the zygote's: {', '.join(differing)}"
@@ -313,6 +337,7 @@ class Child:
         self.argv: list[str] = request["argv"]
         self.env: dict[str, str] = request["env"]
         self.cwd: str = request["cwd"]
+        self.netns: str | None = request.get("netns")
         self.fds = fds
         self.abandon = abandon
         self.inherited = inherited
@@ -326,6 +351,8 @@ class Child:
             if fd > 2:
                 os.close(fd)
         self.inherited.restore()
+        if self.netns is not None:
+            _enter_netns(self.netns)
         os.chdir(self.cwd)
         os.environ.clear()  # unsetenv/putenv: the C environment follows
         os.environ.update(self.env)
@@ -478,13 +505,15 @@ class Zygote:
         self._process: subprocess.Popen[bytes] | None = None
         self._folder: Path | None = None
 
-    def popen(self, args: Sequence[str], env: Mapping[str, str] | None = None
-              ) -> subprocess.Popen[str]:
+    def popen(self, args: Sequence[str], env: Mapping[str, str] | None = None,
+              netns: str | None = None) -> subprocess.Popen[str]:
         """`subprocess.Popen(args, env=env, stdout=PIPE, stderr=PIPE, text=True)`, forked
-        by the zygote where it can."""
+        by the zygote where it can; in network namespace `netns` if given (started fresh:
+        under `ip netns exec NETNS`)."""
         zygote = self._serving(env)
         return ZygoteProcess(list(args), zygote if zygote._ready() else None, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             netns=netns, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
 
     def _serving(self, env: Mapping[str, str] | None) -> Zygote:
         """This zygote, or the variant for `env`'s values of VARIANT_VARIABLES (where
@@ -566,11 +595,14 @@ class Zygote:
         return None if reply.get("ready") else str(reply.get("problem"))
 
     def fork(self, argv: list[str], env: Mapping[str, str] | None, cwd: str | None,
-             stdio: Sequence[int]) -> tuple[int, socket.socket, int | None] | None:
+             stdio: Sequence[int], netns: str | None = None
+             ) -> tuple[int, socket.socket, int | None] | None:
         """Ask the zygote for a child: (pid, the connection its status comes on, a pidfd),
         or None where it cannot serve this one (the caller starts a fresh process)."""
         request = {"argv": argv, "env": dict(os.environ if env is None else env),
                    "cwd": os.getcwd() if cwd is None else os.fspath(cwd)}
+        if netns is not None:
+            request["netns"] = netns
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         connection.settimeout(60)
         with _Stdio(stdio) as fds:
@@ -659,13 +691,18 @@ class ZygoteProcess(subprocess.Popen[str]):
     (communicate, timeouts); this class replaces how the child starts, how its exit
     status arrives (from the zygote, which reaps it) and how it is signalled (a pidfd)."""
 
-    def __init__(self, args: list[str], zygote: Zygote | None, **kwargs: Any) -> None:
+    def __init__(self, args: list[str], zygote: Zygote | None, netns: str | None = None,
+                 **kwargs: Any) -> None:
         self._zygote = zygote
+        self._netns = netns
+        #: What the zygote runs; started fresh, the same under `ip netns exec NETNS`.
+        self._program = args
         self._status: socket.socket | None = None
         self._pidfd: int | None = None
         #: Whether the zygote forked this child (False: started fresh).
         self.forked = False
-        super().__init__(args, **kwargs)
+        super().__init__(args if netns is None else ["ip", "netns", "exec", netns, *args],
+                         **kwargs)
 
     def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: bool,
                        pass_fds: Iterable[int], cwd: Any, env: Any, startupinfo: Any,
@@ -674,8 +711,8 @@ class ZygoteProcess(subprocess.Popen[str]):
                        *rest: Any) -> None:
         if (self._zygote is not None and executable is None and preexec_fn is None
                 and not shell and not tuple(pass_fds)):
-            forked = self._zygote.fork([os.fspath(a) for a in args], env, cwd,
-                                       (p2cread, c2pwrite, errwrite))
+            forked = self._zygote.fork([os.fspath(a) for a in self._program], env, cwd,
+                                       (p2cread, c2pwrite, errwrite), self._netns)
             if forked is not None:
                 self.pid, self._status, self._pidfd = forked
                 self._child_created = True
