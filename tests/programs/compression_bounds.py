@@ -57,19 +57,20 @@ def make_inputs(world: int, count: int, dtype: str, seed: int) -> list[np.ndarra
     """Every rank's input: magnitudes over 60 decades (values far beyond fp8's
     range, and tiny ones) in blocks of varying scale, with -0.0 everywhere at
     index 7, +inf (index 3), NaN (5) and +inf against -inf (9) on some ranks."""
-    inputs = []
-    for rank in range(world):
-        rng = np.random.default_rng([seed, rank])
-        scale = 10.0 ** rng.uniform(-30, 30, size=-(-count // 300) + 1).repeat(300)[:count]
-        values = rng.standard_normal(count) * scale
-        values = values.astype(dtype)
-        if count > 10:
-            values[7] = -0.0
-            if rank == 0:
-                values[3] = np.inf
-                values[9] = -np.inf
-            if rank == world - 1:
-                values[5] = np.nan
-                values[9] = np.inf if world > 1 else values[9]
-        inputs.append(values)
-    return inputs
+    return [rank_input(world, count, dtype, seed, rank) for rank in range(world)]
+
+
+def rank_input(world: int, count: int, dtype: str, seed: int, rank: int) -> np.ndarray:
+    """Rank `rank`'s input of `make_inputs` (each rank's comes from its own generator)."""
+    rng = np.random.default_rng([seed, rank])
+    scale = 10.0 ** rng.uniform(-30, 30, size=-(-count // 300) + 1).repeat(300)[:count]
+    values = (rng.standard_normal(count) * scale).astype(dtype)
+    if count > 10:
+        values[7] = -0.0
+        if rank == 0:
+            values[3] = np.inf
+            values[9] = -np.inf
+        if rank == world - 1:
+            values[5] = np.nan
+            values[9] = np.inf if world > 1 else values[9]
+    return values
