@@ -15,7 +15,8 @@ received: `heal`);
 REPLICA_LAG=N to keep every replica within N steps of the others (each waits,
 60 s at most, before asking for a quorum at step S until every replica has
 asked at S - N or later or waits for a quorum now: the others cannot finish
-while one is failing or retrying a step after a daemon restart); REPLICA_DDP=MB to train through
+while one is failing or retrying a step after a daemon restart; and the last
+step, taken by fewer than all, is discarded and retried); REPLICA_DDP=MB to train through
 torchft's DistributedDataParallel (its comm hook's `Manager.allreduce` per
 bucket of MB megabytes) rather than one `Manager.allreduce` per gradient.
 Trains a small model with torchft's Manager (min_replica_size 2), one
@@ -192,6 +193,12 @@ def main() -> None:
         for work in works:
             work.wait()
         participants = manager.num_participants()
+        if lag and step == steps - 1 and participants < replicas:
+            # The last step is whole: one a quorum of fewer took (a laggard asked late) is
+            # discarded and retried with it, or the others would finish and leave it
+            # waiting alone for a quorum until its timeout (seen in a suite run).
+            manager.report_error(RuntimeError(f"the last step needs all {replicas} replicas, "
+                                              f"not {participants}"))
         error = manager.errored()
         optimizer.step()  # should_commit: a step with a failure is discarded
         emit({"replica": replica_id, "step": step, "participants": participants,
