@@ -7,6 +7,7 @@ clean exit and that none of their segments is left in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import fnmatch
@@ -129,13 +130,38 @@ def launch_daemon(
     return daemon
 
 
+@contextlib.contextmanager
+def private_folder() -> Iterator[str]:
+    """A short private folder (Unix socket paths are limited to 107 bytes), removed after."""
+    folder = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    os.chmod(folder, 0o700)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[str]:
     """A short private folder (Unix socket paths are limited to 107 bytes)."""
-    folder = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
-    os.chmod(folder, 0o700)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    with private_folder() as folder:
+        yield folder
+
+
+def stop_problems(daemon: DaemonProcess) -> list[str]:
+    """SIGTERM a daemon the test left running: what is wrong with how it went (an exit
+    status other than 0, segments left behind).  One the test killed on purpose has its
+    leftovers swept."""
+    was_running = daemon.process.poll() is None
+    code = daemon.stop()
+    if not was_running:
+        daemon.sweep_segments()
+        return []
+    problems = [f"gradsyncd exited {code} on SIGTERM:\n{daemon.log()}"] if code != 0 else []
+    leaked = segments_of(daemon.pid)
+    if leaked:
+        problems.append(f"segments left behind: {leaked}")
+    return problems
 
 
 @pytest.fixture
@@ -151,18 +177,7 @@ def start_daemon(short_tmp: str) -> Iterator[object]:
         return daemon
 
     yield start
-    problems = []
-    for daemon in started:
-        was_running = daemon.process.poll() is None
-        code = daemon.stop()
-        if was_running and code != 0:
-            problems.append(f"gradsyncd exited {code} on SIGTERM:\n{daemon.log()}")
-        if not was_running:  # killed on purpose by the test: sweep its leftovers
-            daemon.sweep_segments()
-            continue
-        leaked = segments_of(daemon.pid)
-        if leaked:
-            problems.append(f"segments left behind: {leaked}")
+    problems = [problem for daemon in started for problem in stop_problems(daemon)]
     assert not problems, "\n".join(problems)
 
 
@@ -176,18 +191,14 @@ def daemon(start_daemon: object) -> DaemonProcess:
 def module_daemon() -> Iterator[DaemonProcess]:
     """One daemon with default settings, shared by a module's tests (each isolates its
     jobs by name); at the module's end it must exit 0 on SIGTERM and leave no segment."""
-    folder = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
-    os.chmod(folder, 0o700)
-    started = launch_daemon(folder, name="m")
-    try:
-        yield started
-        started.assert_alive()
-        assert started.stop() == 0, started.log()
-        assert not segments_of(started.pid), f"segments left behind: {segments_of(started.pid)}"
-    finally:
-        if started.alive():
-            started.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    with private_folder() as folder:
+        started = launch_daemon(folder, name="m")
+        try:
+            yield started
+            started.assert_alive()  # no test here kills it
+        finally:
+            problems = stop_problems(started)
+        assert not problems, "\n".join(problems)
 
 
 # -- the fast tier ------------------------------------------------------------
