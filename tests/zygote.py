@@ -518,11 +518,11 @@ class Zygote:
     def _serving(self, env: Mapping[str, str] | None) -> Zygote:
         """This zygote, or the variant for `env`'s values of VARIANT_VARIABLES (where
         those are all it changes, and a variant is or may be started for them)."""
-        differing = fresh_only_differences(os.environ if env is None else env, self.environ)
+        wanted = os.environ if env is None else env
+        differing = fresh_only_differences(wanted, self.environ)
         if not differing or not set(differing) <= set(VARIANT_VARIABLES) or not self.enabled:
             return self
-        values = tuple((name, (os.environ if env is None else env).get(name))
-                       for name in differing)
+        values = tuple((name, wanted.get(name)) for name in differing)
         with self._lock:
             variant = self._variants.get(values)
             if variant is None:
