@@ -159,6 +159,12 @@ class DaemonProcess:
         return self.leaked_segments
 
 
+def daemon_command(endpoint: str, daemon_args: Sequence[str] = ()) -> list[str]:
+    """`python -m gradsync.daemon --socket ENDPOINT DAEMON_ARGS`: gradsyncd under this
+    interpreter."""
+    return [sys.executable, *_DAEMON_MODULE, "--socket", endpoint, *daemon_args]
+
+
 def start_daemon(
     endpoint: str,
     daemon_args: Sequence[str] = (),
@@ -181,7 +187,7 @@ def start_daemon(
     """
     keeper = _KEEPER if detached else ()
     prefix = [*keeper, *prefix]
-    command = [*prefix, sys.executable, *_DAEMON_MODULE, "--socket", endpoint, *daemon_args]
+    command = [*prefix, *daemon_command(endpoint, daemon_args)]
     log = Path(log_path) if log_path is not None else None
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(log, "wb")) if log is not None else None

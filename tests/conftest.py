@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from run_alone import room_lock
-from zygote import ENABLE_VARIABLE, Zygote
+from zygote import DAEMON_PRELOAD, ENABLE_VARIABLE, Zygote
 
 from gradsync.client import daemon_process
 from gradsync.client.daemon_process import segments_of
@@ -34,6 +34,22 @@ PROGRAMS = Path(__file__).parent / "programs"
 #: Forks rank processes from a warm interpreter (tests/zygote.py); started on first use,
 #: stopped at the end of the session.  GRADSYNC_TEST_ZYGOTE=0: every rank starts fresh.
 RANK_ZYGOTE = Zygote(enabled=os.environ.get(ENABLE_VARIABLE, "1") != "0")
+#: Fork the tests' gradsyncd the same way: its libraries loaded (numpy, ZeroMQ, uvloop:
+#: about 0.15 s of CPU a daemon), and for a daemon with peers ml_dtypes too (0.45 s),
+#: which it loads as it starts; one without peers loads it only at its first bfloat16
+#: request (tests/test_cli_imports.py looks), so its zygote has not.
+DAEMON_ZYGOTES = {
+    peered: Zygote(enabled=RANK_ZYGOTE.enabled, what="peered daemon" if peered else "daemon",
+                   preload=DAEMON_PRELOAD + (("ml_dtypes",) if peered else ()))
+    for peered in (False, True)
+}
+ZYGOTES = (RANK_ZYGOTE, *DAEMON_ZYGOTES.values())
+NETNS_EXEC = ["ip", "netns", "exec"]
+
+
+def zygotes_summary() -> str:
+    """What the session's zygotes forked (empty where none was used)."""
+    return "; ".join(z.summary() for z in ZYGOTES if z.forked or z.fallbacks)
 #: Tests marked `alone` run with no other test beside them on the other xdist workers.
 ROOM = room_lock()
 READY_TIMEOUT_S = 20.0
@@ -119,13 +135,22 @@ def launch_daemon(
     name: str = "d",
     prefix: Sequence[str] = (),
 ) -> DaemonProcess:
+    """gradsyncd ARGS in `folder` (log NAME.log), under `prefix` (e.g. `ip netns exec NS`);
+    forked by a daemon zygote where it can, else started as the launcher starts it."""
     log_path = Path(folder) / f"{name}.log"
-    started = daemon_process.start_daemon(
-        f"ipc://{folder}/{name}.sock", args, folder=folder, log_path=log_path, prefix=prefix,
-        env={**os.environ, **(env or {})},
-    )
-    daemon = DaemonProcess(started.endpoint, folder, started.process, log_path,
-                           prefix_words=len(prefix))
+    endpoint = f"ipc://{folder}/{name}.sock"
+    environment = {**os.environ, **(env or {})}
+    netns = prefix[3] if len(prefix) == 4 and list(prefix[:3]) == NETNS_EXEC else None
+    if prefix and netns is None:  # a prefix a fork cannot stand for
+        process = daemon_process.start_daemon(endpoint, args, folder=folder, log_path=log_path,
+                                              prefix=prefix, env=environment).process
+    else:
+        peered = any(arg == "--listen" or arg.startswith("--listen=") for arg in args)
+        with open(log_path, "wb") as log:
+            process = DAEMON_ZYGOTES[peered].process(
+                daemon_process.daemon_command(endpoint, args), environment, netns,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    daemon = DaemonProcess(endpoint, folder, process, log_path, prefix_words=len(prefix))
     wait_until_ready(daemon.endpoint, daemon.process, daemon.log_path)
     return daemon
 
@@ -382,11 +407,13 @@ WORKER_ZYGOTES: list[str] = []
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    RANK_ZYGOTE.stop()
+    for zygote in ZYGOTES:
+        zygote.stop()
     ROOM.remove()
     worker_output = getattr(session.config, "workeroutput", None)  # on an xdist worker
-    if worker_output is not None and (RANK_ZYGOTE.forked or RANK_ZYGOTE.fallbacks):
-        worker_output["zygote"] = RANK_ZYGOTE.summary()
+    summary = zygotes_summary()
+    if worker_output is not None and summary:
+        worker_output["zygote"] = summary
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -398,8 +425,9 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if RANK_ZYGOTE.forked or RANK_ZYGOTE.fallbacks:
-        terminalreporter.write_line(RANK_ZYGOTE.summary())
+    summary = zygotes_summary()
+    if summary:
+        terminalreporter.write_line(summary)
     for line in WORKER_ZYGOTES:
         terminalreporter.write_line(line)
 

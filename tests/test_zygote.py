@@ -16,11 +16,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from zygote import ZygoteProcess
 
-from conftest import RANK_ZYGOTE
+from conftest import DAEMON_ZYGOTES, RANK_ZYGOTE
 
 pytestmark = pytest.mark.skipif(not RANK_ZYGOTE.enabled, reason="GRADSYNC_TEST_ZYGOTE=0")
 
@@ -83,7 +84,8 @@ PROBE = """
             pass
     print(json.dumps({
         "argv": sys.argv, "orig_argv": sys.orig_argv, "path0": sys.path[0],
-        "cwd": os.getcwd(), "name": __name__, "file": __file__, "spec": repr(__spec__),
+        "cwd": os.getcwd(), "name": __name__, "file": __file__, "package": __package__,
+        "spec": None if __spec__ is None else [__spec__.name, __spec__.origin],
         "variable": os.environ.get("ZYGOTE_PROBE"),
         "c_env": getenv(b"ZYGOTE_PROBE").decode(),
         "tmp": tempfile.gettempdir(), "signals": sigs,
@@ -109,6 +111,24 @@ def test_a_forked_child_starts_as_a_fresh_interpreter(
     ours = json.loads(outcome(child)[1])
     theirs = json.loads(outcome(fresh(path, "a", "b c", env=env))[1])
     assert {name: value for name, value in ours.items() if theirs[name] != value} == {}, theirs
+
+
+def test_a_module_run_as_python_dash_m_is_forked_as_a_fresh_interpreter_runs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How the daemon zygotes start gradsyncd: `python -m gradsync.daemon`."""
+    (tmp_path / "probe_module.py").write_text(textwrap.dedent(PROBE))
+    monkeypatch.chdir(tmp_path)
+    zygote = DAEMON_ZYGOTES[False]
+    args = [sys.executable, "-m", "probe_module", "a", "b c"]
+    env = {**zygote.environ, "ZYGOTE_PROBE": "x y", "TMPDIR": str(tmp_path)}
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    child = zygote.process(args, env, **pipes)
+    assert isinstance(child, ZygoteProcess) and child.forked, zygote.summary()
+    ours = json.loads(outcome(child)[1])
+    theirs = json.loads(outcome(subprocess.Popen(args, env=env, **pipes))[1])
+    assert {name: value for name, value in ours.items() if theirs[name] != value} == {}, theirs
+    assert ours["name"] == "__main__" and ours["argv"][0] == str(tmp_path / "probe_module.py")
 
 
 def test_random_generators_differ_between_children(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""A zygote for the suite's rank processes: fork a warm interpreter instead of starting one.
+"""A zygote for the suite's rank and daemon processes: fork a warm interpreter instead of
+starting one.
 
 A rank program spends about 2 s of CPU in `import torch` (and ml_dtypes, numpy, ...)
 before it does anything, and the suite starts hundreds of them.  The zygote is a
@@ -7,7 +8,11 @@ forks a child per rank program; the child becomes what `python PROGRAM ARGS...`
 would have been (environment, working folder, argv, sys.path[0], stdio, signal
 dispositions, fresh random seeds) and runs the program as `__main__`.
 
-Server: `python tests/zygote.py SOCKET PARENT_PID`, single-threaded, one select loop
+The same goes for the tests' gradsyncd (`python -m gradsync.daemon`, run as `-m` runs
+a module): tests/conftest.py keeps daemon zygotes that preload only the daemon's
+libraries (DAEMON_PRELOAD), without torch.
+
+Server: `python tests/zygote.py SOCKET PARENT_PID [PRELOAD,...]`, single-threaded, one select loop
 over a SOCK_SEQPACKET Unix socket.  A request is one message (JSON: argv, env, cwd)
 carrying the child's stdin, stdout and stderr as SCM_RIGHTS; the reply carries the
 child's pid and a pidfd (signals cannot reach a reused pid), and, on the same
@@ -46,6 +51,7 @@ import json
 import linecache
 import os
 import random
+import runpy
 import select
 import selectors
 import shutil
@@ -62,8 +68,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-#: What the zygote imports once for every child (third-party only; see the docstring).
+#: What the rank zygote imports once for every child (third-party only; see the docstring).
 PRELOAD = ("numpy", "msgpack", "zmq", "ml_dtypes", "torch", "torch.distributed")
+#: What a daemon zygote imports: gradsyncd's third-party libraries, without torch.
+DAEMON_PRELOAD = ("asyncio", "numpy", "msgpack", "zmq", "zmq.asyncio", "uvloop",
+                  "cryptography.hazmat.primitives.ciphers.aead")
 #: Variables an interpreter or a preloaded library reads as it starts: a child whose
 #: value differs from the zygote's needs a fresh process.
 FRESH_ONLY = ("PYTHON", "LD_", "MALLOC_", "GLIBC_TUNABLES", "LANG", "LC_", "OMP_", "GOMP_",
@@ -142,11 +151,11 @@ class Inherited:
         signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
 
 
-def _preload() -> tuple[list[str], list[Any] | None]:
-    """Import PRELOAD (what fails is left to the children); torch's backend entry
+def _preload(modules: Sequence[str]) -> tuple[list[str], list[Any] | None]:
+    """Import `modules` (what fails is left to the children); torch's backend entry
     points, resolved but not loaded (None where torch did not import)."""
     problems = []
-    for name in PRELOAD:
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:
@@ -315,7 +324,11 @@ class Server:
         if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
             return f"another interpreter: {argv[0]}"
         program = argv[1]
-        if program.startswith("-") or not program.endswith(".py") or not os.path.isfile(program):
+        if program == "-m":
+            if len(argv) < 3 or not all(part.isidentifier() for part in argv[2].split(".")):
+                return f"not a module name: {argv[2:3]}"
+        elif program.startswith("-") or not program.endswith(".py") or not os.path.isfile(
+                program):
             return f"not a Python file the zygote can run: {program}"
         if not os.path.isdir(cwd):
             return f"no such folder: {cwd}"
@@ -357,9 +370,11 @@ class Child:
         os.environ.clear()  # unsetenv/putenv: the C environment follows
         os.environ.update(self.env)
         program = self.argv[1]
-        sys.argv = self.argv[1:]
+        sys.argv = self.argv[1:] if program != "-m" else ["-m", *self.argv[3:]]
         sys.orig_argv = list(self.argv)
-        sys.path.insert(0, os.path.dirname(os.path.realpath(program)))
+        # `python -m` puts the working folder first, `python FILE` the file's folder.
+        sys.path.insert(0, os.getcwd() if program == "-m" else
+                        os.path.dirname(os.path.realpath(program)))
         importlib.invalidate_caches()
         linecache.clearcache()
         tempfile.tempdir = None
@@ -392,16 +407,21 @@ class Child:
             os._exit(1)
         path = self.argv[1]
         main = types.ModuleType("__main__")
-        main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
-                             __loader__=importlib.machinery.SourceFileLoader("__main__", path),
-                             __builtins__=builtins)
+        main.__dict__["__builtins__"] = builtins
+        if path != "-m":
+            main.__dict__.update(
+                __file__=path, __cached__=None, __package__=None, __spec__=None,
+                __loader__=importlib.machinery.SourceFileLoader("__main__", path))
         sys.modules["__main__"] = main
         code, interrupted = 0, False
         try:
             self.autoload()
-            with io.open_code(path) as source:
-                compiled = compile(source.read(), path, "exec", dont_inherit=True)
-            exec(compiled, main.__dict__)
+            if path == "-m":  # as `python -m MODULE` runs it: into the fresh __main__
+                runpy._run_module_as_main(self.argv[2])  # type: ignore[attr-defined]
+            else:
+                with io.open_code(path) as source:
+                    compiled = compile(source.read(), path, "exec", dont_inherit=True)
+                exec(compiled, main.__dict__)
         except SystemExit as exc:
             code = _exit_code(exc)
         except BaseException as exc:
@@ -465,6 +485,7 @@ def _exit(code: int, interrupted: bool) -> NoReturn:
 
 def main(argv: Sequence[str]) -> None:
     socket_path, parent = argv[1], int(argv[2])
+    preload = argv[3].split(",") if len(argv) > 3 else PRELOAD
     inherited = Inherited()
     _die_with(parent)
     # Ctrl-C reaches the ranks through the process group; pytest then stops the zygote.
@@ -473,7 +494,7 @@ def main(argv: Sequence[str]) -> None:
     listener.bind(socket_path)
     listener.listen(64)
     del sys.path[0]  # this folder: the child puts its program's there
-    problems, backends = _preload()
+    problems, backends = _preload(preload)
     for problem in problems:
         print(f"zygote: not preloaded: {problem}", file=sys.stderr, flush=True)
     gc.collect()
@@ -493,8 +514,12 @@ class Zygote:
     `forked` and `fallbacks`)."""
 
     def __init__(self, enabled: bool = True, environ: Mapping[str, str] | None = None,
-                 root: Zygote | None = None) -> None:
+                 root: Zygote | None = None, preload: Sequence[str] = PRELOAD,
+                 what: str = "rank") -> None:
         self.enabled = enabled
+        #: What it imports before it forks, and what its children are (for the summary).
+        self.preload = tuple(preload)
+        self.what = what
         #: The environment the zygote starts with (the session's, as it began).
         self.environ = dict(os.environ if environ is None else environ)
         self.forked = 0
@@ -510,10 +535,15 @@ class Zygote:
         """`subprocess.Popen(args, env=env, stdout=PIPE, stderr=PIPE, text=True)`, forked
         by the zygote where it can; in network namespace `netns` if given (started fresh:
         under `ip netns exec NETNS`)."""
+        return self.process(args, env, netns, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+    def process(self, args: Sequence[str], env: Mapping[str, str] | None = None,
+                netns: str | None = None, **popen: Any) -> subprocess.Popen[str]:
+        """`subprocess.Popen(args, env=env, **popen)`, forked where the zygote can."""
         zygote = self._serving(env)
         return ZygoteProcess(list(args), zygote if zygote._ready() else None, env=env,
-                             netns=netns, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                             netns=netns, **popen)
 
     def _serving(self, env: Mapping[str, str] | None) -> Zygote:
         """This zygote, or the variant for `env`'s values of VARIANT_VARIABLES (where
@@ -532,7 +562,8 @@ class Zygote:
                 for name, value in values:
                     if value is None:
                         environ.pop(name, None)
-                variant = self._variants[values] = Zygote(True, environ, self)
+                variant = self._variants[values] = Zygote(True, environ, self, self.preload,
+                                                          self.what)
             return variant
 
     @property
@@ -557,7 +588,8 @@ class Zygote:
         log_path = self._folder / "zygote.log"
         with open(log_path, "wb") as log:
             self._process = subprocess.Popen(
-                [sys.executable, __file__, str(self.socket_path), str(os.getpid())],
+                [sys.executable, __file__, str(self.socket_path), str(os.getpid()),
+                 ",".join(self.preload)],
                 env={**self.environ, AUTOLOAD: "0"}, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, cwd=self._folder)
         problem = self._hello()
@@ -565,8 +597,8 @@ class Zygote:
             log_text = log_path.read_text(errors="replace")[-3000:]
             self.stop()
             self.enabled = False
-            warnings.warn(f"the rank zygote did not start ({problem}); rank programs start as "
-                          f"fresh processes\n{log_text}", stacklevel=4)
+            warnings.warn(f"the {self.what} zygote did not start ({problem}); {self.what} "
+                          f"programs start as fresh processes\n{log_text}", stacklevel=4)
 
     def _hello(self) -> str | None:
         assert self._process is not None
@@ -633,8 +665,8 @@ class Zygote:
         with self._lock:
             if self.enabled:
                 self.enabled = False
-                warnings.warn(f"the rank zygote failed ({problem}); rank programs start as "
-                              "fresh processes from now on", stacklevel=5)
+                warnings.warn(f"the {self.what} zygote failed ({problem}); {self.what} "
+                              "programs start as fresh processes from now on", stacklevel=5)
 
     def stop(self) -> None:
         """End the zygote and its variants (children they forked run on, as rank
@@ -657,7 +689,8 @@ class Zygote:
         reasons = "; ".join(f"{count}× {reason}" for reason, count in self.fallbacks.items())
         variants = "".join(f"; {', '.join(f'{n}={v}' for n, v in values)}: a zygote of its own"
                            for values in self._variants)
-        return (f"rank zygote: {self.forked} rank processes forked, {fresh} started fresh"
+        return (f"{self.what} zygote: {self.forked} {self.what} processes forked, {fresh} "
+                f"started fresh"
                 + (f" ({reasons})" if reasons else "") + variants)
 
 
