@@ -30,6 +30,10 @@ from zygote import DAEMON_PRELOAD, ENABLE_VARIABLE, Zygote
 from gradsync.client import daemon_process
 from gradsync.client.daemon_process import segments_of
 
+if __name__ != "conftest":
+    raise ImportError(f"tests/conftest.py imported as {__name__}: import it as `conftest`, as "
+                      "pytest does; a second copy would start zygotes that no one stops")
+
 PROGRAMS = Path(__file__).parent / "programs"
 #: Forks rank processes from a warm interpreter (tests/zygote.py); started on first use,
 #: stopped at the end of the session.  GRADSYNC_TEST_ZYGOTE=0: every rank starts fresh.

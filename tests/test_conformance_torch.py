@@ -45,8 +45,8 @@ from typing import IO, Any
 
 import pytest
 
+from conftest import PROGRAMS, DaemonProcess, buffers_of, launch_daemon
 from gradsync.client.daemon_process import segments_of
-from tests.conftest import PROGRAMS, DaemonProcess, buffers_of, launch_daemon
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("expecttest", reason="torch's test suite needs expecttest (pip install "

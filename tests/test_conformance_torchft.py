@@ -44,10 +44,10 @@ pytest.importorskip("parameterized", reason="torchft's tests need parameterized 
 
 import torchft
 
+from conftest import DaemonProcess, poll_until
 from gradsync.client.cli.stats import fetch_snapshot
 from gradsync.client.daemon_process import segments_of
 from tests import torchft_gradsync_plugin as plugin
-from tests.conftest import DaemonProcess, poll_until
 
 BACKEND = os.environ.get("GRADSYNC_CONFORMANCE_BACKEND", "gradsync")
 REPEAT = int(os.environ.get("GRADSYNC_TORCHFT_REPEAT", "1"))

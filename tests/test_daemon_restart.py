@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cluster import free_ports, peer_args
 
+from conftest import DaemonProcess, launch_daemon, segments_of
 from gradsync.client import Client
 from gradsync.protocol.errors import (
     DaemonLostError,
@@ -17,8 +19,6 @@ from gradsync.protocol.errors import (
     DaemonUnavailableError,
     PeerLostError,
 )
-from tests.cluster import free_ports, peer_args
-from tests.conftest import DaemonProcess, launch_daemon, segments_of
 
 pytestmark = pytest.mark.timeout(60)
 

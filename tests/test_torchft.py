@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torchft")
+from cluster import curve_args, free_ports, peer_args
 from torchft._torchft import LighthouseServer
 
-from tests.cluster import curve_args, free_ports, peer_args
-from tests.conftest import PROGRAMS, DaemonProcess, launch_daemon, poll_until
+from conftest import PROGRAMS, DaemonProcess, launch_daemon, poll_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 

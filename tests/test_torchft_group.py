@@ -18,10 +18,10 @@ import torch.distributed as dist
 pytest.importorskip("torchft")
 from torch.distributed import TCPStore
 
+from conftest import DaemonProcess, buffers_of, poll_until
 from gradsync.client.torch.state_codec import StateCodecError
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
 from gradsync.client.torch.torchft_transport import GradsyncTransport
-from tests.conftest import DaemonProcess, buffers_of, poll_until
 
 pytestmark = pytest.mark.timeout(60)
 

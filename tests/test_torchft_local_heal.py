@@ -20,14 +20,14 @@ import pytest
 import torch
 
 pytest.importorskip("torchft")
+from test_torchft import finish, lighthouse  # noqa: F401 (a fixture)
+from test_torchft_group import pair  # noqa: F401 (a fixture)
 from torchft._torchft import LighthouseServer
 
+from conftest import PROGRAMS, DaemonProcess
 from gradsync.client.torch.state_checkpoints import ITEM, StateCheckpoints
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
 from gradsync.client.torch.torchft_transport import GradsyncTransport
-from tests.conftest import PROGRAMS, DaemonProcess
-from tests.test_torchft import finish, lighthouse  # noqa: F401 (a fixture)
-from tests.test_torchft_group import pair  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(180)
 
