@@ -17,7 +17,7 @@ pytest.importorskip("torchft")
 from cluster import curve_args, free_ports, peer_args
 from torchft._torchft import LighthouseServer
 
-from conftest import PROGRAMS, DaemonProcess, launch_daemon, poll_until
+from conftest import PROGRAMS, RANK_ZYGOTE, DaemonProcess, launch_daemon, poll_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 
@@ -54,11 +54,9 @@ def spawn_replica(
 ) -> subprocess.Popen[str]:
     env = {**os.environ, "GRADSYNC_DAEMON": endpoint, "TORCHFT_LIGHTHOUSE": lighthouse,
            "GRADSYNC_JOB": "torchft-test", **env_extra}
-    return subprocess.Popen(
+    return RANK_ZYGOTE.popen(
         [sys.executable, str(PROGRAMS / "torchft_replica.py"), f"replica{replica}", str(steps),
-         str(kill_at), mode if victim else "0", str(markers), "3"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+         str(kill_at), mode if victim else "0", str(markers), "3"], env=env)
 
 
 def finish(
@@ -172,11 +170,15 @@ def sigkill_heal_rejoin(
         victim = replicas[2]
         out, err = victim.communicate(timeout=90)
         assert victim.returncode == -9, f"replica 2 should have killed itself:\n{out}\n{err}"
+        killed_at = next(json.loads(line)["killed_at"] for line in out.splitlines()
+                         if "killed_at" in line)
+        # The survivors go on without it first: both past the step it died in (retried by
+        # the two of them), before its restart (forked in a fraction of a second) can join.
+        poll_until(lambda: all((markers / f"replica{r}-step-{killed_at + 1}").exists()
+                               for r in range(2)), 60, "the survivors' step after the kill")
         restarted = spawn_replica(2, endpoints[2], address, markers, victim=True, **env_extra)
         records = [finish(replicas[r], 120, f"replica {r}", logs) for r in range(2)]
         records.append(finish(restarted, 60, "restarted replica 2", logs))
-        killed_at = next(json.loads(line)["killed_at"] for line in out.splitlines()
-                         if "killed_at" in line)
     finally:
         for process in replicas:
             if process.poll() is None:

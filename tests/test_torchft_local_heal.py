@@ -24,7 +24,7 @@ from test_torchft import finish, lighthouse  # noqa: F401 (a fixture)
 from test_torchft_group import pair  # noqa: F401 (a fixture)
 from torchft._torchft import LighthouseServer
 
-from conftest import PROGRAMS, DaemonProcess
+from conftest import PROGRAMS, RANK_ZYGOTE, DaemonProcess
 from gradsync.client.torch.state_checkpoints import ITEM, StateCheckpoints
 from gradsync.client.torch.torchft_group import ProcessGroupGradsync
 from gradsync.client.torch.torchft_transport import GradsyncTransport
@@ -160,10 +160,9 @@ def spawn(replica: int, daemon: DaemonProcess, lighthouse: LighthouseServer,  # 
           markers: Path, victim: bool, *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "GRADSYNC_DAEMON": daemon.endpoint,
            "TORCHFT_LIGHTHOUSE": lighthouse.address(), "LOCAL_NAME": markers.parent.name}
-    return subprocess.Popen(
+    return RANK_ZYGOTE.popen(
         [sys.executable, str(PROGRAMS / "torchft_local_heal.py"), f"replica{replica}",
-         str(STEPS), str(KILL_AT), "1" if victim else "0", str(markers), *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         str(STEPS), str(KILL_AT), "1" if victim else "0", str(markers), *extra], env=env)
 
 
 def kill_restart_finish(daemon: DaemonProcess, lighthouse: LighthouseServer,  # noqa: F811
