@@ -35,6 +35,8 @@ from gradsync.daemon.backends.shm_pool import pid_alive
 SUBNET = "10.213.50"
 NAME_PREFIX = "gsbench"
 _STALE = re.compile(rf"^{NAME_PREFIX}(\d+)-")
+#: The namespaces this process has made and not yet deleted.
+_ACTIVE: set[str] = set()
 #: Ports for peers inside namespaces (private to them, so fixed).
 NETNS_BASE_PORT = 29400
 
@@ -190,6 +192,9 @@ def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
     if size < 2:
         raise ValueError("namespaces() needs at least 2 nodes")
     tag = f"{NAME_PREFIX}{os.getpid()}"
+    nested = sum(1 for name in _ACTIVE if name.startswith(f"{tag}-"))
+    if nested:  # another topology of this process is still up: names of its own
+        tag = f"{tag}-{nested}"
     nodes = [f"{tag}-n{i}" for i in range(size)]
     hub = f"{tag}-hub" if size > 2 else None
     interfaces = [f"gsb{i}" for i in range(size)]
@@ -198,6 +203,7 @@ def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
         for name in [*nodes, *([hub] if hub else [])]:
             _ip("netns", "add", name)
             created.append(name)
+            _ACTIVE.add(name)
         if hub is None:
             _ip("link", "add", interfaces[0], "netns", nodes[0], "type", "veth",
                 "peer", "name", interfaces[1], "netns", nodes[1])
@@ -231,6 +237,7 @@ def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
             f"addresses {SUBNET}.1-{size}/24{shaped}",
         )
     finally:
+        _ACTIVE.difference_update(created)
         left = _delete(list(reversed(created)))
         if left:
             raise RuntimeError(f"could not delete network namespaces {left}")
