@@ -25,8 +25,10 @@ the module ends with a line of counts.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import queue
@@ -152,7 +154,35 @@ def worker_environment(folder: str, **extra: str) -> dict[str, str]:
 
 
 def collect_suite() -> dict[str, SuiteTest]:
-    """Every test of the suite in the installed torch, with its gates (one worker pass)."""
+    """Every test of the suite in the installed torch, with its gates (one worker pass,
+    shared by the xdist workers of a run: each collects this module, and the pass costs
+    3 s of CPU)."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return suite_of(collect_once())
+    path = Path(tempfile.gettempdir()) / f"gradsync-pytest-{os.getuid()}-{run_id}.suite.json"
+    for leftover in (path, path.with_suffix(".lock")):  # by the first worker out
+        atexit.register(leftover.unlink, missing_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker collects; the rest wait, read
+        try:
+            if not path.exists():
+                collected = collect_once()
+                path.with_suffix(".tmp").write_text(collected)
+                path.with_suffix(".tmp").rename(path)
+            return suite_of(path.read_text())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def suite_of(collected: str) -> dict[str, SuiteTest]:
+    tests = json.loads(collected)["tests"]
+    return {name: SuiteTest(name, tuple(gates["skip"]), tuple(gates["gloo_skip"]))
+            for name, gates in sorted(tests.items())}
+
+
+def collect_once() -> str:
+    """The worker's `collect` pass: JSON of every test and its gates."""
     folder = tempfile.mkdtemp(prefix="gs-suite-")
     try:
         result = subprocess.run(
@@ -162,9 +192,7 @@ def collect_suite() -> dict[str, SuiteTest]:
         shutil.rmtree(folder, ignore_errors=True)
     if result.returncode != 0:
         raise RuntimeError(f"collecting torch's suite failed:\n{result.stderr[-5000:]}")
-    tests = json.loads(result.stdout)["tests"]
-    return {name: SuiteTest(name, tuple(gates["skip"]), tuple(gates["gloo_skip"]))
-            for name, gates in sorted(tests.items())}
+    return result.stdout
 
 
 SUITE = collect_suite()
