@@ -54,6 +54,8 @@ NETNS_EXEC = ["ip", "netns", "exec"]
 def zygotes_summary() -> str:
     """What the session's zygotes forked (empty where none was used)."""
     return "; ".join(z.summary() for z in ZYGOTES if z.forked or z.fallbacks)
+
+
 #: Tests marked `alone` run with no other test beside them on the other xdist workers.
 ROOM = room_lock()
 READY_TIMEOUT_S = 20.0
