@@ -8,6 +8,7 @@ bitwise, and once that one exits cleanly nothing of either is left.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -75,10 +76,16 @@ def save(daemon: DaemonProcess, job: str, step: int, data: bytes) -> None:
         store.commit(step, [(rank, "data")])
 
 
-def start_unfinished_save(daemon: DaemonProcess, job: str, step: int) -> None:
-    """A part put and never committed: a segment no successor takes over."""
+@contextlib.contextmanager
+def unfinished_save(daemon: DaemonProcess, job: str, step: int) -> Iterator[None]:
+    """A part put and never committed, its rank connected until the block ends (a daemon
+    frees such a part when the rank goes): a segment no successor takes over."""
     with checkpoint_client(job, next(RANKS), daemon.endpoint) as client:
-        DaemonCheckpoints(client).put(step, "data", 100).close()
+        part = DaemonCheckpoints(client).put(step, "data", 100)
+        try:
+            yield
+        finally:
+            part.close()
 
 
 def read(daemon: DaemonProcess, job: str) -> tuple[int, bytes]:
@@ -114,8 +121,8 @@ def test_a_killed_daemons_dcp_checkpoint_loads_bitwise_from_its_successor(
         for step, state in states.items():
             dcp.save(state, storage_writer=DaemonStorageWriter(job="dcp", client=client),
                      checkpoint_id=str(step))
-    start_unfinished_save(first, "dcp", 3)
-    kill(first)
+    with unfinished_save(first, "dcp", 3):  # killed in the middle of a save
+        kill(first)
     manifest = read_manifest(manifest_path(first))
     assert manifest is not None and manifest.pid == first.pid
     kept = sorted(p.name for c in manifest.checkpoints for p in c.parts)
@@ -187,7 +194,8 @@ def test_checkpoints_over_the_successors_budget_are_dropped_and_freed(start: Sta
 def test_survive_exit_leaves_checkpoints_to_the_next_daemon(start: Start) -> None:
     first = start("--checkpoints-survive-exit")
     save(first, "j", 1, b"kept")
-    start_unfinished_save(first, "j", 2)
+    with unfinished_save(first, "j", 2):
+        pass
     assert first.stop() == 0
     assert len(segments_of(first.pid)) == 1  # the complete one; the unfinished is gone
     assert os.path.exists(manifest_path(first))
