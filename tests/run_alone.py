@@ -30,6 +30,15 @@ WAIT_S = 900.0
 POLL_S = 0.05
 
 
+def run_file(name: str, run_id: str | None = None) -> str | None:
+    """File `name` of this xdist run (or of run `run_id`) in the temp folder, the same for
+    all its workers; None outside xdist."""
+    run_id = run_id or os.environ.get(RUN_ID_VARIABLE)
+    if run_id is None:
+        return None
+    return os.path.join(tempfile.gettempdir(), f"gradsync-pytest-{os.getuid()}-{run_id}.{name}")
+
+
 class RoomLock:
     """The run's room: shared by ordinary tests, exclusive for `alone` ones."""
 
@@ -39,8 +48,8 @@ class RoomLock:
 
     def _fd(self, name: str) -> int:
         if name not in self._files:
-            path = os.path.join(tempfile.gettempdir(),
-                                f"gradsync-pytest-{os.getuid()}-{self.run_id}.{name}")
+            path = run_file(name, self.run_id)
+            assert path is not None  # hold() locks nothing outside xdist
             self._files[name] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         return self._files[name]
 
@@ -77,9 +86,10 @@ class RoomLock:
         """The lock files of this run (called by the last worker out, or the controller)."""
         for name, fd in self._files.items():
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(tempfile.gettempdir(),
-                                       f"gradsync-pytest-{os.getuid()}-{self.run_id}.{name}"))
+            path = run_file(name, self.run_id)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         self._files.clear()
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from run_alone import run_file
 
 from conftest import PROGRAMS, DaemonProcess, buffers_of, launch_daemon
 from gradsync.client.daemon_process import segments_of
@@ -157,19 +158,20 @@ def collect_suite() -> dict[str, SuiteTest]:
     """Every test of the suite in the installed torch, with its gates (one worker pass,
     shared by the xdist workers of a run: each collects this module, and the pass costs
     3 s of CPU)."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:
+    shared = run_file("suite.json")
+    if shared is None:  # outside xdist
         return suite_of(collect_once())
-    path = Path(tempfile.gettempdir()) / f"gradsync-pytest-{os.getuid()}-{run_id}.suite.json"
-    for leftover in (path, path.with_suffix(".lock")):  # by the first worker out
+    path = Path(shared)
+    lock_path, written = path.with_suffix(".lock"), path.with_suffix(".tmp")
+    for leftover in (path, lock_path):  # by the first worker out
         atexit.register(leftover.unlink, missing_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker collects; the rest wait, read
+    with open(lock_path, "w") as lock:
+        # The first worker collects (within COLLECT_TIMEOUT_S); the rest wait, then read.
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not path.exists():
-                collected = collect_once()
-                path.with_suffix(".tmp").write_text(collected)
-                path.with_suffix(".tmp").rename(path)
+                written.write_text(collect_once())
+                written.rename(path)
             return suite_of(path.read_text())
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
