@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import random
 import re
@@ -35,8 +36,8 @@ from gradsync.daemon.backends.shm_pool import pid_alive
 SUBNET = "10.213.50"
 NAME_PREFIX = "gsbench"
 _STALE = re.compile(rf"^{NAME_PREFIX}(\d+)-")
-#: The namespaces this process has made and not yet deleted.
-_ACTIVE: set[str] = set()
+#: Topologies this process has made: the first is gsbenchPID-..., later ones gsbenchPID-N-...
+_MADE = itertools.count()
 #: Ports for peers inside namespaces (private to them, so fixed).
 NETNS_BASE_PORT = 29400
 
@@ -191,10 +192,8 @@ def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
     """
     if size < 2:
         raise ValueError("namespaces() needs at least 2 nodes")
-    tag = f"{NAME_PREFIX}{os.getpid()}"
-    nested = sum(1 for name in _ACTIVE if name.startswith(f"{tag}-"))
-    if nested:  # another topology of this process is still up: names of its own
-        tag = f"{tag}-{nested}"
+    serial = next(_MADE)  # two of one process may be up at once
+    tag = f"{NAME_PREFIX}{os.getpid()}" + (f"-{serial}" if serial else "")
     nodes = [f"{tag}-n{i}" for i in range(size)]
     hub = f"{tag}-hub" if size > 2 else None
     interfaces = [f"gsb{i}" for i in range(size)]
@@ -203,7 +202,6 @@ def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
         for name in [*nodes, *([hub] if hub else [])]:
             _ip("netns", "add", name)
             created.append(name)
-            _ACTIVE.add(name)
         if hub is None:
             _ip("link", "add", interfaces[0], "netns", nodes[0], "type", "veth",
                 "peer", "name", interfaces[1], "netns", nodes[1])
@@ -237,7 +235,6 @@ def namespaces(size: int, rate: str | None = None) -> Iterator[Topology]:
             f"addresses {SUBNET}.1-{size}/24{shaped}",
         )
     finally:
-        _ACTIVE.difference_update(created)
         left = _delete(list(reversed(created)))
         if left:
             raise RuntimeError(f"could not delete network namespaces {left}")
