@@ -53,11 +53,6 @@ from gradsync.protocol.fast_path import (
 from gradsync.protocol.reduction import reduce_in_rank_order
 from gradsync.protocol.shm import segment_path
 
-try:  # the publish-and-spin in C (protocol/_fastpage.c): optional at install, see setup.py
-    from gradsync.protocol import _fastpage
-except ImportError:  # built without a C compiler: the same steps in Python
-    _fastpage = None  # type: ignore[assignment]
-
 #: How long a waiting rank spins (giving up its core at every look) before it
 #: sleeps on the futex.  Yielding, because two spinners may share one core (more
 #: ranks than cores, or the scheduler's placement): a plain spin then holds the
@@ -114,7 +109,8 @@ class FastPath:
         self._key_at = page.buffer_at[rank]  # a buffer's first word is its key
         self._peer_done_at = [at for r, at in enumerate(page.done_at) if r != rank]
         #: The compiled publish-and-spin, unless not built or GRADSYNC_FAST_PATH=python.
-        self._compiled = None if os.environ.get("GRADSYNC_FAST_PATH") == "python" else _fastpage
+        self._compiled = (None if os.environ.get("GRADSYNC_FAST_PATH") == "python"
+                          else page.compiled)
         #: The compiled reduction of each fingerprint code word seen (0: by the caller).
         self._reductions: dict[int, int] = {}
 
@@ -140,9 +136,9 @@ class FastPath:
         if compiled is not None:
             while True:
                 outcome = compiled.publish(
-                    page.q, page.c_layout, page.fd, self.rank, index, key, *fingerprint,
-                    array, self._reduction(fingerprint[0], dtype, op), _SPIN_NS,
-                    _WAKER_SPIN_NS, last_key if read else NOTHING,
+                    self.rank, index, key, *fingerprint, array,
+                    self._reduction(fingerprint[0], dtype, op), _SPIN_NS, _WAKER_SPIN_NS,
+                    last_key if read else NOTHING,
                 )
                 if outcome == REDUCED:  # the common ending: every rank came within the spin
                     self._next = index ^ 1

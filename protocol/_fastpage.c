@@ -12,10 +12,14 @@
  *
  * The rules are protocol/fast_path.py's, step for step the same as the Python
  * version in client/fast_path.py (which runs where this module was not built):
- * data and fingerprint first, then under the page's flock (taken by trying and
+ * data and fingerprint first, then under the page's lock (taken by trying and
  * yielding, not by sleeping: lock_page), unless the page is
  * broken or the key withdrawn, the key, the publication time and the
  * publication word, and a bump of the bell; sleepers are woken after the lock.
+ * The lock is a robust process-shared mutex in the page's header (its owner's
+ * death hands it to the next taker, as the kernel releases an flock), or, on a
+ * page whose daemon had no compiled module, the page's flock.  A Page object
+ * keeps the page and its layout, checked once, between calls.
  * Then a spin that yields the core at every look, until every rank has
  * published the key (then each rank's buffer index is returned), or the page
  * broke, the key was withdrawn or the spin time is up (the caller goes on
@@ -27,6 +31,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -57,7 +62,7 @@ enum { BY_CALLER, F32_SUM, F32_AVG, F32_PROD, F64_SUM, F64_AVG, F64_PROD };
  * writes them. */
 enum {
     L_BROKEN, L_SLEEPERS, L_BELL_BYTE, L_CODES_OFFSET, L_COUNT_OFFSET, L_DATA_BYTE_OFFSET,
-    L_LIMIT, L_FIXED
+    L_LIMIT, L_LOCK_BYTE, L_FIXED
 };
 /* After the fixed words, per rank: */
 enum { R_PUBLISHED, R_PUBLISHED_NS, R_BUFFER_0, R_BUFFER_1, R_WITHDRAWN, R_DONE, R_COMPLETED,
@@ -186,30 +191,67 @@ static int reduce_here(const Look *look, int reduction, void *out, size_t nbytes
     return 1;
 }
 
-/* Take the page's flock.  It is held for a few stores, so a rank that finds it
- * taken (two ranks publishing at once: the common case) tries again after
- * yielding its core instead of sleeping in flock(LOCK_EX): on a VM, being woken
- * from that sleep costs more than the whole collective (2 ranks, 4 KiB: 17.8 us
- * an op with a blocking flock, 7.5 with this; benchmarks/RESULTS.md, "Small
- * collectives").  After LOCK_TRIES tries (a holder that lost its core) it blocks.
- * 0, or -errno. */
-static int lock_page(int fd)
+/* The page's lock: a robust process-shared mutex in the page, or (mutex NULL) the
+ * page's flock, on a page formatted by a daemon without this module. */
+typedef struct {
+    pthread_mutex_t *mutex;
+    int fd;
+} PageLock;
+
+/* One try: 1 taken, 0 held by another, or -errno.  A mutex whose owner died is
+ * taken and made consistent: the words it guards are single stores, each valid
+ * alone, so the page is usable as the owner left it (as with an flock the
+ * kernel released). */
+static int try_lock_once(const PageLock *lock)
 {
-    for (int tries = 0; tries < LOCK_TRIES; tries++) {
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
-            return 0;
-        if (errno == EWOULDBLOCK)
-            sched_yield();
-        else if (errno != EINTR)
-            return -errno;
+    if (lock->mutex == NULL) {
+        if (flock(lock->fd, LOCK_EX | LOCK_NB) == 0)
+            return 1;
+        return errno == EWOULDBLOCK ? 0 : errno == EINTR ? 0 : -errno;
     }
-    while (flock(fd, LOCK_EX) != 0)
-        if (errno != EINTR)
-            return -errno;
-    return 0;
+    int failed = pthread_mutex_trylock(lock->mutex);
+    if (failed == EOWNERDEAD)
+        failed = pthread_mutex_consistent(lock->mutex);
+    if (failed == 0)
+        return 1;
+    return failed == EBUSY ? 0 : -failed;
 }
 
-static int publish_and_spin(const Look *look, int fd, Py_ssize_t me, int index,
+/* Take the page's lock.  It is held for a few stores, so a rank that finds it
+ * taken (two ranks publishing at once: the common case) tries again after
+ * yielding its core instead of sleeping: on a VM, being woken from that sleep
+ * costs more than the whole collective (2 ranks, 4 KiB: 17.8 us an op with a
+ * blocking flock, 7.5 with this; benchmarks/RESULTS.md, "Small collectives").
+ * After LOCK_TRIES tries (a holder that lost its core) it blocks.  0, or -errno. */
+static int lock_page(const PageLock *lock)
+{
+    for (int tries = 0; tries < LOCK_TRIES; tries++) {
+        int taken = try_lock_once(lock);
+        if (taken != 0)
+            return taken < 0 ? taken : 0;
+        sched_yield();
+    }
+    if (lock->mutex == NULL) {
+        while (flock(lock->fd, LOCK_EX) != 0)
+            if (errno != EINTR)
+                return -errno;
+        return 0;
+    }
+    int failed = pthread_mutex_lock(lock->mutex);
+    if (failed == EOWNERDEAD)
+        failed = pthread_mutex_consistent(lock->mutex);
+    return -failed;
+}
+
+static void unlock_page(const PageLock *lock)
+{
+    if (lock->mutex == NULL)
+        flock(lock->fd, LOCK_UN);
+    else
+        pthread_mutex_unlock(lock->mutex);
+}
+
+static int publish_and_spin(const Look *look, const PageLock *lock, Py_ssize_t me, int index,
                             int64_t codes, int64_t count, void *data, size_t nbytes,
                             int reduction, int64_t spin_ns, int64_t waker_spin_ns,
                             int64_t reuse_key, unsigned char *indices, void **inputs)
@@ -226,7 +268,7 @@ static int publish_and_spin(const Look *look, int fd, Py_ssize_t me, int index,
     store(q, at + layout[L_CODES_OFFSET], codes);
     store(q, at + layout[L_COUNT_OFFSET], count);
 
-    int locked = lock_page(fd);
+    int locked = lock_page(lock);
     if (locked != 0)
         return locked - 100;
     int refused = withdrawn_or_broken(look);
@@ -236,7 +278,7 @@ static int publish_and_spin(const Look *look, int fd, Py_ssize_t me, int index,
         store(q, mine[R_PUBLISHED], look->key);
         __atomic_add_fetch((uint32_t *)((char *)q + layout[L_BELL_BYTE]), 1, __ATOMIC_SEQ_CST);
     }
-    flock(fd, LOCK_UN);
+    unlock_page(lock);
     if (refused)
         return REFUSED;
     int woke = load(q, layout[L_SLEEPERS]) > 0;
@@ -268,81 +310,47 @@ published:
     return REDUCED;
 }
 
-PyDoc_STRVAR(publish_doc,
-"publish(page, layout, fd, rank, index, key, codes, count, data, reduction,\n"
-"        spin_ns, waker_spin_ns, reuse_key=-1) -> list[int] | int\n\n"
-"Publish `data` (a writable C-contiguous buffer) as `rank`'s `key` in its\n"
-"buffer `index` of the fast page `page` (writable, locked through `fd`), then\n"
-"spin until every rank has published `key`.  `layout`: int64 word indices,\n"
-"FastPage.c_layout.  If every rank published it with the same fingerprint,\n"
-"reduces into `data` and returns REDUCED, or, for a `reduction` of 0 (the\n"
-"caller's), returns every rank's buffer index.  Else REFUSED, WAITING or\n"
-"MISMATCH (protocol/fast_path.py), or BUSY, without publishing, while a peer\n"
-"has not finished `reuse_key` (>= 0: the key the buffer last held, read by peers).");
+/* A mapped fast page and its layout, checked once: what every call works on. */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer page;          /* held while open; page.obj is NULL once closed */
+    int64_t *layout;         /* a copy of the layout words */
+    Py_ssize_t ranks;
+    PageLock lock;
+    int held;                /* taken through lock/try_lock and not yet unlocked */
+} PageObject;
 
-static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Ranks whose per-call scratch (buffer indices, input pointers) lives on the stack. */
+#define STACK_RANKS 64
+
+/* The layout's words, each checked to lie inside the page; NULL and an error if not. */
+static int64_t *checked_layout(const Py_buffer *page, const Py_buffer *layout,
+                               Py_ssize_t *ranks_out)
 {
-    (void)self;
-    if (nargs != 12 && nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "publish() takes 12 or 13 arguments");
-        return NULL;
-    }
-    int fd = (int)PyLong_AsLong(args[2]);
-    Py_ssize_t me = PyLong_AsSsize_t(args[3]);
-    int index = (int)PyLong_AsLong(args[4]);
-    long long key = PyLong_AsLongLong(args[5]);
-    long long codes = PyLong_AsLongLong(args[6]);
-    long long count = PyLong_AsLongLong(args[7]);
-    int reduction = (int)PyLong_AsLong(args[9]);
-    long long spin_ns = PyLong_AsLongLong(args[10]);
-    long long waker_spin_ns = PyLong_AsLongLong(args[11]);
-    long long reuse_key = nargs == 13 ? PyLong_AsLongLong(args[12]) : -1;
-    if (PyErr_Occurred())
-        return NULL;
-    Py_buffer page, layout, data;
-    if (PyObject_GetBuffer(args[0], &page, PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[1], &layout, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&page);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[8], &data, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&layout);
-        PyBuffer_Release(&page);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    unsigned char *indices = NULL;
-    void **inputs = NULL;
-    const int64_t *words = (const int64_t *)layout.buf;
-    Py_ssize_t nwords = layout.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *words = (const int64_t *)layout->buf;
+    Py_ssize_t nwords = layout->len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t ranks = (nwords - L_FIXED) / PER_RANK;
-    Py_ssize_t page_words = page.len / 8;
-    if (layout.len % (Py_ssize_t)sizeof(int64_t) || ranks <= 0
+    Py_ssize_t page_words = page->len / 8;
+    if (layout->len % (Py_ssize_t)sizeof(int64_t) || ranks <= 0
             || nwords != L_FIXED + PER_RANK * ranks) {
         PyErr_Format(PyExc_ValueError, "a layout of %zd bytes fits no number of ranks",
-                     layout.len);
-        goto done;
+                     layout->len);
+        return NULL;
     }
-    if ((uintptr_t)page.buf % 8) {
+    if ((uintptr_t)page->buf % 8) {
         PyErr_SetString(PyExc_ValueError, "the page must be 8-byte aligned");
-        goto done;
-    }
-    if (me < 0 || me >= ranks || (index != 0 && index != 1)) {
-        PyErr_Format(PyExc_ValueError, "rank %zd of %zd, buffer %d: out of range",
-                     me, ranks, index);
-        goto done;
-    }
-    /* Every word the spin reads or writes, and the data, must lie inside the page. */
-    if (data.len > words[L_LIMIT]) {
-        PyErr_Format(PyExc_ValueError, "%zd bytes of data, the page holds %lld",
-                     data.len, (long long)words[L_LIMIT]);
-        goto done;
+        return NULL;
     }
     int64_t bell = words[L_BELL_BYTE];
-    if (bell < 0 || bell % 4 || bell + 4 > page.len) {
+    if (bell < 0 || bell % 4 || bell + 4 > page->len) {
         PyErr_SetString(PyExc_ValueError, "the bell lies outside the page");
-        goto done;
+        return NULL;
+    }
+    int64_t lock = words[L_LOCK_BYTE];
+    if (lock != -1 && (lock < 0 || lock % 8
+                       || lock + (int64_t)sizeof(pthread_mutex_t) > page->len)) {
+        PyErr_SetString(PyExc_ValueError, "the lock lies outside the page");
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < nwords; i++) {
         if (i >= L_BELL_BYTE && i < L_FIXED)
@@ -355,13 +363,127 @@ static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             fits = fits && words[L_CODES_OFFSET] >= 0 && words[L_COUNT_OFFSET] >= 0
                    && at + words[L_CODES_OFFSET] < page_words
                    && at + words[L_COUNT_OFFSET] < page_words
-                   && words[L_DATA_BYTE_OFFSET] >= 0
-                   && at * 8 + words[L_DATA_BYTE_OFFSET] + words[L_LIMIT] <= page.len;
+                   && words[L_DATA_BYTE_OFFSET] >= 0 && words[L_LIMIT] >= 0
+                   && at * 8 + words[L_DATA_BYTE_OFFSET] + words[L_LIMIT] <= page->len;
         if (!fits) {
             PyErr_Format(PyExc_ValueError, "layout word %zd (%lld) does not fit the page",
                          i, (long long)at);
-            goto done;
+            return NULL;
         }
+    }
+    int64_t *copy = PyMem_Malloc((size_t)layout->len);
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(copy, words, (size_t)layout->len);
+    *ranks_out = ranks;
+    return copy;
+}
+
+static void page_release(PageObject *self)
+{
+    /* A robust mutex passes on when its holder dies, but only while the page is still
+     * mapped then: let go of it before the mapping can go. */
+    if (self->held && self->page.obj != NULL)
+        unlock_page(&self->lock);
+    self->held = 0;
+    PyMem_Free(self->layout);
+    self->layout = NULL;
+    if (self->page.obj != NULL)
+        PyBuffer_Release(&self->page);
+}
+
+static int page_init(PageObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"page", "layout", "fd", NULL};
+    PyObject *page_obj, *layout_obj;
+    int fd;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi:Page", names, &page_obj, &layout_obj,
+                                     &fd))
+        return -1;
+    page_release(self);
+    Py_buffer layout;
+    if (PyObject_GetBuffer(page_obj, &self->page, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (PyObject_GetBuffer(layout_obj, &layout, PyBUF_SIMPLE) < 0) {
+        page_release(self);
+        return -1;
+    }
+    self->layout = checked_layout(&self->page, &layout, &self->ranks);
+    PyBuffer_Release(&layout);
+    if (self->layout == NULL) {
+        page_release(self);
+        return -1;
+    }
+    int64_t lock = self->layout[L_LOCK_BYTE];
+    self->lock.mutex = lock < 0 ? NULL : (pthread_mutex_t *)((char *)self->page.buf + lock);
+    self->lock.fd = fd;
+    return 0;
+}
+
+static void page_dealloc(PageObject *self)
+{
+    page_release(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int page_open(const PageObject *self)
+{
+    if (self->page.obj == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the fast page is closed");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(publish_doc,
+"publish(rank, index, key, codes, count, data, reduction, spin_ns, waker_spin_ns,\n"
+"        reuse_key=-1) -> list[int] | int\n\n"
+"Publish `data` (a writable C-contiguous buffer) as `rank`'s `key` in its\n"
+"buffer `index`, then spin until every rank has published `key`.  If every\n"
+"rank published it with the same fingerprint (`codes`, `count`), reduces into\n"
+"`data` and returns REDUCED, or, for a `reduction` of 0 (the caller's), returns\n"
+"every rank's buffer index.  Else REFUSED, WAITING or MISMATCH\n"
+"(protocol/fast_path.py), or BUSY, without publishing, while a peer has not\n"
+"finished `reuse_key` (>= 0: the key the buffer last held, read by peers).");
+
+static PyObject *page_publish(PageObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9 && nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 9 or 10 arguments");
+        return NULL;
+    }
+    if (!page_open(self))
+        return NULL;
+    Py_ssize_t me = PyLong_AsSsize_t(args[0]);
+    int index = (int)PyLong_AsLong(args[1]);
+    long long key = PyLong_AsLongLong(args[2]);
+    long long codes = PyLong_AsLongLong(args[3]);
+    long long count = PyLong_AsLongLong(args[4]);
+    int reduction = (int)PyLong_AsLong(args[6]);
+    long long spin_ns = PyLong_AsLongLong(args[7]);
+    long long waker_spin_ns = PyLong_AsLongLong(args[8]);
+    long long reuse_key = nargs == 10 ? PyLong_AsLongLong(args[9]) : -1;
+    if (PyErr_Occurred())
+        return NULL;
+    if (me < 0 || me >= self->ranks || (index != 0 && index != 1)) {
+        PyErr_Format(PyExc_ValueError, "rank %zd of %zd, buffer %d: out of range",
+                     me, self->ranks, index);
+        return NULL;
+    }
+    Py_buffer data;
+    if (PyObject_GetBuffer(args[5], &data, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    unsigned char stack_indices[STACK_RANKS];
+    void *stack_inputs[STACK_RANKS];
+    unsigned char *indices = stack_indices;
+    void **inputs = stack_inputs;
+    if (data.len > self->layout[L_LIMIT]) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes of data, the page holds %lld",
+                     data.len, (long long)self->layout[L_LIMIT]);
+        goto done;
     }
     if (reduction < BY_CALLER || reduction > F64_PROD
             || (reduction != BY_CALLER
@@ -370,16 +492,18 @@ static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                      reduction, data.len);
         goto done;
     }
-    indices = PyMem_Malloc((size_t)ranks);
-    inputs = PyMem_Malloc((size_t)ranks * sizeof(void *));
-    if (indices == NULL || inputs == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    if (self->ranks > STACK_RANKS) {
+        indices = PyMem_Malloc((size_t)self->ranks);
+        inputs = PyMem_Malloc((size_t)self->ranks * sizeof(void *));
+        if (indices == NULL || inputs == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
     }
-    Look look = {(volatile int64_t *)page.buf, words, ranks, key};
+    Look look = {(volatile int64_t *)self->page.buf, self->layout, self->ranks, key};
     int outcome;
     Py_BEGIN_ALLOW_THREADS
-    outcome = publish_and_spin(&look, fd, me, index, codes, count, data.buf,
+    outcome = publish_and_spin(&look, &self->lock, me, index, codes, count, data.buf,
                                (size_t)data.len, reduction, spin_ns, waker_spin_ns,
                                reuse_key, indices, inputs);
     Py_END_ALLOW_THREADS
@@ -392,33 +516,143 @@ static PyObject *publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         result = PyLong_FromLong(outcome);
         goto done;
     }
-    result = PyList_New(ranks);
+    result = PyList_New(self->ranks);
     if (result == NULL)
         goto done;
-    for (Py_ssize_t rank = 0; rank < ranks; rank++)
+    for (Py_ssize_t rank = 0; rank < self->ranks; rank++)
         PyList_SET_ITEM(result, rank, PyLong_FromLong(indices[rank]));
 
 done:
-    PyMem_Free(inputs);
-    PyMem_Free(indices);
+    if (indices != stack_indices)
+        PyMem_Free(indices);
+    if (inputs != stack_inputs)
+        PyMem_Free(inputs);
     PyBuffer_Release(&data);
-    PyBuffer_Release(&layout);
-    PyBuffer_Release(&page);
     return result;
 }
 
-static PyMethodDef methods[] = {
-    {"publish", (PyCFunction)(void (*)(void))publish, METH_FASTCALL, publish_doc},
+static PyObject *errno_error(int failed)
+{
+    errno = failed;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyObject *page_lock(PageObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!page_open(self))
+        return NULL;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = lock_page(&self->lock);
+    Py_END_ALLOW_THREADS
+    if (failed != 0)
+        return errno_error(-failed);
+    self->held = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *page_try_lock(PageObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!page_open(self))
+        return NULL;
+    int taken = try_lock_once(&self->lock);
+    if (taken < 0)
+        return errno_error(-taken);
+    self->held = self->held || taken;
+    return PyBool_FromLong(taken);
+}
+
+static PyObject *page_unlock(PageObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!page_open(self))
+        return NULL;
+    unlock_page(&self->lock);
+    self->held = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *page_init_lock(PageObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!page_open(self))
+        return NULL;
+    if (self->lock.mutex == NULL) {
+        PyErr_SetString(PyExc_ValueError, "this page's layout has no mutex (its lock is flock)");
+        return NULL;
+    }
+    pthread_mutexattr_t attributes;
+    int failed = pthread_mutexattr_init(&attributes);
+    if (failed == 0) {
+        failed = pthread_mutexattr_setpshared(&attributes, PTHREAD_PROCESS_SHARED);
+        if (failed == 0)
+            failed = pthread_mutexattr_setrobust(&attributes, PTHREAD_MUTEX_ROBUST);
+        if (failed == 0)
+            failed = pthread_mutex_init(self->lock.mutex, &attributes);
+        pthread_mutexattr_destroy(&attributes);
+    }
+    if (failed != 0)
+        return errno_error(failed);
+    Py_RETURN_NONE;
+}
+
+static PyObject *page_close(PageObject *self, PyObject *unused)
+{
+    (void)unused;
+    page_release(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef page_methods[] = {
+    {"publish", (PyCFunction)(void (*)(void))page_publish, METH_FASTCALL, publish_doc},
+    {"lock", (PyCFunction)page_lock, METH_NOARGS,
+     "Take the page's lock (tries, yielding, then waits with the GIL released)."},
+    {"try_lock", (PyCFunction)page_try_lock, METH_NOARGS,
+     "Take the page's lock if it is free: whether it was taken."},
+    {"unlock", (PyCFunction)page_unlock, METH_NOARGS, "Release the page's lock."},
+    {"init_lock", (PyCFunction)page_init_lock, METH_NOARGS,
+     "Write a fresh robust process-shared mutex (the daemon, formatting the page)."},
+    {"close", (PyCFunction)page_close, METH_NOARGS,
+     "Let go of the page (before its mapping closes), and of its lock if held here;\n"
+     "later calls raise ValueError."},
     {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(page_doc,
+"Page(page, layout, fd)\n\n"
+"A fast page (`page`: its writable mapping) and its layout (int64 words,\n"
+"FastPage.c_layout), checked once; `fd`: the page's descriptor, whose flock is\n"
+"the lock where the layout has no mutex.");
+
+static PyTypeObject PageType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gradsync.protocol._fastpage.Page",
+    .tp_basicsize = sizeof(PageObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = page_doc,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)page_init,
+    .tp_dealloc = (destructor)page_dealloc,
+    .tp_methods = page_methods,
 };
 
 static int exec_module(PyObject *module)
 {
+    if (PyType_Ready(&PageType) < 0)
+        return -1;
+    Py_INCREF(&PageType);
+    if (PyModule_AddObject(module, "Page", (PyObject *)&PageType) < 0) {
+        Py_DECREF(&PageType);
+        return -1;
+    }
     if (PyModule_AddIntConstant(module, "REFUSED", REFUSED) < 0
             || PyModule_AddIntConstant(module, "WAITING", WAITING) < 0
             || PyModule_AddIntConstant(module, "MISMATCH", MISMATCH) < 0
             || PyModule_AddIntConstant(module, "REDUCED", REDUCED) < 0
-            || PyModule_AddIntConstant(module, "BUSY", BUSY) < 0)
+            || PyModule_AddIntConstant(module, "BUSY", BUSY) < 0
+            || PyModule_AddIntConstant(module, "MUTEX_BYTES", sizeof(pthread_mutex_t)) < 0)
         return -1;
     return 0;
 }
@@ -431,9 +665,9 @@ static PyModuleDef_Slot slots[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "gradsync.protocol._fastpage",
-    .m_doc = "The fast path's publish-and-spin in C (optional; see client/fast_path.py).",
+    .m_doc = "The fast path's publish-and-spin and page lock in C (optional; see "
+             "client/fast_path.py).",
     .m_size = 0,
-    .m_methods = methods,
     .m_slots = slots,
 };
 

@@ -13,7 +13,7 @@ the job broke, the daemon stops).
 Consistency: a key ends on the fast path only if *every* rank published it.
 A rank that gives up on a key after publishing it (its deadline passed, a peer
 went to the socket, the daemon is gone) *withdraws* it, and a withdrawal and
-a publication are each made under an exclusive `flock` of the page, with the
+a publication are each made under the page's exclusive lock, with the
 check "have all published?" inside: so either every rank sees all published
 (and completes), or some rank withdrew before the last publication, which is
 then refused, and every rank takes the socket path, where the daemon matches,
@@ -24,6 +24,14 @@ Words are int64 at 8-byte-aligned offsets (single stores); a slot's data is
 written before the key that publishes it, and x86-64 shows stores to other
 cores in order, so a reader that sees the key sees the data.  The bell is a
 32-bit futex word bumped (under the lock) on every change a waiter cares about.
+
+The lock is a robust process-shared mutex in the page's header, taken and
+released in user space (a pair of `flock` calls cost about 0.6 us a call, a
+sixth of a small allreduce): robust, so a holder that dies hands it to the next
+taker, as the kernel releases an `flock`.  It needs the compiled module
+(protocol/_fastpage.c); a daemon installed without it formats its pages with
+`flock` as the lock (the header says which), and a client without it declines a
+mutex page and keeps to the socket.
 """
 
 from __future__ import annotations
@@ -41,14 +49,22 @@ from gradsync.protocol.dtypes import DTYPES, ReduceOp
 from gradsync.protocol.futex import Futex
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 
-LAYOUT_VERSION = 1
+try:  # the publish-and-spin and the page's mutex in C: optional at install, see setup.py
+    from gradsync.protocol import _fastpage
+except ImportError:  # built without a C compiler: Python steps, the page's flock as lock
+    _fastpage = None  # type: ignore[assignment]
+
+LAYOUT_VERSION = 2
 MAGIC = 0x31687461_70667367  # b"gsfpath1", little-endian
 
 _LINE = 64
 _HEADER_BYTES = 4 * _LINE
 # header words (int64 index) and the bell's byte offset
-_H_MAGIC, _H_VERSION, _H_RANKS, _H_LIMIT = 0, 1, 2, 3
+_H_MAGIC, _H_VERSION, _H_RANKS, _H_LIMIT, _H_LOCK = 0, 1, 2, 3, 4
 _BELL_OFFSET = 1 * _LINE
+#: Where the page's mutex lies (a line of its own), and what _H_LOCK says the lock is.
+_MUTEX_OFFSET = 3 * _LINE
+MUTEX, FLOCK = 1, 2
 _H_SLEEPERS, _H_BROKEN, _H_STOPPING = 2 * _LINE // 8, 2 * _LINE // 8 + 1, 2 * _LINE // 8 + 2
 
 # slot words, relative to the slot's first word: the rank's line, then the daemon's
@@ -150,16 +166,10 @@ class FastPage:
         self.published_at = [slot + PUBLISHED for slot in self._slots]
         self.withdrawn_at = [slot + WITHDRAWN for slot in self._slots]
         self.done_at = [slot + DONE for slot in self._slots]
-        #: Where the compiled publish-and-spin (protocol/_fastpage.c) finds every word
-        #: it touches: int64 indices and offsets, in the order that module reads them.
-        self.c_layout = np.array(
-            [_H_BROKEN, _H_SLEEPERS, _BELL_OFFSET, B_CODES, B_COUNT, _BUFFER_HEADER_BYTES, limit]
-            + [word for rank in range(ranks)
-               for word in (self.published_at[rank], self._slots[rank] + PUBLISHED_NS,
-                            *self.buffer_at[rank], self.withdrawn_at[rank],
-                            self.done_at[rank], self._slots[rank] + COMPLETED)],
-            dtype=np.int64,
-        ).tobytes()
+        #: The compiled page (publish-and-spin, lock) once the lock is known: format, check.
+        self.compiled: _fastpage.Page | None = None
+        #: MUTEX or FLOCK, once format or check has read or written it.
+        self.lock_kind = 0
         #: Header words the hot path reads directly.
         self.broken_at, self.sleepers_at = _H_BROKEN, _H_SLEEPERS
         self._bell_word = memoryview(mapping)[_BELL_OFFSET: _BELL_OFFSET + 4].cast("I")
@@ -169,8 +179,38 @@ class FastPage:
 
     # -- the header ---------------------------------------------------------------
 
-    def format(self) -> None:
-        """Write a fresh page (the daemon, before any rank maps it)."""
+    def c_layout(self, lock_kind: int) -> bytes:
+        """Where the compiled module (protocol/_fastpage.c) finds every word it touches:
+        int64 indices and offsets, in the order that module reads them."""
+        return np.array(
+            [_H_BROKEN, _H_SLEEPERS, _BELL_OFFSET, B_CODES, B_COUNT, _BUFFER_HEADER_BYTES,
+             self.limit, _MUTEX_OFFSET if lock_kind == MUTEX else -1]
+            + [word for rank in range(self.ranks)
+               for word in (self.published_at[rank], self._slots[rank] + PUBLISHED_NS,
+                            *self.buffer_at[rank], self.withdrawn_at[rank],
+                            self.done_at[rank], self._slots[rank] + COMPLETED)],
+            dtype=np.int64,
+        ).tobytes()
+
+    def _attach(self, lock_kind: int) -> None:
+        """Take the lock the header names, through the compiled page where it was built."""
+        if lock_kind not in (MUTEX, FLOCK):
+            raise ValueError(f"fast page lock kind {lock_kind} is not one this client knows")
+        if lock_kind == MUTEX and _fastpage is None:
+            raise ValueError("the fast page's lock is a shared-memory mutex, which needs "
+                             "gradsync.protocol._fastpage; this install did not build it "
+                             "(reinstall with a C compiler)")
+        self.lock_kind = lock_kind
+        if self.compiled is not None:
+            self.compiled.close()
+        if _fastpage is not None:
+            self.compiled = _fastpage.Page(self.q, self.c_layout(lock_kind), self.fd)
+
+    def format(self, lock_kind: int | None = None) -> None:
+        """Write a fresh page (the daemon, before any rank maps it); its lock is the
+        mutex where the compiled module was built, else the flock (or `lock_kind`)."""
+        lock_kind = lock_kind or (FLOCK if _fastpage is None else MUTEX)
+        self._attach(lock_kind)
         q = self.q
         np.frombuffer(self.mapping, dtype=np.int64, count=len(q))[:] = 0
         for rank in range(self.ranks):
@@ -181,6 +221,9 @@ class FastPage:
         q[_H_VERSION] = LAYOUT_VERSION
         q[_H_RANKS] = self.ranks
         q[_H_LIMIT] = self.limit
+        q[_H_LOCK] = lock_kind
+        if self.compiled is not None and lock_kind == MUTEX:
+            self.compiled.init_lock()
         q[_H_MAGIC] = MAGIC
 
     def check(self) -> None:
@@ -190,6 +233,7 @@ class FastPage:
         expected = (MAGIC, LAYOUT_VERSION, self.ranks, self.limit)
         if found != expected:
             raise ValueError(f"fast page header {found} is not the expected {expected}")
+        self._attach(q[_H_LOCK])
 
     @property
     def broken(self) -> bool:
@@ -221,19 +265,25 @@ class FastPage:
         """Hold the page's lock: tried again after yielding the core while another
         holds it (for a few stores), asleep only after LOCK_TRIES tries, as
         protocol/_fastpage.c takes it (being woken costs more than the wait)."""
-        for _ in range(LOCK_TRIES):
-            if self.try_lock():
-                break
-            os.sched_yield()
+        compiled = self.compiled
+        if compiled is not None:
+            compiled.lock()
         else:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            for _ in range(LOCK_TRIES):
+                if self.try_lock():
+                    break
+                os.sched_yield()
+            else:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.unlock()
 
     def try_lock(self) -> bool:
         """Take the lock without waiting (the daemon never blocks its event loop)."""
+        if self.compiled is not None:
+            return self.compiled.try_lock()
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -241,7 +291,10 @@ class FastPage:
         return True
 
     def unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if self.compiled is not None:
+            self.compiled.unlock()
+        else:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def bump_bell(self) -> None:
         """Under the lock: tell waiters something changed (then `wake` them after)."""
@@ -333,6 +386,8 @@ class FastPage:
 
     def close(self) -> None:
         """Drop the views into the mapping (the owner closes mapping and descriptor)."""
+        if self.compiled is not None:
+            self.compiled.close()
         self.bell.close()
         self._views.clear()
         self.q.release()

@@ -12,9 +12,14 @@ steps (those are run too: tests/test_fast_path.py, GRADSYNC_FAST_PATH=python).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -45,7 +50,7 @@ else:
     IMPORT_ERROR = None
 
 LIMIT = 4096
-OpenPage = Callable[[int], FastPage]
+OpenPage = Callable[..., FastPage]
 SPIN_NS = 0  # one look: the tests play every rank in one process
 
 
@@ -54,14 +59,14 @@ def open_page() -> Iterator[OpenPage]:
     """A factory of formatted fast pages in temporary files, closed afterwards."""
     opened: list[tuple[FastPage, mmap.mmap, int]] = []
 
-    def make(ranks: int) -> FastPage:
+    def make(ranks: int, lock_kind: int | None = None) -> FastPage:
         fd, path = tempfile.mkstemp(prefix="gradsync-test-page-")
         os.unlink(path)
         nbytes = page_bytes(ranks, LIMIT)
         os.ftruncate(fd, nbytes)
         mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         page = FastPage(mapping, fd, ranks, LIMIT)
-        page.format()
+        page.format(lock_kind)
         opened.append((page, mapping, fd))
         return page
 
@@ -74,9 +79,9 @@ def open_page() -> Iterator[OpenPage]:
 
 def publish(page: FastPage, rank: int, key: int, data: np.ndarray, reduction: int,
             codes: int = 7, index: int = 0, reuse_key: int = -1) -> object:
-    assert _fastpage is not None
-    return _fastpage.publish(page.q, page.c_layout, page.fd, rank, index, key, codes,
-                             data.size, data, reduction, SPIN_NS, SPIN_NS, reuse_key)
+    assert page.compiled is not None
+    return page.compiled.publish(rank, index, key, codes, data.size, data, reduction,
+                                 SPIN_NS, SPIN_NS, reuse_key)
 
 
 def test_the_module_was_built_and_agrees_with_the_python_constants() -> None:
@@ -196,18 +201,23 @@ def test_arguments_that_do_not_fit_the_page_are_refused_before_anything_is_writt
     data = np.ones(4, dtype=np.float32)
     sum_f32 = FAST_REDUCTIONS[("float32", ReduceOp.SUM)]
 
-    def call(layout: bytes = page.c_layout, rank: int = 0, index: int = 0,
-             values: object = data, reduction: int = sum_f32) -> object:
-        return _fastpage.publish(page.q, layout, page.fd, rank, index, 1, 7, 4, values,
-                                 reduction, SPIN_NS, SPIN_NS)
+    def call(rank: int = 0, index: int = 0, values: object = data,
+             reduction: int = sum_f32) -> object:
+        assert page.compiled is not None
+        return page.compiled.publish(rank, index, 1, 7, 4, values, reduction, SPIN_NS, SPIN_NS)
 
-    words = np.frombuffer(page.c_layout, dtype=np.int64).copy()
+    layout = page.c_layout(fast_path.MUTEX)
+    words = np.frombuffer(layout, dtype=np.int64).copy()
     outside = words.copy()
     outside[-4] = len(page.q) + 10  # the last rank's second buffer, beyond the page
     with pytest.raises(ValueError, match="does not fit the page"):
-        call(layout=outside.tobytes())
+        _fastpage.Page(page.q, outside.tobytes(), page.fd)
     with pytest.raises(ValueError, match="fits no number of ranks"):
-        call(layout=page.c_layout[:-8])
+        _fastpage.Page(page.q, layout[:-8], page.fd)
+    lock_outside = words.copy()
+    lock_outside[7] = page.q.nbytes - 8  # the mutex would run past the page's end
+    with pytest.raises(ValueError, match="the lock lies outside the page"):
+        _fastpage.Page(page.q, lock_outside.tobytes(), page.fd)
     with pytest.raises(ValueError, match="out of range"):
         call(rank=2)
     with pytest.raises(ValueError, match="out of range"):
@@ -225,6 +235,131 @@ def test_arguments_that_do_not_fit_the_page_are_refused_before_anything_is_writt
     with pytest.raises(ValueError, match="read-only"):
         call(values=read_only)
     with pytest.raises(TypeError):
-        _fastpage.publish(page.q, page.c_layout)
+        page.compiled.publish(0, 0)
     assert page.word(0, PUBLISHED) == fast_path.NOTHING
     assert page.word(1, PUBLISHED) == fast_path.NOTHING
+
+
+#: Another process mapping a test page (its descriptor passed down) as a client does.
+MAP_PAGE = """
+import mmap, os, signal, sys
+from gradsync.protocol.fast_path import FastPage
+passed, ranks, limit, nbytes = (int(word) for word in sys.argv[1:5])
+fd = os.open(f"/proc/self/fd/{passed}", os.O_RDWR)  # an open of its own, as a client's
+page = FastPage(mmap.mmap(fd, nbytes), fd, ranks, limit)
+"""
+
+
+def page_process(page: FastPage, code: str, prelude: str = "") -> list[str]:
+    """A command that maps `page` in another process (its descriptor passed down) and
+    runs `code` (`prelude` before anything is imported)."""
+    return [sys.executable, "-c", prelude + MAP_PAGE + textwrap.dedent(code), str(page.fd),
+            str(page.ranks), str(page.limit), str(len(page.mapping))]
+
+
+def tries_the_lock_elsewhere(page: FastPage) -> str:
+    """What another process's try at the page's lock gets: "True" or "False"."""
+    done = subprocess.run(page_process(page, """
+        page.check()
+        print(page.try_lock())
+    """), pass_fds=(page.fd,), capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_the_page_lock_is_one_across_processes_and_a_dead_holders_passes_on(
+    open_page: OpenPage,
+) -> None:
+    """The page's mutex excludes another process; a holder SIGKILLed inside it does not
+    wedge the page: the next taker gets it (as the kernel releases a dead holder's
+    flock), and publications go on."""
+    page = open_page(2)
+    assert page.lock_kind == fast_path.MUTEX
+    with page.locked():
+        assert tries_the_lock_elsewhere(page) == "False"
+    child = subprocess.Popen(page_process(page, """
+        page.check()
+        page.compiled.lock()
+        print("held", flush=True)
+        sys.stdin.readline()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """), pass_fds=(page.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline() == "held\n"
+        assert not page.try_lock()  # held by the other process
+        child.stdin.write("die\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    assert page.try_lock()  # the dead holder's lock, made consistent
+    page.unlock()
+    assert tries_the_lock_elsewhere(page) == "True"  # and that process ends holding it
+    assert page.try_lock()
+    page.unlock()
+    sum_f32 = FAST_REDUCTIONS[("float32", ReduceOp.SUM)]
+    assert publish(page, 0, 0, np.ones(4, np.float32), sum_f32) == WAITING
+    assert publish(page, 1, 0, np.ones(4, np.float32), sum_f32) == REDUCED
+
+
+@pytest.mark.skipif(_fastpage is None, reason="the compiled module was not built")
+def test_a_page_formatted_with_flock_as_its_lock_runs_the_same_steps(
+    open_page: OpenPage,
+) -> None:
+    """A daemon without the compiled module formats its pages with the flock as the
+    lock: the compiled publish takes that lock then, and an flock held elsewhere
+    (another open of the page) keeps both it and `try_lock` out."""
+    page = open_page(2, fast_path.FLOCK)
+    assert page.lock_kind == fast_path.FLOCK
+    assert tries_the_lock_elsewhere(page) == "True"
+    with page.locked():
+        assert tries_the_lock_elsewhere(page) == "False"
+    other = os.open(f"/proc/self/fd/{page.fd}", os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert not page.try_lock()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    finally:
+        os.close(other)
+    sum_f32 = FAST_REDUCTIONS[("float32", ReduceOp.SUM)]
+    assert publish(page, 0, 0, np.full(4, 2.0, np.float32), sum_f32) == WAITING
+    data = np.full(4, 3.0, np.float32)
+    assert publish(page, 1, 0, data, sum_f32) == REDUCED
+    assert (data == 5.0).all()
+
+
+#: An install without the compiled module: its import fails, as where it was not built.
+WITHOUT_THE_MODULE = """
+import sys
+class NotBuilt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "gradsync.protocol._fastpage":
+            raise ImportError("not built")
+sys.meta_path.insert(0, NotBuilt())
+"""
+
+
+def test_without_the_compiled_module_a_mutex_page_is_declined_and_an_flock_page_serves(
+    open_page: OpenPage,
+) -> None:
+    """A client whose install did not build the module cannot take a mutex: it refuses
+    such a page, saying why (its FastPath then keeps to the socket); a page with the
+    flock as its lock it takes, in Python."""
+    code = """
+        page.check()
+        with page.locked():
+            print("locked", page.compiled)
+    """
+    kinds = [fast_path.FLOCK] + ([fast_path.MUTEX] if _fastpage is not None else [])
+    for kind in kinds:
+        page = open_page(2, kind)
+        done = subprocess.run(page_process(page, code, prelude=WITHOUT_THE_MODULE),
+                              pass_fds=(page.fd,), capture_output=True, text=True, timeout=60)
+        if kind == fast_path.FLOCK:
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.strip() == "locked None"
+        else:
+            assert done.returncode != 0
+            assert "needs gradsync.protocol._fastpage" in done.stderr, done.stderr

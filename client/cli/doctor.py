@@ -355,7 +355,9 @@ def check_limits() -> Iterator[Finding]:
 def check_modules() -> Iterator[Finding]:
     if importlib.util.find_spec("gradsync.protocol._fastpage") is None:
         yield Finding("fast path", WARNING, "its C module was not built: small allreduces "
-                      "run the same steps in Python", "reinstall with gcc and python3-dev present")
+                      "run the same steps in Python, locked with flock, and a daemon that has "
+                      "the module offers its pages to none of this install's clients",
+                      "reinstall with gcc and python3-dev present")
     else:
         yield Finding("fast path", OK, "C module built")
     if importlib.util.find_spec("torch") is None:
