@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -25,7 +24,7 @@ from gradsync.client.compression import Compression, choose, from_environment
 from gradsync.client.connection import Connection
 from gradsync.client.cuda import DeviceArrayInfo, DeviceBuffers, parse_device
 from gradsync.client.environment import resolve_identity
-from gradsync.client.fast_path import FastPath, offered_fast_path
+from gradsync.client.fast_path import FastPath, PageCall, offered_fast_path
 from gradsync.client.subgroups import group_job, local_ranks
 from gradsync.client.work import Work
 from gradsync.protocol import requests as wire
@@ -37,7 +36,6 @@ from gradsync.protocol.errors import (
     GradsyncError,
     InvalidArgumentError,
 )
-from gradsync.protocol.fast_path import Print, fingerprint
 from gradsync.protocol.peer import ALGORITHM_CHOICES
 from gradsync.protocol.requests import ALLREDUCE
 
@@ -58,14 +56,10 @@ class _Reconnected(Exception):
     """`Client._on_page`: the daemon went away while the key was on the page."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PageCall:
-    """An allreduce's checked description for `Client.page_all_reduce`."""
-
-    dtype: str
-    op: ReduceOp
-    count: int
-    fingerprint: Print
+#: (numpy dtype, op as given, elements, algorithm) → the PageCall of a host array seen.
+_PageCallKey = tuple[Any, Any, int, str | None]
+#: PageCalls a client keeps (the same few arrays come back every step).
+_PAGE_CALLS_KEPT = 256
 
 
 class Client:
@@ -128,6 +122,7 @@ class Client:
         self.ranks: tuple[int, ...] | None = None
         self._connection = Connection(self.daemon)
         self._fast: FastPath | None = None
+        self._page_calls: dict[_PageCallKey, PageCall] = {}
         self._open_session()
 
     def _open_session(self) -> None:
@@ -398,37 +393,58 @@ class Client:
             raise InvalidArgumentError(
                 f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}"
             )
-        wire_dtype, reduce_op, count, device = self._check_array(array, op)
-        key, waited_s = None, 0.0
         fast = self._fast  # async_op too with _fast_wait_s (the torch backend's): None if done
         if (fast is not None and (not async_op or _fast_wait_s is not None)
-                and device is None and array.nbytes <= fast.limit
                 # Compression is between daemons: only an explicit ask for a format can
                 # refuse (the socket path's choose() says why), so "none" stays here.
                 and compression in (None, "none", "") and not error_feedback):
-            wait_s = min(timeout_s or self._daemon_timeout_s, _fast_wait_s or math.inf)
-            try:
-                tried = self._on_page(fast, array, fingerprint(wire_dtype, count, reduce_op,
-                                                               algorithm),
-                                      wire_dtype, reduce_op, wait_s)
-            except _Reconnected:
-                return self.all_reduce(array, op, async_op, algorithm, timeout_s, compression,
-                                       error_feedback, _fast_wait_s)
-            if tried is None:
-                return None
-            key, waited_s = tried
-        else:
-            self._check_open()
+            call = self._page_call_of(array, op, algorithm, fast.limit)
+            if call is not None:
+                wait_s = min(timeout_s or self._daemon_timeout_s, _fast_wait_s or math.inf)
+                try:
+                    tried = self._on_page(fast, array, call, wait_s)
+                except _Reconnected:
+                    return self.all_reduce(array, op, async_op, algorithm, timeout_s,
+                                           compression, error_feedback, _fast_wait_s)
+                if tried is None:
+                    return None
+                key, waited_s = tried
+                return self._all_reduce_over_socket(
+                    array, call.dtype, call.op, call.count, None, async_op, algorithm,
+                    timeout_s, compression, error_feedback, key, waited_s)
+        wire_dtype, reduce_op, count, device = self._check_array(array, op)
+        self._check_open()
         return self._all_reduce_over_socket(
             array, wire_dtype, reduce_op, count, device, async_op, algorithm, timeout_s,
-            compression, error_feedback, key, waited_s)
+            compression, error_feedback, None, 0.0)
+
+    def _page_call_of(
+        self, array: Buffer, op: str | ReduceOp, algorithm: str | None, limit: int
+    ) -> PageCall | None:
+        """`array`'s allreduce as the fast page takes it, checked (and raising) as every
+        collective's array is; None if it is not for the page (a device array, too big).
+        Kept per (dtype, op, length, algorithm), with contiguity and writability checked
+        every call."""
+        if type(array) is np.ndarray:  # the common case first: a host array seen before
+            call = self._page_calls.get((array.dtype, op, array.size, algorithm))
+            if call is not None:
+                flags = array.flags
+                if flags.c_contiguous and flags.writeable:
+                    return call
+        wire_dtype, reduce_op, count, device = self._check_array(array, op)
+        if device is not None or array.nbytes > limit:
+            return None
+        call = PageCall.of(wire_dtype, reduce_op, count, algorithm)
+        if len(self._page_calls) >= _PAGE_CALLS_KEPT:
+            self._page_calls.clear()
+        self._page_calls[(array.dtype, op, array.size, algorithm)] = call
+        return call
 
     def page_call(self, array: np.ndarray, op: str | ReduceOp) -> PageCall:
         """What `page_all_reduce` needs of `array` and `op`, checked once (the torch
         backend keeps it with a tensor it sees again and again)."""
         wire_dtype, reduce_op, count, _ = self._check_array(array, op)
-        return PageCall(wire_dtype, reduce_op, count,
-                        fingerprint(wire_dtype, count, reduce_op, self.algorithm))
+        return PageCall.of(wire_dtype, reduce_op, count, self.algorithm)
 
     def page_all_reduce(self, array: np.ndarray, call: PageCall, wait_s: float) -> Work | None:
         """`all_reduce(array, op, async_op=True)` of the torch backend's small host
@@ -439,7 +455,7 @@ class Client:
         if fast is None or array.nbytes > fast.limit:
             return self.all_reduce(array, call.op, async_op=True, _fast_wait_s=wait_s)
         try:
-            tried = self._on_page(fast, array, call.fingerprint, call.dtype, call.op,
+            tried = self._on_page(fast, array, call,
                                   min(self.timeout_s or self._daemon_timeout_s, wait_s))
         except _Reconnected:
             return self.all_reduce(array, call.op, async_op=True, _fast_wait_s=wait_s)
@@ -451,8 +467,7 @@ class Client:
             None, False, key, waited_s)
 
     def _on_page(
-        self, fast: FastPath, array: np.ndarray, print_: Print, wire_dtype: str,
-        reduce_op: ReduceOp, wait_s: float,
+        self, fast: FastPath, array: np.ndarray, call: PageCall, wait_s: float
     ) -> tuple[int, float] | None:
         """One allreduce on the fast page: None when it ended there, else the key and
         the seconds it waited, for the socket path to go on with.  Raises _Reconnected
@@ -460,7 +475,7 @@ class Client:
         session (keys from 0 there), as it would have after the probe."""
         with fast.lock:
             key = self._next_key()
-            waited_s = fast.all_reduce(array, print_, wire_dtype, reduce_op, key, wait_s)
+            waited_s = fast.all_reduce(array, call, key, wait_s)
         if waited_s is None:
             return None
         if fast.page.stopping:  # the socket path's answer, which it can no longer give

@@ -15,6 +15,7 @@ always gives: so errors are the socket path's, word for word.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import threading
@@ -48,6 +49,7 @@ from gradsync.protocol.fast_path import (
     WITHDRAWN,
     FastPage,
     Print,
+    fingerprint,
     page_bytes,
 )
 from gradsync.protocol.reduction import reduce_in_rank_order
@@ -70,6 +72,28 @@ SLEEP_S = 0.01
 _SPIN_CHECKS = 16
 #: Polling steps while waiting for peers to finish reading a buffer about to be reused.
 _REUSE_POLL_S = (20e-6, 1e-3)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageCall:
+    """An allreduce's checked description, as the page takes it: what the socket path
+    needs if the page gives it up (dtype, op, count), the fingerprint's codes, and
+    which reduction the compiled module makes (0: numpy, by the caller)."""
+
+    dtype: str
+    op: ReduceOp
+    count: int
+    codes: int
+    reduction: int
+
+    @classmethod
+    def of(cls, dtype: str, op: ReduceOp, count: int, algorithm: str | None) -> PageCall:
+        codes, _ = fingerprint(dtype, count, op, algorithm)
+        return cls(dtype, op, count, codes, FAST_REDUCTIONS.get((dtype, op), 0))
+
+    @property
+    def fingerprint(self) -> Print:
+        return self.codes, self.count
 
 
 class FastPath:
@@ -111,8 +135,6 @@ class FastPath:
         #: The compiled publish-and-spin, unless not built or GRADSYNC_FAST_PATH=python.
         self._compiled = (None if os.environ.get("GRADSYNC_FAST_PATH") == "python"
                           else page.compiled)
-        #: The compiled reduction of each fingerprint code word seen (0: by the caller).
-        self._reductions: dict[int, int] = {}
 
     def close(self) -> None:
         page = self.page
@@ -123,8 +145,7 @@ class FastPath:
     # -- one collective -------------------------------------------------------------
 
     def all_reduce(
-        self, array: np.ndarray, fingerprint: Print, dtype: str, op: ReduceOp, key: int,
-        timeout_s: float,
+        self, array: np.ndarray, call: PageCall, key: int, timeout_s: float
     ) -> float | None:
         """Reduce `array` in place on the page: None when done, else the seconds
         waited before the key must go over the socket (call with `lock` held)."""
@@ -133,12 +154,12 @@ class FastPath:
         index = self._next
         last_key, read = self._buffers[index]
         compiled = self._compiled
+        fingerprint = call.codes, call.count
         if compiled is not None:
             while True:
                 outcome = compiled.publish(
-                    self.rank, index, key, *fingerprint, array,
-                    self._reduction(fingerprint[0], dtype, op), _SPIN_NS, _WAKER_SPIN_NS,
-                    last_key if read else NOTHING,
+                    self.rank, index, key, call.codes, call.count, array, call.reduction,
+                    _SPIN_NS, _WAKER_SPIN_NS, last_key if read else NOTHING,
                 )
                 if outcome == REDUCED:  # the common ending: every rank came within the spin
                     self._next = index ^ 1
@@ -170,17 +191,10 @@ class FastPath:
             return self._left(started, key)
         flat = array.reshape(-1)
         views = page.views(flat.dtype, flat.size)
-        reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(outcome)], op)
+        reduce_in_rank_order(flat, [views[rank][i] for rank, i in enumerate(outcome)], call.op)
         page.q[self._done_at] = key
         page.q[self._completed_at] += 1
         return None
-
-    def _reduction(self, codes: int, dtype: str, op: ReduceOp) -> int:
-        """The C module's reduction code for a fingerprint's codes (kept per codes)."""
-        reduction = self._reductions.get(codes)
-        if reduction is None:
-            reduction = self._reductions[codes] = FAST_REDUCTIONS.get((dtype, op), 0)
-        return reduction
 
     def _publish(
         self, flat: np.ndarray, fingerprint: Print, key: int, index: int

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.client.client import Client, PageCall
+from gradsync.client.client import Client
+from gradsync.client.fast_path import PageCall
 from gradsync.client.torch.completer import FutureCompleter
 from gradsync.client.torch.tensors import as_buffer, flat_wire_tensor, wire_op
 from gradsync.client.torch.work import CompletedWork, Operation, TorchWork, torch_error
