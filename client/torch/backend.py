@@ -258,7 +258,8 @@ class ProcessGroupGradsync(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         op = reduce_op_of(opts)
-        if any(t.layout == torch.sparse_coo for t in tensors):
+        if (tensors[0].is_sparse if len(tensors) == 1  # one tensor: the common case
+                else any(t.layout == torch.sparse_coo for t in tensors)):
             return self._sparse_allreduce(tensors, op)
         if not self._closed:  # small: done before this returns, if the peers are there
             done = self._fast_path(tensors, op)

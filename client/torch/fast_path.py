@@ -45,12 +45,12 @@ _View = tuple[torch.Tensor, np.ndarray, PageCall]
 
 @dataclasses.dataclass(frozen=True)
 class _Last:
-    """The tensor object and op of the last page allreduce, what it took, and the
+    """The tensor object and op kind of the last page allreduce, what it took, and the
     completed handle it got (torch's caller waits on it and drops it; it holds only
     the tensor, so handing it out again for the same tensor changes nothing)."""
 
     tensor: torch.Tensor
-    op: Any
+    op_kind: int
     address: int
     numel: int
     array: np.ndarray
@@ -80,7 +80,9 @@ class FastPathAllreduce:
             return None
         tensor = tensors[0]
         last = self._last
-        if (last is not None and tensor is last.tensor and op == last.op
+        # A torch ReduceOp hashes to its kind (SUM 0, AVG 1, ...): 0.07 us, where `==`
+        # costs 0.3-0.7 us.  The one kind with more to it, PREMUL_SUM, is refused.
+        if (last is not None and tensor is last.tensor and hash(op) == last.op_kind
                 and tensor.data_ptr() == last.address and tensor.numel() == last.numel
                 and tensor.is_contiguous()):
             array, call, done = last.array, last.call, last.done  # the same call again
@@ -93,8 +95,8 @@ class FastPathAllreduce:
                 return None
             array, call = found
             done = CompletedWork([tensor])
-            self._last = _Last(tensor, op, tensor.data_ptr(), tensor.numel(), array, call,
-                               done)
+            self._last = _Last(tensor, hash(op), tensor.data_ptr(), tensor.numel(), array,
+                               call, done)
         try:
             work = self._client.page_all_reduce(array, call, PAGE_WAIT_S)
         except GradsyncError as exc:
