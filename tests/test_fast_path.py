@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,6 +76,53 @@ def test_around_the_limit_every_path_agrees_bit_for_bit_and_the_counters_say_whi
         assert after["fast_path_fallbacks"] == before["fast_path_fallbacks"]
     assert digests["fast"] == digests["fast-python"] == digests["socket"]
     daemon.assert_alive()
+
+
+#: A sitecustomize that makes this install one without the compiled module: its
+#: import fails in every process that has the folder on PYTHONPATH.
+NOT_BUILT = """
+import sys
+
+
+class NotBuilt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "gradsync.protocol._fastpage":
+            raise ImportError("gradsync.protocol._fastpage was not built (a test)")
+
+
+sys.meta_path.insert(0, NotBuilt())
+"""
+
+
+@pytest.mark.timeout(150)
+def test_without_the_compiled_module_a_page_locks_with_flock_and_a_mutex_page_is_declined(
+    start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """An install that did not build protocol/_fastpage.c: its daemon formats pages
+    with flock as their lock and its clients run the Python steps there, with results
+    equal to the socket path's bit for bit; its clients, given a daemon that has the
+    module (a mutex page), decline the page with a warning and keep to the socket."""
+    (tmp_path / "sitecustomize.py").write_text(NOT_BUILT)
+    not_built = {"PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    built = start_daemon("--fast-path-bytes", str(LIMIT))
+    bare = start_daemon("--fast-path-bytes", str(LIMIT), env=not_built)
+    digests = {}
+    for name, daemon, env in [("socket", built, {"GRADSYNC_FAST_PATH": "0"}),
+                              ("flock page", bare, not_built),
+                              ("mutex page declined", built, not_built)]:
+        before = counters(daemon)
+        results = run_ranks(daemon.endpoint, "fast_path_matrix.py", 2, [str(LIMIT)],
+                            job=f"unbuilt-{len(digests)}", env=env, timeout_s=100)
+        summaries = [result.records()[-1] for result in results]
+        assert all(s["failures"] == 0 for s in summaries), [r.stdout for r in results]
+        digests[name] = {s["digest"] for s in summaries}
+        fast = counters(daemon)["fast_path_collectives"] - before["fast_path_collectives"]
+        assert fast == (int(summaries[0]["small"]) if name == "flock page" else 0), name
+        declined = ["needs gradsync.protocol._fastpage" in r.stderr for r in results]
+        assert declined == [name == "mutex page declined"] * 2, [r.stderr for r in results]
+    assert digests["flock page"] == digests["mutex page declined"] == digests["socket"]
+    assert len(digests["socket"]) == 1
 
 
 @pytest.mark.timeout(60)
