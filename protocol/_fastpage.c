@@ -317,7 +317,7 @@ typedef struct {
     int64_t *layout;         /* a copy of the layout words */
     Py_ssize_t ranks;
     PageLock lock;
-    int held;                /* taken through lock/try_lock and not yet unlocked */
+    pid_t held_by;           /* the process that took it through lock/try_lock, or 0 */
 } PageObject;
 
 /* Ranks whose per-call scratch (buffer indices, input pointers) lives on the stack. */
@@ -384,10 +384,11 @@ static int64_t *checked_layout(const Py_buffer *page, const Py_buffer *layout,
 static void page_release(PageObject *self)
 {
     /* A robust mutex passes on when its holder dies, but only while the page is still
-     * mapped then: let go of it before the mapping can go. */
-    if (self->held && self->page.obj != NULL)
+     * mapped then: let go of it before the mapping can go (not in a forked child, which
+     * holds nothing; and an flock goes with its descriptor). */
+    if (self->held_by == getpid() && self->lock.mutex != NULL && self->page.obj != NULL)
         unlock_page(&self->lock);
-    self->held = 0;
+    self->held_by = 0;
     PyMem_Free(self->layout);
     self->layout = NULL;
     if (self->page.obj != NULL)
@@ -548,7 +549,7 @@ static PyObject *page_lock(PageObject *self, PyObject *unused)
     Py_END_ALLOW_THREADS
     if (failed != 0)
         return errno_error(-failed);
-    self->held = 1;
+    self->held_by = getpid();
     Py_RETURN_NONE;
 }
 
@@ -560,7 +561,8 @@ static PyObject *page_try_lock(PageObject *self, PyObject *unused)
     int taken = try_lock_once(&self->lock);
     if (taken < 0)
         return errno_error(-taken);
-    self->held = self->held || taken;
+    if (taken)
+        self->held_by = getpid();
     return PyBool_FromLong(taken);
 }
 
@@ -570,7 +572,7 @@ static PyObject *page_unlock(PageObject *self, PyObject *unused)
     if (!page_open(self))
         return NULL;
     unlock_page(&self->lock);
-    self->held = 0;
+    self->held_by = 0;
     Py_RETURN_NONE;
 }
 

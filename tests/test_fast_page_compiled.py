@@ -258,10 +258,13 @@ def page_process(page: FastPage, code: str, prelude: str = "") -> list[str]:
 
 
 def tries_the_lock_elsewhere(page: FastPage) -> str:
-    """What another process's try at the page's lock gets: "True" or "False"."""
+    """What another process's try at the page's lock gets: "True" or "False".  Taken,
+    it unmaps the page still holding it, then exits: the lock must not stay behind."""
     done = subprocess.run(page_process(page, """
         page.check()
         print(page.try_lock())
+        page.close()
+        page.mapping.close()
     """), pass_fds=(page.fd,), capture_output=True, text=True, timeout=60, check=True)
     return done.stdout.strip()
 
