@@ -422,7 +422,7 @@ class Client:
         self, array: Buffer, op: str | ReduceOp, algorithm: str | None, limit: int
     ) -> PageCall | None:
         """`array`'s allreduce as the fast page takes it, checked (and raising) as every
-        collective's array is; None if it is not for the page (a device array, too big).
+        collective's array is; None if it is not for the page (not a host array, too big).
         Kept per (dtype, op, length, algorithm), with contiguity and writability checked
         every call."""
         if type(array) is np.ndarray:  # the common case first: a host array seen before
@@ -431,8 +431,10 @@ class Client:
                 flags = array.flags
                 if flags.c_contiguous and flags.writeable:
                     return call
-        wire_dtype, reduce_op, count, device = self._check_array(array, op)
-        if device is not None or array.nbytes > limit:
+        elif not isinstance(array, np.ndarray):
+            return None  # a device array, or no array: the socket path checks it
+        wire_dtype, reduce_op, count, _ = self._check_array(array, op)
+        if array.nbytes > limit:
             return None
         call = PageCall.of(wire_dtype, reduce_op, count, algorithm)
         if len(self._page_calls) >= _PAGE_CALLS_KEPT:

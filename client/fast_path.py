@@ -154,7 +154,6 @@ class FastPath:
         index = self._next
         last_key, read = self._buffers[index]
         compiled = self._compiled
-        fingerprint = call.codes, call.count
         if compiled is not None:
             while True:
                 outcome = compiled.publish(
@@ -176,7 +175,7 @@ class FastPath:
         )):
             return self._left(started, key)
         else:
-            outcome = self._publish(array.reshape(-1), fingerprint, key, index)
+            outcome = self._publish(array.reshape(-1), call.fingerprint, key, index)
         if outcome == REFUSED:
             return self._left(started, key)
         self._next = index ^ 1
@@ -185,7 +184,7 @@ class FastPath:
             indices = self._wait(key, started + timeout_s)
             if indices is None:
                 return self._left(started, key)
-            outcome = indices if self._prints_match(indices, fingerprint) else MISMATCH
+            outcome = indices if self._prints_match(indices, call.fingerprint) else MISMATCH
         self._buffers[index] = (key, True)  # peers read it (or its fingerprint)
         if isinstance(outcome, int):  # MISMATCH: every rank sees it, all go to the socket
             return self._left(started, key)

@@ -27,11 +27,11 @@ cores in order, so a reader that sees the key sees the data.  The bell is a
 
 The lock is a robust process-shared mutex in the page's header, taken and
 released in user space (a pair of `flock` calls cost about 0.6 us a call, a
-fifth of a one-rank 4 KiB allreduce then): robust, so a holder that dies hands it to the next
-taker, as the kernel releases an `flock`.  It needs the compiled module
-(protocol/_fastpage.c); a daemon installed without it formats its pages with
-`flock` as the lock (the header says which), and a client without it declines a
-mutex page and keeps to the socket.
+fifth of a one-rank 4 KiB allreduce then): robust, so a holder that dies hands
+it to the next taker, as the kernel releases an `flock`.  It needs the compiled
+module (protocol/_fastpage.c); a daemon installed without it formats its pages
+with `flock` as the lock (the header says which), and a client without it
+declines a mutex page and keeps to the socket.
 """
 
 from __future__ import annotations
