@@ -1,5 +1,5 @@
-"""Build hook for the compiled pieces: the fast path's publish-and-spin
-(protocol/_fastpage.c), the wire codecs of compressed collectives
+"""Build hook for the compiled pieces: the fast path's publish-and-spin and page
+lock (protocol/_fastpage.c), the wire codecs of compressed collectives
 (daemon/backends/_wirecodec.c) and the checkpoint writer's copy and page tables
 (client/_checkpoint_memory.c).
 
@@ -18,7 +18,9 @@ setup(
         Extension(
             "gradsync.protocol._fastpage",
             sources=["protocol/_fastpage.c"],
-            extra_compile_args=["-O3"],
+            # the page's robust mutex: libpthread where glibc is older than 2.34
+            extra_compile_args=["-O3", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         ),
         Extension(
