@@ -63,6 +63,20 @@ READY_TIMEOUT_S = 20.0
 #: shared-memory fast path with its compiled publish-and-spin (the default), the
 #: same steps in Python (where that module was not built), the socket.
 FAST_PATH_SETTINGS = {"fast": "1", "fast-python": "python", "socket": "0"}
+#: Python source that makes a process an install without the compiled fast page module:
+#: its import fails, as where no C compiler built it (run first, or as a sitecustomize).
+WITHOUT_THE_FASTPAGE_MODULE = """
+import sys
+
+
+class NotBuilt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "gradsync.protocol._fastpage":
+            raise ImportError("gradsync.protocol._fastpage was not built (a test)")
+
+
+sys.meta_path.insert(0, NotBuilt())
+"""
 
 
 def fast_pages_of(endpoint: str) -> set[str]:

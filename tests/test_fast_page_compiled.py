@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from conftest import WITHOUT_THE_FASTPAGE_MODULE
 from gradsync.protocol import fast_path
 from gradsync.protocol.dtypes import ReduceOp
 from gradsync.protocol.fast_path import (
@@ -333,17 +334,6 @@ def test_a_page_formatted_with_flock_as_its_lock_runs_the_same_steps(
     assert (data == 5.0).all()
 
 
-#: An install without the compiled module: its import fails, as where it was not built.
-WITHOUT_THE_MODULE = """
-import sys
-class NotBuilt:
-    def find_spec(self, name, path=None, target=None):
-        if name == "gradsync.protocol._fastpage":
-            raise ImportError("not built")
-sys.meta_path.insert(0, NotBuilt())
-"""
-
-
 def test_without_the_compiled_module_a_mutex_page_is_declined_and_an_flock_page_serves(
     open_page: OpenPage,
 ) -> None:
@@ -358,7 +348,7 @@ def test_without_the_compiled_module_a_mutex_page_is_declined_and_an_flock_page_
     kinds = [fast_path.FLOCK] + ([fast_path.MUTEX] if _fastpage is not None else [])
     for kind in kinds:
         page = open_page(2, kind)
-        done = subprocess.run(page_process(page, code, prelude=WITHOUT_THE_MODULE),
+        done = subprocess.run(page_process(page, code, prelude=WITHOUT_THE_FASTPAGE_MODULE),
                               pass_fds=(page.fd,), capture_output=True, text=True, timeout=60)
         if kind == fast_path.FLOCK:
             assert done.returncode == 0, done.stderr

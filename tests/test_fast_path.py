@@ -21,7 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FAST_PATH_SETTINGS, DaemonProcess, poll_until, run_ranks
+from conftest import (
+    FAST_PATH_SETTINGS,
+    WITHOUT_THE_FASTPAGE_MODULE,
+    DaemonProcess,
+    poll_until,
+    run_ranks,
+)
 from gradsync.client import (
     Client,
     DaemonShuttingDownError,
@@ -78,22 +84,6 @@ def test_around_the_limit_every_path_agrees_bit_for_bit_and_the_counters_say_whi
     daemon.assert_alive()
 
 
-#: A sitecustomize that makes this install one without the compiled module: its
-#: import fails in every process that has the folder on PYTHONPATH.
-NOT_BUILT = """
-import sys
-
-
-class NotBuilt:
-    def find_spec(self, name, path=None, target=None):
-        if name == "gradsync.protocol._fastpage":
-            raise ImportError("gradsync.protocol._fastpage was not built (a test)")
-
-
-sys.meta_path.insert(0, NotBuilt())
-"""
-
-
 @pytest.mark.timeout(150)
 def test_without_the_compiled_module_a_page_locks_with_flock_and_a_mutex_page_is_declined(
     start_daemon: StartDaemon, tmp_path: Path
@@ -102,7 +92,7 @@ def test_without_the_compiled_module_a_page_locks_with_flock_and_a_mutex_page_is
     with flock as their lock and its clients run the Python steps there; its clients,
     given a daemon that has the module (a mutex page), decline the page with a warning
     and keep to the socket.  Both runs' results are the same bit for bit."""
-    (tmp_path / "sitecustomize.py").write_text(NOT_BUILT)
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_THE_FASTPAGE_MODULE)
     not_built = {"PYTHONPATH": os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
     built = start_daemon("--fast-path-bytes", str(LIMIT))
