@@ -207,7 +207,7 @@ static int try_lock_once(const PageLock *lock)
     if (lock->mutex == NULL) {
         if (flock(lock->fd, LOCK_EX | LOCK_NB) == 0)
             return 1;
-        return errno == EWOULDBLOCK ? 0 : errno == EINTR ? 0 : -errno;
+        return errno == EWOULDBLOCK || errno == EINTR ? 0 : -errno;
     }
     int failed = pthread_mutex_trylock(lock->mutex);
     if (failed == EOWNERDEAD)
