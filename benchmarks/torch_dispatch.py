@@ -7,9 +7,14 @@ the backend itself), float32 sum, synchronous `dist.all_reduce` on an
 ordinary torch tensor, as a framework calls it.  The do-nothing backend
 ("noop": a Python `ProcessGroup` whose allreduce hands back a completed Work
 at once) measures torch's own Python dispatch the same way, which is the part
-of gradsync's time that is not ours.  Prints one table: median µs per call
-over batches (the ranks meet at a barrier before each batch).  The same
-module is the rank program (`--worker`).
+of gradsync's time that is not ours.  "fake" is torch's own do-nothing backend
+in C++ (`FakeProcessGroup`, torch's test tool): what the dispatch would cost a
+backend written in C++.  "fake-direct" calls that backend's
+`ProcessGroup.allreduce` and waits, as `dist.all_reduce` does, without the
+Python function around it: the difference is that function's own cost, which
+no backend can save.  Prints one table: median µs per call over batches
+(the ranks meet at a barrier before each batch).  The same module is the rank
+program (`--worker`).
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.processes import clean_env, log_tail, module_command, rank_env, run_all
 
-BACKENDS = ("gradsync", "gloo", "noop")
+BACKENDS = ("gradsync", "gloo", "noop", "fake", "fake-direct")
 _SIZES = {"KiB": 1024, "MiB": 1024 * 1024}
 
 
@@ -80,20 +86,34 @@ def worker(backend: str, sizes: list[int], iters: int, result: str) -> None:
     torch.set_num_threads(1)
     if backend == "noop":
         _register_noop()
-    dist.init_process_group(backend)
+    if backend.startswith("fake"):  # no rendezvous: each rank alone, as nothing crosses
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend)
+    call: Callable[[torch.Tensor], object] = dist.all_reduce
+    if backend == "fake-direct":
+        group, options = dist.group.WORLD, dist.AllreduceOptions()
+        assert group is not None
+
+        def call(tensor: torch.Tensor) -> object:
+            return group.allreduce([tensor], options).wait()
+
     results = {}
     for nbytes in sizes:
         tensor = torch.ones(nbytes // 4, dtype=torch.float32)
         count = max(20, iters if nbytes <= 65536 else iters // 100)
         batch = max(10, count // 20)
         for _ in range(min(50, count)):
-            dist.all_reduce(tensor)
+            call(tensor)
         per_call = []
         for _ in range(count // batch):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(batch):
-                dist.all_reduce(tensor)
+                call(tensor)
             per_call.append((time.perf_counter() - start) / batch)
         results[nbytes] = statistics.median(per_call) * 1e6
     if dist.get_rank() == 0:
@@ -136,12 +156,14 @@ def main() -> None:
         return
     table = {b: run(b, args.ranks, sizes, args.iters, args.port + i)
              for i, b in enumerate(BACKENDS)}
-    print(f"| size (B) | {' | '.join(f'{b} (µs)' for b in BACKENDS)} | noop share of gradsync |")
-    print(f"| ---: | {' | '.join('---:' for _ in BACKENDS)} | ---: |")
+    print(f"| size (B) | {' | '.join(f'{b} (µs)' for b in BACKENDS)} | noop share of gradsync | "
+          "fake share of gradsync |")
+    print(f"| ---: | {' | '.join('---:' for _ in BACKENDS)} | ---: | ---: |")
     for nbytes in sizes:
         cells = " | ".join(f"{table[b][nbytes]:.1f}" for b in BACKENDS)
-        share = table["noop"][nbytes] / table["gradsync"][nbytes]
-        print(f"| {nbytes} | {cells} | {share:.0%} |")
+        shares = " | ".join(f"{table[b][nbytes] / table['gradsync'][nbytes]:.0%}"
+                            for b in ("noop", "fake"))
+        print(f"| {nbytes} | {cells} | {shares} |")
 
 
 if __name__ == "__main__":
