@@ -133,6 +133,30 @@ def test_a_client_loads_ml_dtypes_only_for_bfloat16(daemon: DaemonProcess) -> No
     run_client(code, daemon.endpoint)
 
 
+def test_a_torch_job_loads_ml_dtypes_only_for_bfloat16(daemon: DaemonProcess) -> None:
+    """Every process of a torch job imports the backend (`gradsync.client.torch`); it
+    paid ml_dtypes' half second of CPU at import until the bfloat16 lookups went
+    through `protocol.dtypes.DTYPES`, which loads it for the first bfloat16 tensor."""
+    pytest.importorskip("torch", reason="torch is the optional extra gradsync[torch]")
+    code = (
+        "import os, sys\n"
+        "import torch, torch.distributed as dist\n"
+        "from gradsync.client.torch import DistributedDataParallel\n"
+        "os.environ['GRADSYNC_DAEMON'] = sys.argv[1]\n"
+        "dist.init_process_group('gradsync', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "model = DistributedDataParallel(torch.nn.Linear(4, 2))\n"
+        "model(torch.ones(3, 4)).sum().backward()\n"
+        "tensor = torch.full((4,), 1.5)\n"
+        "dist.all_reduce(tensor)\n"
+        "assert (tensor == 1.5).all() and 'ml_dtypes' not in sys.modules\n"
+        "half = torch.full((4,), 2.0, dtype=torch.bfloat16)\n"
+        "dist.all_reduce(half, op=dist.ReduceOp.MAX)\n"
+        "assert (half == 2.0).all() and 'ml_dtypes' in sys.modules\n"
+        "dist.destroy_process_group()\n"
+    )
+    run_client(code, daemon.endpoint)
+
+
 def run_client(code: str, endpoint: str) -> None:
     """Run `code` (a client of the daemon at argv[1]) in a fresh interpreter; it must pass."""
     result = subprocess.run([sys.executable, "-c", code, endpoint], capture_output=True,

@@ -14,31 +14,51 @@ a flag of 1 to 0.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from gradsync.protocol.compression import FP8_BLOCK
+from gradsync.protocol.dtypes import DTYPES
 from gradsync.protocol.errors import InvalidArgumentError
 
 MIB = 1024 * 1024
 #: Where the flags may start: a multiple of the fp8 block (see the module docstring).
 FLAGS_ALIGN = FP8_BLOCK
 
+
+class TorchDtypes(Mapping[torch.dtype, np.dtype]):
+    """torch dtype → the numpy dtype the daemon reduces, by wire name through
+    `protocol.dtypes.DTYPES`: bfloat16's comes from ml_dtypes, whose import costs
+    half a second of CPU, so it is looked up only when a bfloat16 tensor comes
+    along (every process of a torch job imports this module)."""
+
+    def __init__(self, wire_names: Mapping[torch.dtype, str]) -> None:
+        self.wire_names = dict(wire_names)
+
+    def __getitem__(self, dtype: torch.dtype) -> np.dtype:
+        return DTYPES[self.wire_names[dtype]]
+
+    def __iter__(self) -> Iterator[torch.dtype]:
+        return iter(self.wire_names)
+
+    def __len__(self) -> int:
+        return len(self.wire_names)
+
+    def __contains__(self, dtype: object) -> bool:
+        return dtype in self.wire_names
+
+
 #: torch dtype → numpy dtype the daemon reduces (gradsync's float wire types).
-FLOAT_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
+FLOAT_DTYPES = TorchDtypes({torch.float16: "float16", torch.bfloat16: "bfloat16",
+                            torch.float32: "float32", torch.float64: "float64"})
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
     """A torch tensor over `array`'s memory (no copy), bfloat16 included."""
-    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+    # Only ml_dtypes makes an array of bfloat16: the second test imports nothing new.
+    if array.dtype.name == "bfloat16" and array.dtype == DTYPES["bfloat16"]:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
@@ -51,7 +71,7 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
             f"(contiguous: {tensor.is_contiguous()})"
         )
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return tensor.view(torch.int16).numpy().view(DTYPES["bfloat16"])
     return tensor.numpy()
 
 

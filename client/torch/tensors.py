@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync.client.torch.buckets import FLOAT_DTYPES
+from gradsync.client.torch.buckets import FLOAT_DTYPES, TorchDtypes
 from gradsync.protocol.errors import InvalidArgumentError
 
 #: torch's reduce ops → gradsync's (the ones with a meaning in a daemon reduction).
@@ -36,13 +36,8 @@ BOOL_OPS = {"sum": "max", "prod": "min", "max": "max", "min": "min",
              "band": "band", "bor": "bor", "bxor": "bxor"}
 
 #: torch dtype → numpy dtype the daemon reduces: the gradient types, and integers.
-NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    **FLOAT_DTYPES,
-    torch.int8: np.dtype(np.int8),
-    torch.uint8: np.dtype(np.uint8),
-    torch.int32: np.dtype(np.int32),
-    torch.int64: np.dtype(np.int64),
-}
+NUMPY_DTYPES = TorchDtypes({**FLOAT_DTYPES.wire_names, torch.int8: "int8",
+                            torch.uint8: "uint8", torch.int32: "int32", torch.int64: "int64"})
 
 
 def wire_op(tensor: torch.Tensor, op: Any) -> str:
