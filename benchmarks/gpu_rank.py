@@ -49,7 +49,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from gradsync.client import (
@@ -62,6 +61,7 @@ from gradsync.client import (
     MismatchError,
     RankLostError,
 )
+from gradsync.protocol.dtypes import DTYPES as WIRE_DTYPES
 
 OPS = ("sum", "avg", "min", "max", "prod")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -81,7 +81,8 @@ MAX_ERRORS_IN_A_ROW = 5
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    """bfloat16 loads ml_dtypes (half a second of CPU), so only the phases that use it do."""
+    return WIRE_DTYPES[name]
 
 
 def pairs(ops: Sequence[str], dtypes: Sequence[str]) -> Iterator[tuple[str, str]]:
@@ -169,7 +170,7 @@ def to_torch(values: np.ndarray) -> Any:
     """A CPU tensor over `values` (bfloat16 through its bit pattern)."""
     import torch
 
-    if values.dtype == np.dtype(ml_dtypes.bfloat16):
+    if values.dtype.name == "bfloat16":  # only ml_dtypes makes one
         return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(values)
 
@@ -178,7 +179,7 @@ def from_torch(tensor: Any) -> np.ndarray:
     import torch
 
     if tensor.dtype == torch.bfloat16:
-        return np.asarray(tensor.view(torch.int16).numpy()).view(ml_dtypes.bfloat16)
+        return np.asarray(tensor.view(torch.int16).numpy()).view(WIRE_DTYPES["bfloat16"])
     return np.asarray(tensor.numpy())
 
 
