@@ -75,6 +75,8 @@ class Soak:
 
     daemons: list[DaemonProcess]
     ranks: list[subprocess.Popen[str]]
+    #: Where each rank leaves a file after its first allreduce.
+    markers: Path
 
     def running(self) -> bool:
         return any(rank.poll() is None for rank in self.ranks)
@@ -86,30 +88,39 @@ class Soak:
                 rank.wait()
 
 
-def start_soak(
-    start_daemon: StartDaemon, topo: Topology, folder: Path, count: int,
-    slow_prefix: list[str] | None = None, pin_rank: str | None = None,
-) -> Soak:
-    """Ranks that all-reduce `count` floats for SOAK_S on one daemon per node, each past
-    its first allreduce.  Node 1's daemon runs under `slow_prefix` and its rank on core
-    `pin_rank`, if given."""
+def soak_daemons(
+    start_daemon: StartDaemon, topo: Topology, slow_prefix: list[str] | None = None,
+) -> list[DaemonProcess]:
+    """One daemon per node of `topo`, node 1's under `slow_prefix` if given."""
     endpoints = topo.endpoints()[0]
-    daemons = [start_daemon(*peer_args(i, endpoints, "--insecure"),
-                            prefix=[*topo.prefix(i), *((slow_prefix or []) if i == 1 else [])])
-               for i in range(topo.size)]
+    return [start_daemon(*peer_args(i, endpoints, "--insecure"),
+                         prefix=[*topo.prefix(i), *((slow_prefix or []) if i == 1 else [])])
+            for i in range(topo.size)]
+
+
+def start_soak(
+    daemons: list[DaemonProcess], folder: Path, count: int, pin_rank: str | None = None,
+) -> Soak:
+    """Ranks that all-reduce `count` floats for SOAK_S, one on each of `daemons`, node
+    1's on core `pin_rank` if given; `wait_started` waits for their first allreduce."""
     markers = folder / "markers"
     markers.mkdir(parents=True)
-    started = Soak(daemons, spawn_spread(daemons, (1,) * topo.size, "multinode_soak.py",
-                                         [str(count), str(SOAK_S), str(markers)], job="soak"))
-    try:
-        if pin_rank is not None:
+    started = Soak(daemons, spawn_spread(daemons, (1,) * len(daemons), "multinode_soak.py",
+                                         [str(count), str(SOAK_S), str(markers)], job="soak"),
+                   markers)
+    if pin_rank is not None:
+        try:
             os.sched_setaffinity(started.ranks[1].pid, {int(pin_rank)})
-        poll_until(lambda: len(list(markers.iterdir())) == topo.size, 60,
-                   "every rank's first allreduce")
-    except BaseException:
-        started.kill()
-        raise
+        except BaseException:
+            started.kill()
+            raise
     return started
+
+
+def wait_started(soak: Soak) -> None:
+    """Until every rank of `soak` is past its first allreduce."""
+    poll_until(lambda: len(list(soak.markers.iterdir())) == len(soak.ranks), 60,
+               "every rank's first allreduce")
 
 
 def finish_soak(soak: Soak) -> None:
@@ -179,21 +190,27 @@ def test_starved_paused_and_saturated_nodes_are_not_declared_lost(
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         pytest.skip("needs taskset and two cores")
     soaks: list[Soak] = []
-    with (namespaces(3) as starved, namespaces(2, rate="200mbit") as saturated,
-          hogs(HOGS, HOG_CORE)):
-        try:
-            soaks.append(start_soak(start_daemon, starved, Path(short_tmp) / "starved",
-                                    4 * 1024 * 1024, slow_prefix=["taskset", "-c", HOG_CORE],
-                                    pin_rank=HOG_CORE))
-            soaks.append(start_soak(start_daemon, saturated, Path(short_tmp) / "saturated",
-                                    16 * 1024 * 1024))
-            pause_every_twenty_s(2)(soaks[0].daemons, soaks[0].running)
-            for soak in soaks:
-                finish_soak(soak)
-        finally:
-            for soak in soaks:
-                soak.kill()
-        stop_daemons([daemon for soak in soaks for daemon in soak.daemons])
+    with namespaces(3) as starved, namespaces(2, rate="200mbit") as saturated:
+        # Every daemon first, then the hogs and both soaks' ranks at once: a daemon
+        # starting on the hogs' core, or one soak starting after the other, only
+        # made the test longer (10 s to the soaks' start, 6 s after the first ended).
+        daemons = [soak_daemons(start_daemon, starved, slow_prefix=["taskset", "-c", HOG_CORE]),
+                   soak_daemons(start_daemon, saturated)]
+        with hogs(HOGS, HOG_CORE):
+            try:
+                soaks.append(start_soak(daemons[0], Path(short_tmp) / "starved",
+                                        4 * 1024 * 1024, pin_rank=HOG_CORE))
+                soaks.append(start_soak(daemons[1], Path(short_tmp) / "saturated",
+                                        16 * 1024 * 1024))
+                for soak in soaks:
+                    wait_started(soak)
+                pause_every_twenty_s(2)(soaks[0].daemons, soaks[0].running)
+                for soak in soaks:
+                    finish_soak(soak)
+            finally:
+                for soak in soaks:
+                    soak.kill()
+        stop_daemons(daemons[0] + daemons[1])
 
 
 def drop_between(topo: Topology, node: int, other: int) -> None:
