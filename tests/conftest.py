@@ -35,6 +35,11 @@ if __name__ != "conftest":
                       "pytest does; a second copy would start zygotes that no one stops")
 
 PROGRAMS = Path(__file__).parent / "programs"
+#: Every process the suite starts runs torch with one intra-op thread, as torchrun's
+#: ranks do (the session's environment, so the zygotes too): two ranks with torch's
+#: default, a thread per core, on two cores spin-wait on each other's cores (a 2-rank
+#: DDP step of a small MLP took 10 ms instead of 1 ms, on gloo as on gradsync).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 #: Forks rank processes from a warm interpreter (tests/zygote.py); started on first use,
 #: stopped at the end of the session.  GRADSYNC_TEST_ZYGOTE=0: every rank starts fresh.
 RANK_ZYGOTE = Zygote(enabled=os.environ.get(ENABLE_VARIABLE, "1") != "0")
