@@ -178,12 +178,15 @@ def test_launch_runs_the_example_on_a_private_daemon(sandbox: dict[str, Path]) -
 
 @pytest.mark.timeout(90)
 def test_launch_sets_rank_environment_and_job(sandbox: dict[str, Path]) -> None:
+    env = clean_env(sandbox)
+    env.pop("OMP_NUM_THREADS", None)  # the suite sets it (conftest); a user may not
     result = run_cli(  # torchrun's spelling of --nproc-per-node works too
         ["launch", "--nproc_per_node", "3", "--job", "named-job",
          str(PROGRAMS / "launch_report.py")],
-        clean_env(sandbox),
+        env,
     )
     assert result.returncode == 0, result.stderr
+    assert "OMP_NUM_THREADS=1 for each of the 3 ranks (it is not set)" in result.stderr
     daemon_pid, endpoint = private_daemon(result.stderr)
     ranks = records(result.stdout)
     assert [r["rank"] for r in ranks] == [0, 1, 2]
@@ -195,6 +198,7 @@ def test_launch_sets_rank_environment_and_job(sandbox: dict[str, Path]) -> None:
         assert record["daemon"] == record["env_daemon"] == endpoint
         assert record["daemon_pid"] == daemon_pid
         assert record["sum"] == [0 + 1 + 2, 3, 1 + 10 + 100]
+        assert record["omp_num_threads"] == "1"  # as torchrun does, for several ranks
     assert_private_daemon_gone(result.stderr, sandbox)
 
 
@@ -265,9 +269,10 @@ def test_launch_uses_a_running_daemon(
     daemon: DaemonProcess, sandbox: dict[str, Path], how: str
 ) -> None:
     if how == "flag":
-        args, env = ["--daemon", daemon.endpoint], clean_env(sandbox)
+        args, env = ["--daemon", daemon.endpoint], clean_env(sandbox, OMP_NUM_THREADS="3")
     else:
-        args, env = [], clean_env(sandbox, GRADSYNC_DAEMON=daemon.endpoint)
+        args, env = [], clean_env(sandbox, GRADSYNC_DAEMON=daemon.endpoint,
+                                  OMP_NUM_THREADS="3")
     result = run_cli(
         ["launch", "--nproc-per-node", "2", *args, str(PROGRAMS / "launch_report.py")], env
     )
@@ -279,6 +284,8 @@ def test_launch_uses_a_running_daemon(
         assert record["daemon_pid"] == daemon.pid
         assert record["daemon"] == daemon.endpoint
         assert record["sum"] == [1, 2, 11]
+        assert record["omp_num_threads"] == "3"  # a value of the user's stays
+    assert "OMP_NUM_THREADS=1" not in result.stderr
     daemon.assert_alive()
     assert list(sandbox["tmp"].iterdir()) == []
 

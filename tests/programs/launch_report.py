@@ -30,6 +30,7 @@ def main() -> int:
             "daemon": client.daemon,
             "daemon_pid": client.daemon_pid,
             "sum": [int(v) for v in values],
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
     # One write(2) of under PIPE_BUF bytes: lines of ranks sharing a pipe never interleave.
     os.write(sys.stdout.fileno(), (json.dumps(record) + "\n").encode())
