@@ -433,9 +433,9 @@ class Client:
                     return call
         elif not isinstance(array, np.ndarray):
             return None  # a device array, or no array: the socket path checks it
-        wire_dtype, reduce_op, count, _ = self._check_array(array, op)
         if array.nbytes > limit:
-            return None
+            return None  # for the socket path, which checks it (once)
+        wire_dtype, reduce_op, count, _ = self._check_array(array, op)
         call = PageCall.of(wire_dtype, reduce_op, count, algorithm)
         if len(self._page_calls) >= _PAGE_CALLS_KEPT:
             self._page_calls.clear()
